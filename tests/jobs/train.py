@@ -1,0 +1,150 @@
+"""A small real gloo training job for tests, run under torchrun. Scenarios make it hang or pause for real.
+
+    torchrun --nproc-per-node 4 tests/jobs/train.py --scenario hang --rank-at 1 --step-at 5
+
+Scenarios (``--scenario``):
+  healthy     train ``--steps`` steps and exit 0
+  hang        rank ``--rank-at`` stops joining collectives at step ``--step-at`` (sleeps forever)
+  desync      rank ``--rank-at`` calls barrier() at step ``--step-at`` while the others call all_reduce
+  queue       rank ``--rank-at``'s producer thread dies at step ``--step-at``; its main thread blocks in Queue.get
+  save        rank 0 writes a checkpoint for ``--pause-s`` seconds at step ``--step-at``; peers wait in barrier
+  eval        rank 0 computes an "evaluation" for ``--pause-s`` seconds at step ``--step-at``; peers wait in barrier
+
+``--fr-pipe`` emulates ProcessGroupNCCL's Flight Recorder dump pipe for gloo (which has none): with
+TORCH_FR_BUFFER_SIZE, TORCH_FR_DUMP_TEMP_FILE and TORCH_NCCL_DEBUG_INFO_PIPE_FILE set, rank r creates the FIFO
+``<pipe prefix><r>.pipe``; a byte written to it makes the rank write its trace to ``<dump prefix><r>``.
+
+Every rank appends JSON lines to ``--events FILE`` (when given): {"rank", "step", "t", "event"}; the
+"hang_onset" event carries the wall time at which the scenario's hang or pause began.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def log_event(path: str | None, **fields: object) -> None:
+    if not path:
+        return
+    fields.setdefault("t", time.time())
+    with open(path, "a") as f:
+        f.write(json.dumps(fields) + "\n")
+
+
+def compute(seconds: float) -> None:
+    """Burn CPU for roughly ``seconds`` (a stand-in for forward/backward or evaluation)."""
+    end = time.monotonic() + seconds
+    a = torch.randn(128, 128)
+    while time.monotonic() < end:
+        a = torch.tanh(a @ a)
+
+
+def save_checkpoint(path: str, seconds: float) -> None:
+    """Write real bytes to disk for ``seconds``: CPU and I/O progress, like torch.save of a big model."""
+    end = time.monotonic() + seconds
+    chunk = os.urandom(1 << 20)
+    with open(path, "wb") as f:
+        while time.monotonic() < end:
+            f.write(chunk)
+            f.flush()
+            f.seek(0)  # keep the file small; the writes still count as I/O
+
+
+def start_fr_pipe(rank: int) -> None:
+    """Serve dump requests from a helper thread: the main thread may be blocked in a collective."""
+    pipe_prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
+    dump_prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    if not pipe_prefix or not dump_prefix:
+        return
+    path = f"{pipe_prefix}{rank}.pipe"
+    if not os.path.exists(path):
+        os.mkfifo(path)
+    rfd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # like NCCL: the reader stays open
+    os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # our own writer keeps select() from spinning on EOF
+
+    def serve() -> None:
+        import select
+
+        while True:
+            select.select([rfd], [], [])
+            if not os.read(rfd, 4096):
+                continue
+            data = torch._C._distributed_c10d._dump_fr_trace()
+            tmp = f"{dump_prefix}{rank}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, f"{dump_prefix}{rank}")
+
+    threading.Thread(target=serve, daemon=True, name="fr-pipe").start()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scenario", default="healthy",
+                    choices=["healthy", "hang", "desync", "queue", "save", "eval"])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--step-at", type=int, default=5)
+    ap.add_argument("--rank-at", type=int, default=1)
+    ap.add_argument("--pause-s", type=float, default=45.0)
+    ap.add_argument("--step-s", type=float, default=0.3, help="compute time per step")
+    ap.add_argument("--events", default=None)
+    ap.add_argument("--workdir", default=".")
+    ap.add_argument("--fr-pipe", action="store_true", help="serve Flight Recorder dumps on a FIFO")
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if args.fr_pipe:
+        start_fr_pipe(rank)
+    log_event(args.events, rank=rank, step=0, event="start", pid=os.getpid())
+
+    batches: queue.Queue[int] = queue.Queue(maxsize=2)
+
+    def producer() -> None:
+        for i in range(args.steps + 1):
+            if args.scenario == "queue" and rank == args.rank_at and i == args.step_at - 1:
+                return  # the producer "dies": the main thread will block in Queue.get forever
+            batches.put(i)
+
+    threading.Thread(target=producer, daemon=True, name="producer").start()
+
+    t = torch.ones(1024)
+    for step in range(1, args.steps + 1):
+        at = step == args.step_at
+        if at and args.scenario == "queue" and rank == args.rank_at:
+            log_event(args.events, rank=rank, step=step, event="hang_onset")
+        batches.get()
+        compute(args.step_s)
+        if at and args.scenario == "hang" and rank == args.rank_at:
+            log_event(args.events, rank=rank, step=step, event="hang_onset")
+            while True:
+                time.sleep(3600)
+        if at and args.scenario == "desync" and rank == args.rank_at:
+            log_event(args.events, rank=rank, step=step, event="hang_onset")
+            dist.barrier()
+        if at and args.scenario in ("save", "eval"):
+            if rank == 0:
+                log_event(args.events, rank=rank, step=step, event="hang_onset")
+                if args.scenario == "save":
+                    save_checkpoint(os.path.join(args.workdir, f"ckpt-rank{rank}.bin"), args.pause_s)
+                else:
+                    compute(args.pause_s)
+                log_event(args.events, rank=rank, step=step, event="pause_end")
+            dist.barrier()
+        dist.all_reduce(t)
+        log_event(args.events, rank=rank, step=step, event="step")
+    dist.barrier()
+    log_event(args.events, rank=rank, step=args.steps, event="done")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

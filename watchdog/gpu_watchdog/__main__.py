@@ -1,0 +1,3 @@
+from gpu_watchdog.cli import main
+
+raise SystemExit(main())

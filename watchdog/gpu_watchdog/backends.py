@@ -1,0 +1,116 @@
+"""Sampling backends behind one interface: ``sample() -> NodeSample``, one call per tick.
+
+- ``nvml``: real GPUs through gpu_watchdog.nvml, plus psutil state of every process NVML reports.
+- ``proc``: no GPU; every rank process becomes a virtual device (utilization = its process tree's CPU %
+  over the interval, memory = RSS). This is how CPU/gloo jobs, the demo and the end-to-end tests run.
+- ``auto``: nvml when NVML initialises and sees a GPU, else proc; ``choose_backend`` says which and why.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from gpu_watchdog.errors import BackendUnavailable, UsageError
+from gpu_watchdog.model import DeviceSample, GpuProcess, NodeSample
+from gpu_watchdog.nvml import NvmlReader
+from gpu_watchdog.processes import ProcessScanner
+
+BACKENDS = ("auto", "nvml", "proc")
+
+
+class Backend(Protocol):
+    name: str
+
+    def sample(self) -> NodeSample: ...
+
+    def close(self) -> None: ...
+
+
+class ProcBackend:
+    name = "proc"
+
+    def __init__(self, scanner: ProcessScanner, hostname: str, clock: Any = time.time,
+                 extra_pids: Any = None) -> None:
+        self.scanner = scanner
+        self.hostname = hostname
+        self._clock = clock
+        self._extra_pids = extra_pids or (lambda: ())
+        self._prev: dict[tuple[int, float], tuple[float, float]] = {}  # (pid, ctime) → (t, cpu_time_s)
+
+    def sample(self) -> NodeSample:
+        t = self._clock()
+        procs, errors = self.scanner.sample(self._extra_pids())
+        devices = []
+        prev, self._prev = self._prev, {}
+        for i, p in enumerate(p for p in procs if p.is_rank):
+            key = (p.pid, p.create_time)
+            self._prev[key] = (t, p.cpu_time_s)
+            util = None
+            if key in prev and t > prev[key][0]:
+                util = min(100.0, max(0.0, 100.0 * (p.cpu_time_s - prev[key][1]) / (t - prev[key][0])))
+            job = p.job.job_id if p.job else "unknown"
+            rank = p.job.rank if p.job else None
+            devices.append(DeviceSample(
+                index=i, uuid=f"proc-{job}-r{rank}", name=f"rank {rank} (pid {p.pid})",
+                util_percent=util, mem_used_bytes=p.rss_bytes,
+                processes=(GpuProcess(p.pid, p.rss_bytes, util),), virtual=True,
+            ))
+        return NodeSample(t=t, hostname=self.hostname, backend=self.name, devices=tuple(devices),
+                          processes=procs, errors=tuple(errors))
+
+    def close(self) -> None:
+        pass
+
+
+class NvmlBackend:
+    name = "nvml"
+
+    def __init__(self, reader: NvmlReader, scanner: ProcessScanner, hostname: str, clock: Any = time.time,
+                 extra_pids: Any = None) -> None:
+        self.reader = reader
+        self.scanner = scanner
+        self.hostname = hostname
+        self._clock = clock
+        self._extra_pids = extra_pids or (lambda: ())
+
+    def sample(self) -> NodeSample:
+        t = self._clock()
+        devices, errors = self.reader.read_all()
+        gpu_pids = {p.pid for d in devices for p in d.processes}
+        procs, perrors = self.scanner.sample(gpu_pids | set(self._extra_pids()))
+        return NodeSample(t=t, hostname=self.hostname, backend=self.name, devices=tuple(devices),
+                          processes=procs, errors=tuple(errors + perrors))
+
+    def close(self) -> None:
+        self.reader.shutdown()
+
+
+def choose_backend(name: str, *, root_pid: int | None = None, hostname: str = "",
+                   extra_pids: Iterable[int] | Any = None, nvml_lib: Any = None,
+                   env_filter: Iterable[str] = ()) -> tuple[Backend, str]:
+    """Build the named backend; returns it and a one-line reason (``auto`` says what it picked and why)."""
+    if name not in BACKENDS:
+        raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    host = hostname or socket.gethostname()
+    scanner = ProcessScanner(root_pid=root_pid, env_filter=env_filter)
+    extra = extra_pids if callable(extra_pids) else (lambda: tuple(extra_pids or ()))
+    if name == "proc":
+        return ProcBackend(scanner, host, extra_pids=extra), "proc backend (requested)"
+    reader = NvmlReader(nvml_lib)
+    try:
+        count = reader.start()
+    except BackendUnavailable as e:
+        if name == "nvml":
+            raise
+        return ProcBackend(scanner, host, extra_pids=extra), f"proc backend ({e})"
+    if count == 0:
+        if name == "nvml":
+            reader.shutdown()
+            raise BackendUnavailable("NVML started but sees no GPU")
+        reader.shutdown()
+        return ProcBackend(scanner, host, extra_pids=extra), "proc backend (NVML sees no GPU)"
+    why = "requested" if name == "nvml" else f"NVML sees {count} GPU(s), driver {reader.driver_version}"
+    return NvmlBackend(reader, scanner, host, extra_pids=extra), f"nvml backend ({why})"

@@ -1,0 +1,272 @@
+"""One TOML config file; every key has a documented default (docs/config.md) and is validated by name.
+
+A bad value raises ConfigError naming the key (exit 78). ``gpu-watchdog config show`` prints the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpu_watchdog.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    interval_s: float = 1.0  # sampling period; one NVML/psutil read per tick
+    backend: str = "auto"  # auto | nvml | proc
+    state_dir: str = "/var/lib/gpu-watchdog"
+    hostname: str = ""  # empty: socket.gethostname()
+    metrics_addr: str = ""  # HOST:PORT for /metrics and /healthz; empty: off (daemon default 0.0.0.0:9408)
+
+
+@dataclass(frozen=True)
+class DetectConfig:
+    util_idle_max_percent: float = 5.0  # signature A: utilization at or below this ...
+    mem_held_min_bytes: int = 1 * GIB  # ... while at least this much GPU memory is held
+    proc_rss_held_min_bytes: int = 10 * MIB  # proc backend: the rank's RSS counts as "memory held"
+    spin_util_min_percent: float = 90.0  # signature B: utilization at or above this ...
+    spin_power_max_ratio: float = 0.3  # ... at power below this fraction of the enforced limit ...
+    spin_power_max_w: float = 0.0  # ... or below this many watts when > 0 (overrides the ratio)
+    spin_traffic_max_bytes_per_s: float = 10.0 * MIB  # ... and PCIe+NVLink traffic below this
+    progress_cpu_min_cores: float = 0.1  # a rank tree using this much CPU is making progress
+    progress_io_min_bytes_per_s: float = 256.0 * 1024  # or doing this much I/O
+    suspect_after_s: float = 2.0  # no progress anywhere in the job for this long → suspect
+    confirm_after_s: float = 30.0  # suspect this long → confirmed, when stack proof is unavailable
+    stack_confirm_gap_s: float = 3.0  # two unchanged stack dumps this far apart confirm a suspect
+    waiting_timeout_s: float = 600.0  # "waiting on rank r" this long → a stall
+    clear_after_s: float = 2.0  # a confirmed stall clears after progress for this long
+    waiting_stack_interval_s: float = 15.0  # re-dump stacks this often while a job waits on one rank
+
+
+@dataclass(frozen=True)
+class StacksConfig:
+    enabled: bool = True
+    py_spy: str = ""  # path to py-spy; empty: next to the Python running the agent, then PATH
+    timeout_s: float = 5.0  # per-pid py-spy timeout
+    concurrency: int = 16
+    native: bool = False
+
+
+@dataclass(frozen=True)
+class FallbackLevel:
+    name: str
+    env: Mapping[str, str]
+    advice: str = ""
+
+
+DEFAULT_FALLBACK_LEVELS: tuple[FallbackLevel, ...] = (
+    FallbackLevel("p2p-nvls-off", {"NCCL_P2P_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"},
+                  "P2P hangs on PCIe boxes (H20, 4090) and NVLS init hangs; costs ~7-10% throughput"),
+    FallbackLevel("no-ll128", {"NCCL_P2P_DISABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_PROTO": "^LL128"},
+                  "hangs after long runs traced to the LL128 protocol"),
+    FallbackLevel("simple-proto", {"NCCL_P2P_DISABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_PROTO": "Simple"},
+                  "last resort: only the Simple protocol"),
+)
+
+
+@dataclass(frozen=True)
+class FallbackConfig:
+    levels: tuple[FallbackLevel, ...] = DEFAULT_FALLBACK_LEVELS
+    network_env: Mapping[str, str] = field(default_factory=dict)  # site-specific (NCCL_SOCKET_IFNAME, ...)
+    diagnostics_env: Mapping[str, str] = field(
+        default_factory=lambda: {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,GRAPH,ENV"}
+    )
+    healthy_reset_s: float = 1800.0  # a job healthy this long drops back to level 0
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    enabled: bool = True
+    checkpoint_signal: str = ""  # e.g. "SIGUSR1": the job handles it (only then is it ever sent)
+    checkpoint_grace_s: float = 60.0
+    stop_grace_s: float = 30.0  # SIGTERM → wait → SIGKILL
+    memory_release_timeout_s: float = 60.0
+    max_restarts: int = 3
+    restart_window_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class Config:
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    detect: DetectConfig = field(default_factory=DetectConfig)
+    stacks: StacksConfig = field(default_factory=StacksConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    fallback: FallbackConfig = field(default_factory=FallbackConfig)
+
+
+SECTIONS: dict[str, type] = {
+    "agent": AgentConfig,
+    "detect": DetectConfig,
+    "stacks": StacksConfig,
+    "recovery": RecoveryConfig,
+}
+
+_CHOICES = {"agent.backend": ("auto", "nvml", "proc")}
+# Keys that may be zero; every other number must be > 0.
+_MAY_BE_ZERO = {"detect.spin_power_max_w", "detect.util_idle_max_percent", "detect.proc_rss_held_min_bytes",
+                "detect.mem_held_min_bytes", "recovery.max_restarts", "detect.progress_io_min_bytes_per_s",
+                "recovery.checkpoint_grace_s", "detect.spin_traffic_max_bytes_per_s"}
+_RATIOS = {"detect.spin_power_max_ratio"}
+_PERCENTS = {"detect.util_idle_max_percent", "detect.spin_util_min_percent"}
+
+
+def _check_value(key: str, value: Any, default: Any) -> Any:
+    """Type- and range-check one scalar key against the type of its default."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"config: {key} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config: {key} must be an integer, got {value!r}")
+    elif isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config: {key} must be a number, got {value!r}")
+        value = float(value)
+    elif isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"config: {key} must be a string, got {value!r}")
+        if key in _CHOICES and value not in _CHOICES[key]:
+            raise ConfigError(f"config: {key} must be one of {', '.join(_CHOICES[key])}, got {value!r}")
+        return value
+    if value < 0 or (value == 0 and key not in _MAY_BE_ZERO):
+        raise ConfigError(f"config: {key} must be {'>= 0' if key in _MAY_BE_ZERO else '> 0'}, got {value!r}")
+    if key in _RATIOS and value > 1:
+        raise ConfigError(f"config: {key} must be between 0 and 1, got {value!r}")
+    if key in _PERCENTS and value > 100:
+        raise ConfigError(f"config: {key} must be a percentage (0-100), got {value!r}")
+    return value
+
+
+def _load_section(name: str, cls: type, table: Any) -> Any:
+    if not isinstance(table, dict):
+        raise ConfigError(f"config: [{name}] must be a table")
+    defaults = cls()
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in table:
+        if key not in known:
+            raise ConfigError(f"config: unknown key {name}.{key}")
+    values = {k: _check_value(f"{name}.{k}", v, getattr(defaults, k)) for k, v in table.items()}
+    return dataclasses.replace(defaults, **values)
+
+
+def _env_table(key: str, value: Any) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"config: {key} must be a table of NAME = \"value\"")
+    for name, v in value.items():
+        if not name or not name.replace("_", "").isalnum() or name[0].isdigit():
+            raise ConfigError(f"config: {key}.{name} is not a valid environment variable name")
+        if not isinstance(v, str):
+            raise ConfigError(f"config: {key}.{name} must be a string, got {v!r}")
+    return dict(value)
+
+
+def _load_fallback(table: Any) -> FallbackConfig:
+    if not isinstance(table, dict):
+        raise ConfigError("config: [fallback] must be a table")
+    default = FallbackConfig()
+    known = {"levels", "network_env", "diagnostics_env", "healthy_reset_s"}
+    for key in table:
+        if key not in known:
+            raise ConfigError(f"config: unknown key fallback.{key}")
+    levels = default.levels
+    if "levels" in table:
+        raw = table["levels"]
+        if not isinstance(raw, list):
+            raise ConfigError("config: fallback.levels must be an array of tables")
+        parsed = []
+        for i, lvl in enumerate(raw):
+            key = f"fallback.levels[{i}]"
+            if not isinstance(lvl, dict) or set(lvl) - {"name", "env", "advice"}:
+                raise ConfigError(f"config: {key} must be a table with name, env and optional advice")
+            if not isinstance(lvl.get("name"), str) or not lvl["name"]:
+                raise ConfigError(f"config: {key}.name must be a non-empty string")
+            advice = lvl.get("advice", "")
+            if not isinstance(advice, str):
+                raise ConfigError(f"config: {key}.advice must be a string")
+            parsed.append(FallbackLevel(lvl["name"], _env_table(f"{key}.env", lvl.get("env", {})), advice))
+        levels = tuple(parsed)
+    return FallbackConfig(
+        levels=levels,
+        network_env=_env_table("fallback.network_env", table.get("network_env", {})),
+        diagnostics_env=_env_table("fallback.diagnostics_env", table["diagnostics_env"])
+        if "diagnostics_env" in table else default.diagnostics_env,
+        healthy_reset_s=_check_value("fallback.healthy_reset_s", table.get("healthy_reset_s",
+                                                                         default.healthy_reset_s), 1.0),
+    )
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """Build a validated Config from parsed TOML (or any mapping of the same shape)."""
+    for section in data:
+        if section not in SECTIONS and section != "fallback":
+            raise ConfigError(f"config: unknown section [{section}]")
+    parts = {name: _load_section(name, cls, data[name]) for name, cls in SECTIONS.items() if name in data}
+    if "fallback" in data:
+        parts["fallback"] = _load_fallback(data["fallback"])
+    cfg = dataclasses.replace(Config(), **parts)
+    if cfg.detect.spin_util_min_percent <= cfg.detect.util_idle_max_percent:
+        raise ConfigError("config: detect.spin_util_min_percent must be above detect.util_idle_max_percent")
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str] | None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Load ``path`` (None: defaults only) and apply dotted-key overrides from the command line."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config: file not found: {p}") from None
+        except OSError as e:
+            raise ConfigError(f"config: cannot read {p}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config: {p} is not valid TOML: {e}") from None
+    for dotted, value in (overrides or {}).items():
+        section, key = dotted.split(".", 1)
+        data.setdefault(section, {})[key] = value
+    return config_from_dict(data)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, Mapping):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    return repr(v)
+
+
+def render_toml(cfg: Config) -> str:
+    """The effective config as TOML that load_config reads back to the same Config."""
+    lines: list[str] = []
+    for name in SECTIONS:
+        lines.append(f"[{name}]")
+        section = getattr(cfg, name)
+        for f in dataclasses.fields(section):
+            lines.append(f"{f.name} = {_toml_value(getattr(section, f.name))}")
+        lines.append("")
+    fb = cfg.fallback
+    lines += ["[fallback]", f"healthy_reset_s = {fb.healthy_reset_s!r}",
+              f"network_env = {_toml_value(fb.network_env)}",
+              f"diagnostics_env = {_toml_value(fb.diagnostics_env)}", ""]
+    for lvl in fb.levels:
+        lines += ["[[fallback.levels]]", f"name = {_toml_value(lvl.name)}", f"env = {_toml_value(lvl.env)}",
+                  f"advice = {_toml_value(lvl.advice)}", ""]
+    return "\n".join(lines)

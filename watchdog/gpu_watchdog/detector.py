@@ -1,0 +1,297 @@
+"""The stall detector: a pure function of (previous state, new sample, stack evidence) → (state, findings).
+
+Per job, each tick:
+- every rank's progress is judged from its process tree's CPU time and I/O deltas (and the in-job client's
+  step heartbeat); a rank seen for the first time counts as progressing;
+- every GPU the job uses shows signature A (utilization ~0 with memory held), signature B (the NCCL spin:
+  utilization ~100 % at idle power with no PCIe/NVLink traffic), or real work;
+- no progress anywhere → the no-progress streak starts at the previous tick (the last time progress was
+  seen: the onset); after ``suspect_after_s`` the job is *suspect*; it is *stalled* (a finding) when two
+  stack dumps ``stack_confirm_gap_s`` apart show no rank moving, or after ``confirm_after_s`` without stacks;
+- some ranks progressing while the others are idle → *waiting* on those ranks (a checkpoint save, an eval);
+  that becomes a stall only after ``waiting_timeout_s``, or when stacks show the "busy" ranks never move
+  (host-side spin in a device sync);
+- a rank that exited while its peers sit idle makes the stall's signature ``rank_exited``;
+- a GPU fault (lost, reset required, Xid) is a ``gpu_fault`` finding at once.
+
+Stack evidence is the seam to gpu_watchdog.stacks: the caller dumps stacks when ``JobStatus.needs_stacks``
+and passes the classified result back in on a later tick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from gpu_watchdog.config import DetectConfig
+from gpu_watchdog.model import DeviceSample, NodeSample, ProcessSample, StackEvidence
+
+RUNNING, SUSPECT, STALLED, WAITING = "running", "suspect", "stalled", "waiting"
+JOB_STATES = (RUNNING, SUSPECT, STALLED, WAITING)
+# Main-thread states in which an unchanged, idle stack means "not making progress".
+_BUSY_STACK_STATES = ("compute", "io")
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # "stall" | "gpu_fault"
+    signature: str  # stall: idle_held | spin | rank_exited | waiting_timeout; fault: gpu_lost | ...
+    job_id: str | None
+    ranks: tuple[int, ...]  # the job's ranks seen on this node
+    culprit_ranks: tuple[int, ...]  # what the detector alone can tell; stacks refine it
+    onset: float
+    confirmed_at: float
+    devices: tuple[str, ...] = ()  # GPU UUIDs involved
+    detail: str = ""
+    evidence: str = "time"  # "stacks" | "time" | "fault" | "process"
+
+    def to_json(self) -> dict[str, object]:
+        return {"kind": self.kind, "signature": self.signature, "job": self.job_id, "ranks": list(self.ranks),
+                "culprit_ranks": list(self.culprit_ranks), "onset": self.onset,
+                "confirmed_at": self.confirmed_at, "devices": list(self.devices), "detail": self.detail,
+                "evidence": self.evidence}
+
+
+@dataclass(frozen=True)
+class _RankObs:
+    pid: int
+    create_time: float
+    t: float
+    cpu_time_s: float
+    io_bytes: int | None
+    heartbeat_step: int | None
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """What the detector believes about one job right now (also what metrics export)."""
+
+    job_id: str
+    state: str = RUNNING
+    since: float = 0.0  # when ``state`` began
+    onset: float | None = None  # start of the current no-progress streak
+    waiting_since: float | None = None
+    waiting_on: tuple[int, ...] = ()  # ranks still making progress while the others wait
+    waiting_doing: str = ""  # what they do, from stacks when known ("io at write (ckpt.py:12)")
+    signature: str = ""
+    ranks: tuple[int, ...] = ()
+    rank_pids: Mapping[int, int] = field(default_factory=dict)
+    ranks_seen: frozenset[int] = frozenset()
+    devices: tuple[str, ...] = ()
+    evidence: tuple[StackEvidence, ...] = ()  # stack dumps taken during the current streak
+    progress_since: float | None = None  # for clearing a confirmed stall
+    needs_stacks: bool = False
+
+
+@dataclass(frozen=True)
+class DetectorState:
+    t: float | None = None
+    ranks: Mapping[tuple[str, int], _RankObs] = field(default_factory=dict)
+    traffic: Mapping[str, tuple[float, int]] = field(default_factory=dict)  # uuid → (t, total bytes)
+    jobs: Mapping[str, JobStatus] = field(default_factory=dict)
+    faulted: frozenset[str] = frozenset()  # GPU UUIDs whose fault was already reported
+
+
+def _traffic_total(d: DeviceSample) -> int | None:
+    parts = (d.pcie_tx_bytes_total, d.pcie_rx_bytes_total, d.nvlink_tx_bytes_total, d.nvlink_rx_bytes_total)
+    known = [p for p in parts if p is not None]
+    return sum(known) if known else None
+
+
+def device_signature(d: DeviceSample, cfg: DetectConfig, traffic_bps: float | None,
+                     job_pids: frozenset[int]) -> str | None:
+    """'idle_held', 'spin', 'busy', or None when utilization is unknown."""
+    if d.util_percent is None:
+        return None
+    if d.util_percent <= cfg.util_idle_max_percent:
+        if d.virtual:
+            held = (d.mem_used_bytes or 0) >= cfg.proc_rss_held_min_bytes
+        else:
+            job_mem = [p.used_memory_bytes for p in d.processes if p.pid in job_pids]
+            known = [m for m in job_mem if m is not None]
+            held = (sum(known) if known else (d.mem_used_bytes or 0)) >= cfg.mem_held_min_bytes
+        return "idle_held" if held else "busy"
+    if d.util_percent >= cfg.spin_util_min_percent and d.power_w is not None:
+        limit = cfg.spin_power_max_w or (
+            cfg.spin_power_max_ratio * d.power_limit_w if d.power_limit_w else 0.0)
+        quiet_link = traffic_bps is None or traffic_bps <= cfg.spin_traffic_max_bytes_per_s
+        if d.power_w <= limit and quiet_link:
+            return "spin"
+    return "busy"
+
+
+def _rank_progress(p: ProcessSample, prev: _RankObs | None, t: float, cfg: DetectConfig) -> bool:
+    if p.status == "zombie":
+        return False
+    if prev is None or prev.pid != p.pid or prev.create_time != p.create_time or t <= prev.t:
+        return True  # nothing to compare with yet: assume it works
+    dt = t - prev.t
+    if (p.cpu_time_s - prev.cpu_time_s) / dt >= cfg.progress_cpu_min_cores:
+        return True
+    if p.io_bytes is not None and prev.io_bytes is not None and \
+            (p.io_bytes - prev.io_bytes) / dt >= cfg.progress_io_min_bytes_per_s:
+        return True
+    return p.heartbeat_step is not None and p.heartbeat_step != prev.heartbeat_step
+
+
+def stacks_show_progress(a: StackEvidence, b: StackEvidence) -> dict[int, str]:
+    """Ranks whose stacks moved between two dumps (or that are on CPU in compute/io), with what they do."""
+    before = {r.rank: r for r in a.ranks}
+    moving = {}
+    for r in b.ranks:
+        old = before.get(r.rank)
+        if (old is not None and old.signature != r.signature) or (r.active and r.state in _BUSY_STACK_STATES):
+            moving[r.rank] = f"{r.state} at {r.where}" if r.where else r.state
+    return moving
+
+
+def _fmt_ranks(ranks: Iterable[int]) -> str:
+    return ",".join(str(r) for r in sorted(ranks))
+
+
+def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
+         stacks: Sequence[StackEvidence] = ()) -> tuple[DetectorState, list[Finding]]:
+    """Advance the detector by one sample. Pure: same inputs, same outputs."""
+    t = sample.t
+    findings: list[Finding] = []
+    prev_t = state.t if state.t is not None else t
+
+    # GPU faults: reported once per GPU while they last.
+    faulted = set()
+    for d in sample.devices:
+        if d.fault is None:
+            continue
+        faulted.add(d.uuid)
+        if d.uuid not in state.faulted:
+            jobs = sorted({p.job.job_id for p in sample.processes if p.job and p.pid in d.pids})
+            findings.append(Finding("gpu_fault", d.fault.kind, jobs[0] if jobs else None, (), (), t, t,
+                                    (d.uuid,), f"{d.fault.detail}; jobs: {', '.join(jobs) or 'none'}", "fault"))
+
+    # Traffic rates from cumulative counters.
+    traffic: dict[str, tuple[float, int]] = {}
+    traffic_bps: dict[str, float | None] = {}
+    for d in sample.devices:
+        total = _traffic_total(d)
+        traffic_bps[d.uuid] = None
+        if total is not None:
+            traffic[d.uuid] = (t, total)
+            old = state.traffic.get(d.uuid)
+            if old is not None and t > old[0] and total >= old[1]:
+                traffic_bps[d.uuid] = (total - old[1]) / (t - old[0])
+
+    by_job: dict[str, list[ProcessSample]] = {}
+    for p in sample.processes:
+        if p.is_rank and p.job is not None and p.job.rank is not None:
+            by_job.setdefault(p.job.job_id, []).append(p)
+
+    ev_by_job: dict[str, list[StackEvidence]] = {}
+    for ev in stacks:
+        ev_by_job.setdefault(ev.job_id, []).append(ev)
+
+    ranks_obs: dict[tuple[str, int], _RankObs] = {}
+    jobs: dict[str, JobStatus] = {}
+    for job_id, procs in by_job.items():
+        progressing = []
+        for p in procs:
+            rank = p.job.rank  # type: ignore[union-attr]
+            key = (job_id, rank)  # type: ignore[assignment]
+            if _rank_progress(p, state.ranks.get(key), t, cfg):  # type: ignore[arg-type]
+                progressing.append(rank)
+            ranks_obs[key] = _RankObs(p.pid, p.create_time, t, p.cpu_time_s, p.io_bytes,  # type: ignore[index]
+                                      p.heartbeat_step)
+        pids = frozenset(p.pid for p in procs)
+        devs = [d for d in sample.devices if d.pids & pids and d.fault is None]
+        sigs = [device_signature(d, cfg, traffic_bps.get(d.uuid), pids) for d in devs]
+        prev = state.jobs.get(job_id) or JobStatus(job_id, since=t)
+        js = _advance_job(prev, t, prev_t, procs, progressing, devs, sigs, ev_by_job.get(job_id, []), cfg)
+        jobs[job_id] = js
+        if js.state == STALLED and prev.state != STALLED:
+            findings.append(_stall_finding(js, t))
+    # Jobs whose ranks are all gone simply end; a stall that ended with them was already reported.
+    return DetectorState(t, ranks_obs, traffic, jobs, frozenset(faulted)), findings
+
+
+def _advance_job(prev: JobStatus, t: float, prev_t: float, procs: Sequence[ProcessSample],
+                 progressing: list[int], devs: Sequence[DeviceSample], sigs: Sequence[str | None],
+                 evidence_in: Sequence[StackEvidence], cfg: DetectConfig) -> JobStatus:
+    ranks = tuple(sorted(p.job.rank for p in procs))  # type: ignore[union-attr,misc]
+    seen = prev.ranks_seen | frozenset(ranks)
+    missing = seen - frozenset(ranks)
+    devices_busy = any(s == "busy" for s in sigs)
+    device_sig = "spin" if "spin" in sigs else "idle_held"
+    base = replace(prev, ranks=ranks, ranks_seen=seen, devices=tuple(d.uuid for d in devs),
+                   rank_pids={p.job.rank: p.pid for p in procs})  # type: ignore[union-attr,misc]
+
+    streak_start = prev.onset if prev.onset is not None else prev.waiting_since
+    evidence = tuple(e for e in (*prev.evidence, *evidence_in) if streak_start is not None and
+                     e.t >= streak_start)[-2:]
+    moving: dict[int, str] = {}
+    stack_quiet = False
+    if len(evidence) == 2 and evidence[1].t - evidence[0].t >= cfg.stack_confirm_gap_s and evidence[1].ranks:
+        moving = stacks_show_progress(evidence[0], evidence[1])
+        stack_quiet = not moving
+
+    quiet = not progressing and not devices_busy
+    onset = prev.onset if prev.onset is not None else prev_t  # the last tick that saw progress
+    if not quiet and stack_quiet and not devices_busy:
+        quiet = True  # the CPU "progress" was a host-side spin: the stacks never moved
+        onset = prev.onset if prev.onset is not None else (prev.waiting_since or prev_t)
+
+    if quiet:
+        signature = "rank_exited" if missing else device_sig
+        if prev.state == STALLED:
+            return replace(base, onset=onset, evidence=evidence, progress_since=None, needs_stacks=False)
+        stalled = t - onset >= cfg.suspect_after_s and (stack_quiet or t - onset >= cfg.confirm_after_s)
+        if stalled:
+            return replace(base, state=STALLED, since=t, onset=onset, signature=signature, evidence=evidence,
+                           progress_since=None, needs_stacks=False)
+        if t - onset >= cfg.suspect_after_s:
+            since = prev.since if prev.state == SUSPECT else t
+            needs = not evidence or t - evidence[-1].t >= cfg.stack_confirm_gap_s
+            return replace(base, state=SUSPECT, since=since, onset=onset, signature=signature,
+                           evidence=evidence, needs_stacks=needs)
+        return replace(base, onset=onset, evidence=evidence, signature=signature, needs_stacks=False,
+                       state=prev.state if prev.state in (WAITING, RUNNING) else RUNNING)
+
+    # Some progress somewhere.
+    if prev.state == STALLED:
+        since = prev.progress_since if prev.progress_since is not None else t
+        if t - since < cfg.clear_after_s:
+            return replace(base, progress_since=since, needs_stacks=False)
+    idle = [r for r in ranks if r not in progressing]
+    if (idle and progressing and len(ranks) > 1) or (devices_busy and any(s != "busy" for s in sigs)):
+        waiting_since = prev.waiting_since if prev.waiting_since is not None else prev_t
+        doing = ", ".join(f"rank {r}: {moving[r]}" for r in sorted(moving)) if moving else prev.waiting_doing
+        on = tuple(sorted(moving)) if moving else tuple(progressing)
+        if t - waiting_since >= cfg.waiting_timeout_s:
+            return replace(base, state=STALLED, since=t, onset=waiting_since, waiting_since=waiting_since,
+                           waiting_on=on, waiting_doing=doing, signature="waiting_timeout",
+                           evidence=evidence, progress_since=None, needs_stacks=False)
+        needs = not evidence or t - evidence[-1].t >= (
+            cfg.stack_confirm_gap_s if len(evidence) < 2 else cfg.waiting_stack_interval_s)
+        return replace(base, state=WAITING, since=prev.since if prev.state == WAITING else t, onset=None,
+                       waiting_since=waiting_since, waiting_on=on, waiting_doing=doing, signature="",
+                       evidence=evidence, progress_since=None, needs_stacks=needs)
+    return replace(base, state=RUNNING, since=prev.since if prev.state == RUNNING else t, onset=None,
+                   waiting_since=None, waiting_on=(), waiting_doing="", signature="", evidence=(),
+                   progress_since=None, needs_stacks=False)
+
+
+def _stall_finding(js: JobStatus, t: float) -> Finding:
+    missing = tuple(sorted(js.ranks_seen - frozenset(js.ranks)))
+    if js.signature == "rank_exited":
+        culprits, detail = missing, f"rank(s) {_fmt_ranks(missing)} exited; ranks {_fmt_ranks(js.ranks)} idle"
+    elif js.signature == "waiting_timeout":
+        culprits = js.waiting_on
+        detail = f"ranks waited on rank(s) {_fmt_ranks(js.waiting_on)} for too long"
+        if js.waiting_doing:
+            detail += f" ({js.waiting_doing})"
+    else:
+        culprits = ()
+        detail = ("GPUs spin at idle power with no traffic" if js.signature == "spin"
+                  else "no rank makes progress while memory is held")
+    evidence = "stacks" if len(js.evidence) == 2 else "time"
+    assert js.onset is not None
+    return Finding("stall", js.signature, js.job_id, tuple(sorted(js.ranks_seen)), culprits, js.onset, t,
+                   js.devices, detail, evidence)
+

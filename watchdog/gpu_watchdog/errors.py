@@ -1,0 +1,36 @@
+"""Errors a user can cause, each tied to a documented exit code (see README "Exit codes")."""
+
+from __future__ import annotations
+
+# sysexits(3)-style codes, documented in README.md.
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 64  # bad command-line arguments
+EXIT_DATAERR = 65  # bad input data (trace file)
+EXIT_NOINPUT = 66  # an input file does not exist
+EXIT_UNAVAILABLE = 69  # a required service (NVML, py-spy) is unavailable
+EXIT_CONFIG = 78  # bad configuration
+
+
+class WatchdogError(Exception):
+    """An error with a one-line message meant for the user and an exit code."""
+
+    exit_code = EXIT_FAILURE
+
+
+class ConfigError(WatchdogError):
+    exit_code = EXIT_CONFIG
+
+
+class UsageError(WatchdogError):
+    exit_code = EXIT_USAGE
+
+
+class TraceError(WatchdogError):
+    exit_code = EXIT_DATAERR
+
+
+class BackendUnavailable(WatchdogError):
+    """The requested sampling backend cannot start (e.g. NVML driver not loaded)."""
+
+    exit_code = EXIT_UNAVAILABLE

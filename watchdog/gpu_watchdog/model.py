@@ -1,0 +1,130 @@
+"""Value objects for one tick of the node picture. Frozen, with units in the field names.
+
+Everything downstream (detector, trace, metrics) consumes these; only the sampling backends create them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class JobIdentity:
+    """Who a process belongs to, read from its environment once per (pid, create_time)."""
+
+    job_id: str
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    """psutil's view of one process. Counters are cumulative; the detector takes deltas."""
+
+    pid: int
+    create_time: float  # unix seconds; (pid, create_time) guards against pid reuse
+    ppid: int
+    status: str  # psutil status string: running, sleeping, disk-sleep, zombie, ...
+    cpu_time_s: float  # the process tree (self + children, live and reaped), user + system
+    io_bytes: int | None  # the process tree's read_chars + write_chars; None when not readable
+    rss_bytes: int
+    cmdline: tuple[str, ...] = ()
+    job: JobIdentity | None = None
+    is_rank: bool = False  # topmost process of its (job, rank): the rank itself, not a dataloader worker
+    heartbeat_step: int | None = None  # last step reported by the in-job client, when it runs
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A compute process on a GPU as NVML reports it."""
+
+    pid: int
+    used_memory_bytes: int | None  # None: NVML says "not available" (containers, MIG)
+    util_percent: float | None = None  # per-process SM utilization where supported
+
+
+@dataclass(frozen=True)
+class GpuFault:
+    """A hardware-level problem seen on a device: lost, reset required, or a critical Xid."""
+
+    kind: str  # "gpu_lost" | "reset_required" | "xid"
+    detail: str
+    xid: int | None = None
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    """One GPU (nvml backend) or one rank process shown as a virtual device (proc backend)."""
+
+    index: int
+    uuid: str
+    name: str
+    util_percent: float | None = None
+    mem_used_bytes: int | None = None
+    mem_total_bytes: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    temperature_c: float | None = None
+    sm_clock_mhz: float | None = None
+    # Cumulative traffic counters (NVML field values); None when not supported.
+    pcie_tx_bytes_total: int | None = None
+    pcie_rx_bytes_total: int | None = None
+    nvlink_tx_bytes_total: int | None = None
+    nvlink_rx_bytes_total: int | None = None
+    processes: tuple[GpuProcess, ...] = ()
+    fault: GpuFault | None = None
+    unsupported: tuple[str, ...] = ()  # metrics this device could not report (NotSupported)
+    virtual: bool = False  # True for proc-backend devices
+
+    @property
+    def pids(self) -> frozenset[int]:
+        return frozenset(p.pid for p in self.processes)
+
+
+@dataclass(frozen=True)
+class SampleError:
+    """A non-fatal problem met while sampling: the error's class (for counting) and where it happened."""
+
+    error_class: str  # e.g. "NVMLError_Unknown", "AccessDenied"
+    where: str  # e.g. "nvmlDeviceGetPowerUsage gpu 0", "pid 4242"
+
+
+@dataclass(frozen=True)
+class NodeSample:
+    """Everything sampled in one tick."""
+
+    t: float  # unix seconds (wall clock, for records and replay)
+    hostname: str
+    backend: str  # "nvml" | "proc" | "replay"
+    devices: tuple[DeviceSample, ...] = ()
+    processes: tuple[ProcessSample, ...] = ()
+    errors: tuple[SampleError, ...] = ()  # non-fatal sampling problems this tick
+
+    def process(self, pid: int) -> ProcessSample | None:
+        for p in self.processes:
+            if p.pid == pid:
+                return p
+        return None
+
+
+@dataclass(frozen=True)
+class RankStack:
+    """Stack evidence for one rank from one dump: the classified state of its main thread."""
+
+    rank: int
+    pid: int
+    state: str  # see gpu_watchdog.classify.STATES
+    signature: str  # the main thread's frames joined, for grouping and "did it move?"
+    active: bool  # py-spy's flag: the thread was on CPU
+    op: str | None = None  # collective name when state == "collective"
+    where: str = ""  # "Queue.get (data.py:88)"
+
+
+@dataclass(frozen=True)
+class StackEvidence:
+    """One stack dump of one job's ranks, fed back to the detector as evidence."""
+
+    job_id: str
+    t: float
+    ranks: tuple[RankStack, ...] = field(default_factory=tuple)

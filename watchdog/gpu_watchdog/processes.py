@@ -1,0 +1,190 @@
+"""Process state through psutil: rank discovery, job identity from the environment, tree CPU and I/O.
+
+A process's environment is read once per (pid, create_time) and cached; a reused pid gets a fresh read.
+Vanished, zombie and access-denied processes are recorded or skipped, never raised out of a tick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+import psutil
+
+from gpu_watchdog.model import JobIdentity, ProcessSample, SampleError
+
+# The launcher sets this in the job's environment; it wins over scheduler-given ids.
+JOB_ID_ENV = "GPU_WATCHDOG_JOB_ID"
+_JOB_ID_SOURCES = (JOB_ID_ENV, "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+_RANK_SOURCES = ("RANK", "SLURM_PROCID")
+
+
+def _int_or_none(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def identity_from_env(env: Mapping[str, str]) -> JobIdentity | None:
+    """The job identity a process carries in its environment, or None when it is not a rank of a job."""
+    rank = next((_int_or_none(env.get(k)) for k in _RANK_SOURCES if env.get(k) is not None), None)
+    job_id = next((env[k] for k in _JOB_ID_SOURCES if env.get(k)), None)
+    if rank is None and job_id is None:
+        return None
+    return JobIdentity(
+        job_id=job_id or "unknown",
+        rank=rank,
+        local_rank=_int_or_none(env.get("LOCAL_RANK", env.get("SLURM_LOCALID"))),
+        world_size=_int_or_none(env.get("WORLD_SIZE", env.get("SLURM_NTASKS"))),
+    )
+
+
+@dataclass
+class _Known:
+    proc: psutil.Process
+    create_time: float
+    identity: JobIdentity | None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+class ProcessScanner:
+    """Finds rank processes and reads their state once per tick.
+
+    Scope: with ``root_pid`` only that process and its descendants are considered (the launcher's job);
+    otherwise every process on the node whose environment names a rank (the daemon). ``extra_pids`` adds
+    processes named by someone else (NVML's compute processes, scheduler registrations).
+    """
+
+    def __init__(self, root_pid: int | None = None, env_filter: Iterable[str] = ()) -> None:
+        self.root_pid = root_pid
+        self._known: dict[int, _Known | None] = {}  # pid → cached process, None = not ours / unreadable
+        self._children: dict[int, psutil.Process] = {}  # cached handles of rank descendants
+        self._keep_env = tuple(env_filter)  # env keys kept for consistency checks
+
+    def env_of(self, pid: int) -> Mapping[str, str]:
+        k = self._known.get(pid)
+        return k.env if k else {}
+
+    def _lookup(self, pid: int, ppid: int | None, errors: list[SampleError]) -> _Known | None:
+        known = self._known.get(pid)
+        if known is not None:
+            try:
+                if known.proc.create_time() == known.create_time:
+                    return known
+            except psutil.Error:
+                pass
+        elif pid in self._known:
+            return None
+        try:
+            proc = psutil.Process(pid)
+            ctime = proc.create_time()
+            env = proc.environ()
+        except psutil.AccessDenied:
+            errors.append(SampleError("AccessDenied", f"environ of pid {pid}"))
+            self._known[pid] = None
+            return None
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            return None
+        ident = identity_from_env(env)
+        kept = {k: v for k, v in env.items() if k.startswith(self._keep_env)} if self._keep_env else {}
+        known = _Known(proc, ctime, ident, kept)
+        self._known[pid] = known
+        return known
+
+    def _tree(self, ppids: Mapping[int, int]) -> dict[int, list[int]]:
+        children: dict[int, list[int]] = {}
+        for pid, ppid in ppids.items():
+            children.setdefault(ppid, []).append(pid)
+        return children
+
+    def _in_scope(self, ppids: Mapping[int, int]) -> set[int]:
+        if self.root_pid is None:
+            return set(ppids)
+        children = self._tree(ppids)
+        scope, stack = set(), [self.root_pid]
+        while stack:
+            pid = stack.pop()
+            if pid in scope:
+                continue
+            scope.add(pid)
+            stack.extend(children.get(pid, ()))
+        return scope
+
+    def sample(self, extra_pids: Iterable[int] = ()) -> tuple[tuple[ProcessSample, ...], list[SampleError]]:
+        """One read of every rank process in scope (plus ``extra_pids``), with tree-aggregated counters."""
+        errors: list[SampleError] = []
+        ppids: dict[int, int] = {}
+        for p in psutil.process_iter(["ppid"]):
+            ppids[p.pid] = p.info["ppid"] or 0
+        # Forget vanished pids so the cache stays bounded.
+        for cache in (self._known, self._children):
+            for pid in [p for p in cache if p not in ppids]:
+                del cache[pid]
+        scope = self._in_scope(ppids)
+        extra = {p for p in extra_pids if p in ppids}
+        idents: dict[int, _Known] = {}
+        for pid in scope | extra:
+            known = self._lookup(pid, ppids.get(pid), errors)
+            if known is not None and (known.identity is not None or pid in extra):
+                idents[pid] = known
+        children = self._tree(ppids)
+        samples = []
+        for pid, known in idents.items():
+            parent = idents.get(ppids.get(pid, 0))
+            # A dataloader worker inherits RANK: only the topmost process of a (job, rank) is the rank.
+            is_rank = known.identity is not None and known.identity.rank is not None and not (
+                parent is not None and parent.identity == known.identity)
+            if not is_rank and pid not in extra:
+                continue
+            s = self._read(pid, known, ppids.get(pid, 0), children, errors)
+            if s is not None:
+                samples.append(replace(s, is_rank=is_rank))
+        samples.sort(key=lambda s: (s.job.job_id if s.job else "", s.job.rank if s.job and s.job.rank is not None
+                                    else -1, s.pid))
+        return tuple(samples), errors
+
+    def _read(self, pid: int, known: _Known, ppid: int, children: Mapping[int, list[int]],
+              errors: list[SampleError]) -> ProcessSample | None:
+        proc = known.proc
+        try:
+            with proc.oneshot():
+                status = proc.status()
+                cpu = proc.cpu_times()
+                rss = proc.memory_info().rss
+                cmdline = tuple(proc.cmdline()) if status != psutil.STATUS_ZOMBIE else ()
+                io = _io_bytes(proc)
+        except psutil.ZombieProcess:
+            return ProcessSample(pid, known.create_time, ppid, psutil.STATUS_ZOMBIE, 0.0, None, 0, (),
+                                 known.identity)
+        except psutil.NoSuchProcess:
+            return None
+        except psutil.AccessDenied:
+            errors.append(SampleError("AccessDenied", f"pid {pid}"))
+            return None
+        cpu_total = cpu.user + cpu.system + cpu.children_user + cpu.children_system
+        io_total = io
+        stack = list(children.get(pid, ()))
+        while stack:  # live descendants (dataloader workers, compile workers) are part of the rank's work
+            child = stack.pop()
+            stack.extend(children.get(child, ()))
+            try:
+                c = self._children.get(child) or self._children.setdefault(child, psutil.Process(child))
+                ct = c.cpu_times()
+                cpu_total += ct.user + ct.system
+                cio = _io_bytes(c)
+                if io_total is not None and cio is not None:
+                    io_total += cio
+            except psutil.Error:
+                continue
+        return ProcessSample(pid=pid, create_time=known.create_time, ppid=ppid, status=status,
+                             cpu_time_s=cpu_total, io_bytes=io_total, rss_bytes=rss, cmdline=cmdline,
+                             job=known.identity)
+
+
+def _io_bytes(proc: psutil.Process) -> int | None:
+    try:
+        io = proc.io_counters()
+    except (psutil.AccessDenied, AttributeError):
+        return None
+    return int(io.read_chars + io.write_chars)  # type: ignore[attr-defined]  # Linux fields
