@@ -106,6 +106,80 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return main_analyze(args.dirs, as_json=args.json, out=sys.stdout)
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from gpu_watchdog.launcher import Launcher
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise UsageError("launch needs a command: gpu-watchdog launch [options] -- CMD ARGS...")
+    cfg = _load_cfg(args)
+    metrics = _start_metrics(cfg)
+    try:
+        return Launcher(cfg, cmd, state_dir=Path(args.state_dir) if args.state_dir else None, job_id=args.job_id,
+                        metrics=metrics).run()
+    finally:
+        if metrics is not None:
+            metrics.stop()
+
+
+def _start_metrics(cfg: Any) -> Any:
+    if not cfg.agent.metrics_addr:
+        return None
+    from gpu_watchdog.metrics import AgentMetrics
+
+    metrics = AgentMetrics(interval_s=cfg.agent.interval_s)
+    metrics.serve(cfg.agent.metrics_addr)
+    return metrics
+
+
+def cmd_incidents(args: argparse.Namespace) -> int:
+    from gpu_watchdog.config import resolve_state_dir
+    from gpu_watchdog.incidents import IncidentStore
+
+    store = IncidentStore(args.state_dir or resolve_state_dir(_load_cfg(args)))
+    if args.action == "show":
+        if not args.id:
+            raise UsageError("incidents show needs an incident id")
+        inc = store.get(args.id)
+        report = inc.dir / "report.txt"
+        sys.stdout.write(report.read_text() if report.exists() else json.dumps(inc.summary, indent=1) + "\n")
+        return 0
+    items = store.list()
+    if args.json:
+        json.dump(items, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    for s in items:
+        culprit = ",".join(map(str, s.get("culprit_ranks") or [])) or "?"
+        print(f"{s['id']}  {s['kind']:<9} {s.get('signature') or '':<14} job={s.get('job_id')} culprit={culprit} "
+              f"collective={s.get('collective') or '-'}")
+    if not items:
+        print("no incidents")
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from gpu_watchdog.config import resolve_state_dir
+    from gpu_watchdog.fallback import FallbackStore, export_lines, validate_job_id
+
+    store = FallbackStore(args.state_dir or resolve_state_dir(_load_cfg(args)))
+    data = store.load(validate_job_id(args.job))
+    sys.stdout.write(f"# gpu-watchdog fallback for job {args.job}: level {data.get('level', 0)}"
+                     f" ({data.get('name', 'none')})\n")
+    sys.stdout.write(export_lines(dict(data.get("env") or {})))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gpu_watchdog.demo import run_demo
+
+    return run_demo(_load_cfg(args), keep=args.keep)
+
+
 # -- parser -----------------------------------------------------------------------------------------
 def _common(p: argparse.ArgumentParser, backend: bool = False, state_dir: bool = False,
             metrics: bool = False) -> None:
@@ -157,6 +231,29 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("dirs", nargs="+", metavar="DIR")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_analyze)
+
+    la = sub.add_parser("launch", help="run a job under the watchdog; restart it on stalls")
+    _common(la, backend=True, state_dir=True, metrics=True)
+    la.add_argument("--job-id", help="stable job id (fallback level is kept per job id)")
+    la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
+    la.set_defaults(func=cmd_launch)
+
+    inc = sub.add_parser("incidents", help="list incidents, or show one")
+    _common(inc, state_dir=True)
+    inc.add_argument("action", nargs="?", choices=("list", "show"), default="list")
+    inc.add_argument("id", nargs="?")
+    inc.add_argument("--json", action="store_true")
+    inc.set_defaults(func=cmd_incidents)
+
+    e = sub.add_parser("env", help="print a job's fallback overlay as export lines (for restart scripts)")
+    _common(e, state_dir=True)
+    e.add_argument("--job", required=True, metavar="ID")
+    e.set_defaults(func=cmd_env)
+
+    dm = sub.add_parser("demo", help="a real hang on a CPU job, found and recovered (no GPU needed)")
+    _common(dm, backend=True)
+    dm.add_argument("--keep", metavar="DIR", help="work in DIR and keep it")
+    dm.set_defaults(func=cmd_demo)
 
     for register in _EXTRA_COMMANDS:
         register(sub)

@@ -6,7 +6,10 @@ A bad value raises ConfigError naming the key (exit 78). ``gpu-watchdog config s
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
+import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,7 +31,7 @@ MIB = 1 << 20
 class AgentConfig:
     interval_s: float = 1.0  # sampling period; one NVML/psutil read per tick
     backend: str = "auto"  # auto | nvml | proc
-    state_dir: str = "/var/lib/gpu-watchdog"
+    state_dir: str = ""  # empty: /var/lib/gpu-watchdog as root, else ~/.local/state/gpu-watchdog
     hostname: str = ""  # empty: socket.gethostname()
     metrics_addr: str = ""  # HOST:PORT for /metrics and /healthz; empty: off (daemon default 0.0.0.0:9408)
 
@@ -95,8 +98,10 @@ class RecoveryConfig:
     checkpoint_grace_s: float = 60.0
     stop_grace_s: float = 30.0  # SIGTERM → wait → SIGKILL
     memory_release_timeout_s: float = 60.0
-    max_restarts: int = 3
+    max_restarts: int = 3  # restarts allowed within restart_window_s
     restart_window_s: float = 3600.0
+    max_no_progress_restarts: int = 2  # consecutive restarts that hang again without passing the last hang step
+    client_boundary_s: float = 5.0  # the in-job client saves at a step boundary within this, else aborts
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,23 @@ _MAY_BE_ZERO = {"detect.spin_power_max_w", "detect.util_idle_max_percent", "dete
                 "detect.mem_held_min_bytes", "recovery.max_restarts", "detect.progress_io_min_bytes_per_s",
                 "recovery.checkpoint_grace_s", "detect.spin_traffic_max_bytes_per_s"}
 _RATIOS = {"detect.spin_power_max_ratio"}
+
+
+def _is_host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and int(port) <= 65535)
+
+
+def _is_signal_name(text: str) -> bool:
+    return text.startswith("SIG") and not text.startswith("SIG_") and isinstance(
+        getattr(signal, text, None), signal.Signals)
+
+
+# Non-empty strings with a format: (check, what the message says it must be).
+_STRING_CHECKS = {
+    "agent.metrics_addr": (_is_host_port, "HOST:PORT (or empty)"),
+    "recovery.checkpoint_signal": (_is_signal_name, "a signal name such as SIGUSR1 (or empty)"),
+}
 _PERCENTS = {"detect.util_idle_max_percent", "detect.spin_util_min_percent"}
 
 
@@ -137,11 +159,15 @@ def _check_value(key: str, value: Any, default: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config: {key} must be a number, got {value!r}")
         value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"config: {key} must be a finite number, got {value!r}")
     elif isinstance(default, str):
         if not isinstance(value, str):
             raise ConfigError(f"config: {key} must be a string, got {value!r}")
         if key in _CHOICES and value not in _CHOICES[key]:
             raise ConfigError(f"config: {key} must be one of {', '.join(_CHOICES[key])}, got {value!r}")
+        if key in _STRING_CHECKS and value and not _STRING_CHECKS[key][0](value):
+            raise ConfigError(f"config: {key} must be {_STRING_CHECKS[key][1]}, got {value!r}")
         return value
     if value < 0 or (value == 0 and key not in _MAY_BE_ZERO):
         raise ConfigError(f"config: {key} must be {'>= 0' if key in _MAY_BE_ZERO else '> 0'}, got {value!r}")
@@ -224,6 +250,16 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     return cfg
 
 
+def resolve_state_dir(cfg: Config) -> Path:
+    """agent.state_dir, or the per-user default when it is empty."""
+    if cfg.agent.state_dir:
+        return Path(cfg.agent.state_dir)
+    if os.geteuid() == 0:
+        return Path("/var/lib/gpu-watchdog")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "gpu-watchdog"
+
+
 def load_config(path: str | os.PathLike[str] | None, overrides: Mapping[str, Any] | None = None) -> Config:
     """Load ``path`` (None: defaults only) and apply dotted-key overrides from the command line."""
     data: dict[str, Any] = {}
@@ -239,7 +275,10 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Mapping[str, Any
             raise ConfigError(f"config: {p} is not valid TOML: {e}") from None
     for dotted, value in (overrides or {}).items():
         section, key = dotted.split(".", 1)
-        data.setdefault(section, {})[key] = value
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"config: [{section}] must be a table")
+        table[key] = value
     return config_from_dict(data)
 
 
@@ -247,7 +286,8 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        # A JSON string is a TOML basic string once DEL is escaped too (raw non-ASCII: TOML has no surrogates).
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(v, Mapping):
         return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
     return repr(v)

@@ -1,0 +1,209 @@
+"""PyTorch Flight Recorder (FR): find a job's trace settings, ask ranks to dump, read the dumps.
+
+FR keeps a ring buffer of each rank's recent collectives (RESEARCH §2). What we rely on, checked on
+torch 2.13 (CPU build, gloo):
+  * ``TORCH_FR_BUFFER_SIZE`` (alias ``TORCH_NCCL_TRACE_BUFFER_SIZE``) > 0 turns recording on; gloo
+    records from torch 2.8.
+  * Dumps go to ``<TORCH_FR_DUMP_TEMP_FILE><rank>`` (alias ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``;
+    default ``/tmp/nccl_trace_rank_``).
+  * ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE=<prefix>`` makes each NCCL rank create the FIFO
+    ``<prefix><rank>.pipe``; writing a byte to it asks for a dump. Gloo has no such pipe (the CPU
+    build does not even contain the variable); an in-job helper can serve the same FIFO with
+    ``torch._C._distributed_c10d._dump_fr_trace()`` (tests/jobs/train.py ``--fr-pipe`` does).
+  * A dump is a pickle of plain dicts/lists/str/int (no class references): keys ``version``,
+    ``pg_config``, ``pg_status`` ({pg: {last_enqueued_collective, last_started_collective,
+    last_completed_collective}}), ``entries`` (each with ``collective_seq_id``, ``profiling_name``
+    such as ``gloo:all_reduce``, ``process_group`` = (pg name, desc), ``frames``, ``input_sizes``…).
+We unpickle with an unpickler that refuses every class, so a planted file in /tmp runs no code.
+The shipped ``torchfrtrace`` analyzer crashes on gloo dumps; nothing here uses it.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import pickle
+import shutil
+import stat
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_DUMP_PREFIX = "/tmp/nccl_trace_rank_"
+DEFAULT_PG = "0"  # the default process group's name in dumps
+
+
+class FlightRecorderError(Exception):
+    """A dump file that is missing or not a Flight Recorder dump; the message is one line."""
+
+
+@dataclass(frozen=True)
+class FrSettings:
+    buffer_size: int  # entries per rank; > 0 means FR records
+    dump_prefix: str  # rank r dumps to f"{dump_prefix}{r}"
+    pipe_prefix: str | None = None  # rank r listens on f"{pipe_prefix}{r}.pipe" (NCCL, or an in-job helper)
+    dump_on_timeout: bool = False  # TORCH_NCCL_DUMP_ON_TIMEOUT: NCCL dumps by itself on a timeout
+
+    def dump_path(self, rank: int) -> Path:
+        return Path(f"{self.dump_prefix}{rank}")
+
+    def pipe_path(self, rank: int) -> Path | None:
+        return Path(f"{self.pipe_prefix}{rank}.pipe") if self.pipe_prefix else None
+
+
+def _first(env: Mapping[str, str], *names: str) -> str | None:
+    for n in names:
+        v = env.get(n)
+        if v is not None and v.strip() != "":
+            return v.strip()
+    return None
+
+
+def fr_settings(env: Mapping[str, str]) -> FrSettings | None:
+    """The FR settings a rank runs with, from its environment; None when FR is off (no buffer, zero, or
+    not a number — torch then records nothing either)."""
+    raw = _first(env, "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+    try:
+        size = int(raw) if raw is not None else 0
+    except ValueError:
+        return None
+    if size <= 0:
+        return None
+    prefix = _first(env, "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE") or DEFAULT_DUMP_PREFIX
+    pipe = _first(env, "TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
+    on_timeout = _first(env, "TORCH_NCCL_DUMP_ON_TIMEOUT") not in (None, "0", "false", "False")
+    return FrSettings(size, prefix, pipe, on_timeout)
+
+
+def trigger_dumps(settings: FrSettings, ranks: Iterable[int]) -> list[str]:
+    """Write one byte to each rank's dump FIFO; return the FIFO paths that took it.
+
+    Opened O_WRONLY|O_NONBLOCK: with no reader the open fails at once (ENXIO) instead of blocking the
+    agent; a missing path or a non-FIFO file (never written into) is skipped; a full pipe (EAGAIN)
+    means a request is already pending, which counts as triggered."""
+    done: list[str] = []
+    for rank in ranks:
+        path = settings.pipe_path(rank)
+        if path is None:
+            break
+        try:
+            if not stat.S_ISFIFO(os.stat(path).st_mode):
+                continue
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            continue  # ENOENT, ENXIO (no reader), EACCES: this rank cannot be asked
+        try:
+            os.write(fd, b"1")
+            done.append(str(path))
+        except OSError as e:
+            if e.errno == errno.EAGAIN:
+                done.append(str(path))
+        finally:
+            os.close(fd)
+    return done
+
+
+def _dump_files(settings: FrSettings) -> dict[int, Path]:
+    """{rank: path} of every ``<prefix><digits>`` file present."""
+    prefix = Path(settings.dump_prefix)
+    parent, stem = prefix.parent, prefix.name
+    if settings.dump_prefix.endswith(os.sep):
+        parent, stem = prefix, ""
+    found: dict[int, Path] = {}
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return found
+    for name in names:
+        tail = name[len(stem):]
+        if name.startswith(stem) and tail.isdigit():
+            found[int(tail)] = parent / name
+    return found
+
+
+def collect_dumps(
+    settings: FrSettings, dest_dir: str | os.PathLike[str], *, ranks: Iterable[int] | None = None,
+    newer_than: float | None = None,
+) -> list[Path]:
+    """Copy ``<prefix><rank>`` files into ``dest_dir`` as ``fr-rank-<rank>.pkl`` (temp + rename, so a
+    reader never sees half a file); return the copies, by rank. ``newer_than`` (unix seconds) skips
+    dumps left over from earlier runs."""
+    dest = Path(dest_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    wanted = None if ranks is None else set(ranks)
+    out: list[Path] = []
+    for rank, src in sorted(_dump_files(settings).items()):
+        if wanted is not None and rank not in wanted:
+            continue
+        try:
+            if not src.is_file() or (newer_than is not None and src.stat().st_mtime < newer_than):
+                continue
+            target = dest / f"fr-rank-{rank}.pkl"
+            tmp = target.with_suffix(".tmp")
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, target)
+        except OSError:
+            continue  # vanished or unreadable: the other ranks still count
+        out.append(target)
+    return out
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """FR dumps hold only builtin containers and scalars; refuse any class so no code can run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refusing class {module}.{name}")
+
+
+def load_dump(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read one FR dump. Raises FlightRecorderError with one line naming the file on any problem."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise FlightRecorderError(f"{p}: cannot read Flight Recorder dump: {e.strerror}") from e
+    try:
+        obj = _PlainUnpickler(io.BytesIO(data)).load()
+    except Exception as e:  # any unpickling failure means "not a dump"
+        raise FlightRecorderError(f"{p}: not a Flight Recorder dump ({type(e).__name__}: {e})") from e
+    if not isinstance(obj, dict) or not isinstance(obj.get("entries"), list):
+        raise FlightRecorderError(f"{p}: not a Flight Recorder dump (no 'entries' list)")
+    return obj
+
+
+def last_collective_seq(dump: Mapping[str, Any], pg: str = DEFAULT_PG) -> int:
+    """The last collective sequence id this rank enqueued on process group ``pg``: from ``pg_status``
+    when present (it survives the ring buffer wrapping), else the largest ``collective_seq_id`` among
+    the entries of that group; 0 when the rank recorded none."""
+    status = dump.get("pg_status")
+    if isinstance(status, Mapping) and isinstance(status.get(pg), Mapping):
+        v = status[pg].get("last_enqueued_collective")
+        if isinstance(v, int) and v >= 0:
+            return v
+    seqs = [
+        int(e.get("collective_seq_id", 0)) for e in dump.get("entries", ())
+        if isinstance(e, Mapping) and not e.get("is_p2p")
+        and str((e.get("process_group") or (DEFAULT_PG,))[0]) == pg
+    ]
+    return max(seqs, default=0)
+
+
+def lagging_ranks(
+    dumps: Mapping[int, Mapping[str, Any]], pg: str = DEFAULT_PG
+) -> tuple[dict[int, int], tuple[int, ...]]:
+    """({rank: last collective seq id}, ranks behind the maximum). The ranks behind never entered the
+    collective their peers are blocked in — the culprits, whatever their stacks show."""
+    last = {rank: last_collective_seq(d, pg) for rank, d in sorted(dumps.items())}
+    top = max(last.values(), default=0)
+    return last, tuple(r for r, s in last.items() if s < top)
+
+
+def last_entry(dump: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The newest entry (largest record id), e.g. to print ``profiling_name`` and ``input_sizes``."""
+    entries: list[Mapping[str, Any]] = [e for e in dump.get("entries", ()) if isinstance(e, Mapping)]
+    if not entries:
+        return None
+    newest = max(entries, key=lambda e: int(e.get("record_id", 0)))
+    return dict(newest)

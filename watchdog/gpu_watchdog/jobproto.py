@@ -1,0 +1,84 @@
+"""The file protocol between the agent and the in-job client (gpu_watchdog.job). No torch here.
+
+The agent gives the job a control directory through ``GPU_WATCHDOG_CONTROL_DIR``. In it:
+- ``client-<rank>.json``  the client announces itself (opt-in to checkpoint requests): {pid, rank, t}
+- ``step-<rank>``         the last completed step, rewritten by ``step(n)`` (a heartbeat)
+- ``request.json``        the agent's checkpoint request: {id, t, boundary_s}
+- ``ack-<rank>.json``     the client's answer: {id, rank, pid, outcome, step, t}; outcome is one of
+                          ``saved`` (at a step boundary), ``aborted_saved`` (after aborting the process
+                          group), ``aborted`` (nothing to save on this rank) or ``failed``
+Files are written to a temp name and renamed, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+CONTROL_DIR_ENV = "GPU_WATCHDOG_CONTROL_DIR"
+RESTART_COUNT_ENV = "GPU_WATCHDOG_RESTART_COUNT"
+FALLBACK_LEVEL_ENV = "GPU_WATCHDOG_FALLBACK_LEVEL"
+
+# Exit codes of a rank that the client stopped (documented in README "Exit codes").
+EXIT_CHECKPOINTED = 85  # saved at a step boundary on request, then exited
+EXIT_ABORTED = 86  # aborted the hung process group (and saved when it could), then exited
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class ControlDir:
+    """Agent-side view of one job's control directory."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def create(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        for f in self.path.glob("*"):  # a restart starts with a clean protocol state
+            if f.is_file():
+                f.unlink()
+
+    def clients(self) -> dict[int, dict[str, Any]]:
+        out = {}
+        for f in self.path.glob("client-*.json"):
+            data = read_json(f)
+            if data and isinstance(data.get("rank"), int):
+                out[data["rank"]] = data
+        return out
+
+    def steps(self) -> dict[int, int]:
+        out = {}
+        for f in self.path.glob("step-*"):
+            try:
+                out[int(f.name.split("-", 1)[1])] = int(f.read_text() or "-1")
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def request_checkpoint(self, request_id: str, boundary_s: float) -> None:
+        for f in self.path.glob("ack-*.json"):
+            f.unlink()
+        write_json_atomic(self.path / "request.json", {"id": request_id, "t": time.time(), "boundary_s": boundary_s})
+
+    def acks(self, request_id: str) -> dict[int, dict[str, Any]]:
+        out = {}
+        for f in self.path.glob("ack-*.json"):
+            data = read_json(f)
+            if data and data.get("id") == request_id and isinstance(data.get("rank"), int):
+                out[data["rank"]] = data
+        return out

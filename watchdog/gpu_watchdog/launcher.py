@@ -1,0 +1,185 @@
+"""``gpu-watchdog launch -- CMD``: supervise one job on this node and recover it from stalls.
+
+Each run: start CMD in its own session with the job's identity, control directory and fallback overlay in
+its environment; sample and detect every tick (stack dumps run off the sampling path); on a confirmed stall
+hand over to gpu_watchdog.recovery, which records the incident, checkpoints, stops and decides the next run's
+settings; then start the next run, until the job exits on its own or the restart budget is spent.
+Signal handlers only set a flag; the loop acts on it at a safe point.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TextIO
+
+from gpu_watchdog.backends import Backend, choose_backend
+from gpu_watchdog.config import Config, resolve_state_dir
+from gpu_watchdog.detector import DetectorState, Finding, JobStatus, step
+from gpu_watchdog.evidence import collect_stack_evidence
+from gpu_watchdog.fallback import FallbackStore, validate_job_id
+from gpu_watchdog.incidents import IncidentStore
+from gpu_watchdog.jobproto import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV, RESTART_COUNT_ENV, ControlDir
+from gpu_watchdog.model import NodeSample, StackEvidence
+from gpu_watchdog.processes import JOB_ID_ENV
+from gpu_watchdog.recovery import EXIT_BUDGET_SPENT, Recovery, RestartBudget
+
+log = logging.getLogger("gpu_watchdog.launcher")
+
+
+class Launcher:
+    def __init__(self, cfg: Config, cmd: Sequence[str], *, state_dir: Path | None = None,
+                 job_id: str | None = None, out: TextIO = sys.stderr, metrics: Any = None) -> None:
+        if not cmd:
+            from gpu_watchdog.errors import UsageError
+
+            raise UsageError("launch needs a command after --")
+        self.cfg = cfg
+        self.cmd = list(cmd)
+        self.state_dir = state_dir or resolve_state_dir(cfg)
+        self.host = cfg.agent.hostname or socket.gethostname()
+        self.job_id = validate_job_id(job_id or f"launch-{self.host}-{os.getpid()}-{int(time.time())}")
+        self.out = out
+        self.metrics = metrics
+        self.incidents = IncidentStore(self.state_dir)
+        self.fallback = FallbackStore(self.state_dir)
+        self.budget = RestartBudget(cfg.recovery)
+        self._stop_signal: int | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stacks")
+        self.backend: Backend | None = None
+
+    def say(self, msg: str) -> None:
+        print(f"gpu-watchdog: {msg}", file=self.out, flush=True)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._stop_signal = signum  # acted on by the loop
+
+    # -- one run -----------------------------------------------------------------------------------
+    def _start(self, attempt: int, extra_env: dict[str, str], control: ControlDir) -> subprocess.Popen[bytes]:
+        env = dict(os.environ)
+        env.update(extra_env)
+        env.update({JOB_ID_ENV: self.job_id, CONTROL_DIR_ENV: str(control.path),
+                    RESTART_COUNT_ENV: str(attempt), FALLBACK_LEVEL_ENV: str(self.fallback.level(self.job_id))})
+        control.create()
+        try:
+            return subprocess.Popen(self.cmd, env=env, start_new_session=True)
+        except OSError as e:
+            from gpu_watchdog.errors import UsageError
+
+            raise UsageError(f"cannot start {self.cmd[0]!r}: {e.strerror}") from None
+
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        backend, why = choose_backend(self.cfg.agent.backend, root_pid=os.getpid(), hostname=self.host)
+        self.backend = backend
+        self.say(f"job {self.job_id}: sampling with the {why}; state in {self.state_dir}")
+        control = ControlDir(self.state_dir / "run" / self.job_id)
+        restart_env: dict[str, str] = dict(self.fallback.load(self.job_id).get("env") or {})
+        attempt = 0
+        try:
+            while True:
+                child = self._start(attempt, restart_env, control)
+                backend.scanner.root_pid = child.pid  # type: ignore[attr-defined]
+                outcome = self._watch(child, backend, control, attempt)
+                if outcome.exit_code is not None:
+                    return outcome.exit_code
+                restart_env = outcome.restart_env
+                attempt += 1
+        finally:
+            backend.close()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _watch(self, child: subprocess.Popen[bytes], backend: Backend, control: ControlDir,
+               attempt: int) -> _Outcome:
+        cfg = self.cfg
+        state = DetectorState()
+        pending: list[StackEvidence] = []
+        dump: Future[list[StackEvidence]] | None = None
+        healthy_since = time.time()
+        next_tick = time.monotonic()
+        while True:
+            rc = child.poll()
+            if rc is not None:
+                self.say(f"job exited with code {rc}")
+                return _Outcome(exit_code=rc)
+            if self._stop_signal is not None:
+                signum = self._stop_signal
+                self.say(f"received {signal.Signals(signum).name}: stopping the job")
+                Recovery(self).stop_only(child)
+                return _Outcome(exit_code=128 + signum)
+            t0 = time.process_time()
+            sample = _with_heartbeats(backend.sample(), control.steps(), self.job_id)
+            if dump is not None and dump.done():
+                pending.extend(_future_result(dump))
+                dump = None
+            state, findings = step(state, sample, cfg.detect, pending)
+            pending = []
+            self._export(sample, state.jobs, time.process_time() - t0)
+            ours = state.jobs.get(self.job_id)
+            if ours is not None and ours.needs_stacks and dump is None and cfg.stacks.enabled:
+                dump = self._pool.submit(collect_stack_evidence, ours, cfg.stacks, sample.t)
+            for f in findings:
+                if f.job_id == self.job_id or f.kind == "gpu_fault":
+                    outcome = self._recover(f, child, sample, ours, control, attempt)
+                    if outcome is not None:
+                        return outcome
+            if ours is not None and ours.state in ("running",):
+                if self.fallback.note_healthy(self.job_id, healthy_since, time.time(), cfg.fallback):
+                    self.say(f"job healthy for {cfg.fallback.healthy_reset_s:.0f}s: fallback level back to 0")
+            else:
+                healthy_since = time.time()
+            next_tick += cfg.agent.interval_s
+            time.sleep(max(0.0, next_tick - time.monotonic()))
+
+    def _recover(self, finding: Finding, child: subprocess.Popen[bytes], sample: NodeSample,
+                 status: JobStatus | None, control: ControlDir, attempt: int) -> _Outcome | None:
+        if not self.cfg.recovery.enabled:
+            self.say(f"{finding.kind} found ({finding.detail}); recovery disabled, watching on")
+            return None
+        result = Recovery(self).handle(finding, child, sample, status, control, attempt)
+        if result.give_up:
+            return _Outcome(exit_code=EXIT_BUDGET_SPENT)
+        return _Outcome(restart_env=result.restart_env)
+
+    def _export(self, sample: NodeSample, jobs: dict[str, JobStatus] | Any, cpu_s: float) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.sample_duration(cpu_s)
+        self.metrics.nvml_errors(sample.errors)
+        self.metrics.update(sample, jobs, {self.job_id: self.fallback.level(self.job_id)})
+
+
+class _Outcome:
+    def __init__(self, exit_code: int | None = None, restart_env: dict[str, str] | None = None) -> None:
+        self.exit_code = exit_code
+        self.restart_env = restart_env or {}
+
+
+def _future_result(f: Future[list[StackEvidence]]) -> list[StackEvidence]:
+    try:
+        return f.result()
+    except Exception as e:  # a failed dump is missing evidence, not a crash
+        log.warning("stack dump failed: %s", e)
+        return []
+
+
+def _with_heartbeats(sample: NodeSample, steps: dict[int, int], job_id: str) -> NodeSample:
+    """Attach the in-job client's step heartbeats to our job's rank processes."""
+    if not steps:
+        return sample
+    procs = tuple(
+        replace(p, heartbeat_step=steps.get(p.job.rank))  # type: ignore[arg-type]
+        if p.is_rank and p.job and p.job.job_id == job_id and p.job.rank in steps else p
+        for p in sample.processes
+    )
+    return replace(sample, processes=procs)
