@@ -64,6 +64,10 @@ def _verb(ranks: Sequence[int]) -> str:
     return "is" if len(ranks) == 1 else "are"
 
 
+def _waits(ranks: Sequence[int]) -> str:
+    return f"{format_ranks(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
+
+
 def diagnose(
     ranks: Sequence[RankStack], world_size: int | None = None, missing_ranks: Iterable[int] = ()
 ) -> Diagnosis:
@@ -96,7 +100,7 @@ def diagnose(
         for op in sorted({o for o in in_coll.values() if o != majority_op}):
             members = sorted(r for r, o in in_coll.items() if o == op)
             culprits |= set(members)
-            parts.append(f"{format_ranks(members)} in {op} while {format_ranks(waiting)} wait in {majority_op}")
+            parts.append(f"{format_ranks(members)} in {op} while {_waits(waiting)} in {majority_op}")
     if in_coll:  # with a collective to compare against, every rank outside it never arrived
         for _key, members in ordered:
             rs0 = by_rank[members[0]]
@@ -110,13 +114,14 @@ def diagnose(
         m = sorted(missing)
         parts.append(f"{format_ranks(m)} {_verb(m)} missing (no stack: exited or not dumpable)")
     if majority_op is not None and parts and not desync:
-        parts.append(f"{format_ranks(waiting)} wait in {majority_op}")
+        parts.append(f"{_waits(waiting)} in {majority_op}")
 
     if not in_coll:
         states = ", ".join(f"{format_ranks(m)} {by_rank[m[0]].state}" for _, m in ordered) or "no stacks"
         parts.append(f"no rank is in a collective ({states})" + ("" if culprits else "; culprit unknown"))
     elif not parts:
-        parts.append(f"all {len(waiting)} ranks wait in {majority_op}; culprit unknown, possibly on another "
+        who = f"all {len(waiting)} ranks wait" if len(waiting) > 1 else _waits(waiting)
+        parts.append(f"{who} in {majority_op}; culprit unknown, possibly on another "
                      "node (merge the nodes' stacks with `gpu-watchdog analyze`)")
     return Diagnosis(tuple(sorted(culprits)), majority_op, "; ".join(parts), desync, group_t)
 

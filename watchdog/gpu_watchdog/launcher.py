@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,6 +55,7 @@ class Launcher:
         self.fallback = FallbackStore(self.state_dir)
         self.budget = RestartBudget(cfg.recovery)
         self._stop_signal: int | None = None
+        self._wake = threading.Event()  # set when a stack dump finishes: feed it to the detector at once
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stacks")
         self.backend: Backend | None = None
 
@@ -62,6 +64,7 @@ class Launcher:
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._stop_signal = signum  # acted on by the loop
+        self._wake.set()
 
     # -- one run -----------------------------------------------------------------------------------
     def _start(self, attempt: int, extra_env: dict[str, str], control: ControlDir) -> subprocess.Popen[bytes]:
@@ -128,6 +131,7 @@ class Launcher:
             ours = state.jobs.get(self.job_id)
             if ours is not None and ours.needs_stacks and dump is None and cfg.stacks.enabled:
                 dump = self._pool.submit(collect_stack_evidence, ours, cfg.stacks, sample.t)
+                dump.add_done_callback(lambda _f: self._wake.set())
             for f in findings:
                 if f.job_id == self.job_id or f.kind == "gpu_fault":
                     outcome = self._recover(f, child, sample, ours, control, attempt)
@@ -139,7 +143,9 @@ class Launcher:
             else:
                 healthy_since = time.time()
             next_tick += cfg.agent.interval_s
-            time.sleep(max(0.0, next_tick - time.monotonic()))
+            if self._wake.wait(max(0.0, next_tick - time.monotonic())):
+                self._wake.clear()  # an early tick; the regular schedule resumes after it
+                next_tick -= cfg.agent.interval_s
 
     def _recover(self, finding: Finding, child: subprocess.Popen[bytes], sample: NodeSample,
                  status: JobStatus | None, control: ControlDir, attempt: int) -> _Outcome | None:

@@ -124,6 +124,7 @@ class Recovery:
         self._stop(inc, child)
         if not allowed:
             inc.record_action("give_up", True, f"restart budget spent: {why_not}")
+            inc.write_report(render_report(inc.summary, stacks))
             lc.say(f"giving up: restart budget spent: {why_not} (exit {EXIT_BUDGET_SPENT})")
             return RecoveryResult(give_up=True)
 
@@ -139,6 +140,7 @@ class Recovery:
                                            f"({decision.name}): {shown}")
         self._metric("restart", lc.job_id)
         self._metric("action", "restart", True)
+        inc.write_report(render_report(inc.summary, stacks))
         lc.say(f"restarting (run {attempt + 1}) at fallback level {decision.level} ({decision.name}): {shown}")
         return RecoveryResult(give_up=False, restart_env=restart_env)
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from gpu_watchdog.errors import TraceError
+from gpu_watchdog.errors import EXIT_NOINPUT, TraceError
 from gpu_watchdog.model import NodeSample, StackEvidence
 
 FORMAT = "gpu-watchdog-trace"
@@ -68,6 +69,12 @@ class TraceWriter:
         self._write({"type": "event", "t": t, "name": name, **fields})
 
 
+class TraceNotFound(TraceError):
+    """The trace file does not exist (exit 66, "missing input")."""
+
+    exit_code = EXIT_NOINPUT
+
+
 # -- decoding -----------------------------------------------------------------------------------------
 class _FieldError(Exception):
     pass
@@ -93,6 +100,8 @@ def _decode(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _FieldError(f"{path} must be a number")
+        if not math.isfinite(value):  # Python's json reads NaN/Infinity
+            raise _FieldError(f"{path} must be a finite number")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -131,21 +140,32 @@ def _decode_dataclass(cls: Any, value: Any, path: str) -> Any:
 Record = NodeSample | StackEvidence | dict
 
 
+def _lines(f: IO[bytes], p: Path) -> Iterator[str]:
+    """The file's lines after the header, decoded one by one so a line that is not UTF-8 is named."""
+    for lineno, raw in enumerate(f, start=2):
+        try:
+            yield raw.decode()
+        except UnicodeDecodeError:
+            raise TraceError(f"{p}:{lineno}: not UTF-8 text") from None
+
+
 def read_trace(path: str | Path) -> tuple[dict[str, Any], Iterator[Record]]:
     """Open a trace: returns its header and an iterator over its records (events as plain dicts)."""
     p = Path(path)
     try:
-        f = p.open()
+        f = p.open("rb")  # decoded line by line: a bad byte is reported with its line
     except FileNotFoundError:
-        raise TraceError(f"trace not found: {p}") from None
+        raise TraceNotFound(f"trace not found: {p}") from None
     except OSError as e:
         raise TraceError(f"cannot read trace {p}: {e.strerror}") from None
-    first = f.readline()
     try:
-        head = json.loads(first)
-    except json.JSONDecodeError:
+        head = json.loads(f.readline().decode())
+    except (json.JSONDecodeError, UnicodeDecodeError):  # e.g. a gzipped trace: read_trace takes plain JSONL
         f.close()
         raise TraceError(f"{p}:1: not a gpu-watchdog trace (the first line is not JSON)") from None
+    except OSError as e:
+        f.close()
+        raise TraceError(f"cannot read trace {p}: {e.strerror}") from None
     if not isinstance(head, dict) or head.get("type") != "header" or head.get("format") != FORMAT:
         f.close()
         raise TraceError(f"{p}:1: not a gpu-watchdog trace (no {FORMAT!r} header)")
@@ -156,7 +176,7 @@ def read_trace(path: str | Path) -> tuple[dict[str, Any], Iterator[Record]]:
 
     def records() -> Iterator[Record]:
         with f:
-            for lineno, line in enumerate(f, start=2):
+            for lineno, line in enumerate(_lines(f, p), start=2):
                 if not line.strip():
                     continue
                 try:
