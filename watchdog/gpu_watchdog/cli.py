@@ -117,23 +117,23 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if not cmd:
         raise UsageError("launch needs a command: gpu-watchdog launch [options] -- CMD ARGS...")
     cfg = _load_cfg(args)
-    metrics = _start_metrics(cfg)
+    metrics, server = _start_metrics(cfg)
     try:
         return Launcher(cfg, cmd, state_dir=Path(args.state_dir) if args.state_dir else None, job_id=args.job_id,
                         metrics=metrics).run()
     finally:
-        if metrics is not None:
-            metrics.stop()
+        if server is not None:
+            server.stop()
 
 
-def _start_metrics(cfg: Any) -> Any:
+def _start_metrics(cfg: Any) -> tuple[Any, Any]:
+    """AgentMetrics and its HTTP server when agent.metrics_addr / --metrics-addr is set, else (None, None)."""
     if not cfg.agent.metrics_addr:
-        return None
+        return None, None
     from gpu_watchdog.metrics import AgentMetrics
 
     metrics = AgentMetrics(interval_s=cfg.agent.interval_s)
-    metrics.serve(cfg.agent.metrics_addr)
-    return metrics
+    return metrics, metrics.serve(cfg.agent.metrics_addr)
 
 
 def cmd_incidents(args: argparse.Namespace) -> int:
@@ -172,6 +172,17 @@ def cmd_env(args: argparse.Namespace) -> int:
                      f" ({data.get('name', 'none')})\n")
     sys.stdout.write(export_lines(dict(data.get("env") or {})))
     return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from gpu_watchdog.config import resolve_state_dir
+    from gpu_watchdog.doctor import run_doctor
+
+    cfg = _load_cfg(args)
+    state_dir = Path(args.state_dir) if args.state_dir else resolve_state_dir(cfg)
+    return run_doctor(state_dir, cfg.stacks.py_spy or None, args.p2p, args.json)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -249,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(e, state_dir=True)
     e.add_argument("--job", required=True, metavar="ID")
     e.set_defaults(func=cmd_env)
+
+    doc = sub.add_parser("doctor", help="preflight checks: NVML, py-spy/ptrace, /dev/shm, kernel, state dir")
+    _common(doc, state_dir=True)
+    doc.add_argument("--p2p", action="store_true", help="also test all_reduce across local GPUs (GPU boxes)")
+    doc.add_argument("--json", action="store_true")
+    doc.set_defaults(func=cmd_doctor)
 
     dm = sub.add_parser("demo", help="a real hang on a CPU job, found and recovered (no GPU needed)")
     _common(dm, backend=True)

@@ -239,8 +239,12 @@ def _load_fallback(table: Any) -> FallbackConfig:
 def config_from_dict(data: Mapping[str, Any]) -> Config:
     """Build a validated Config from parsed TOML (or any mapping of the same shape)."""
     for section in data:
-        if section not in SECTIONS and section != "fallback":
+        if section not in SECTIONS and section not in ("fallback", "daemon", "hooks"):
             raise ConfigError(f"config: unknown section [{section}]")
+    if "daemon" in data or "hooks" in data:  # the node daemon's sections (used by `gpu-watchdog run` only)
+        from gpu_watchdog.daemon_config import parse_daemon_sections
+
+        parse_daemon_sections(data)
     parts = {name: _load_section(name, cls, data[name]) for name, cls in SECTIONS.items() if name in data}
     if "fallback" in data:
         parts["fallback"] = _load_fallback(data["fallback"])

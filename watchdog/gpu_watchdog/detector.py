@@ -236,6 +236,12 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, procs: Sequence[Proce
     if not quiet and stack_quiet and not devices_busy:
         quiet = True  # the CPU "progress" was a host-side spin: the stacks never moved
         onset = prev.onset if prev.onset is not None else (prev.waiting_since or prev_t)
+    slow_movers = quiet and bool(moving) and prev.state != STALLED
+    if slow_movers:
+        # No counter moved, but these ranks' stacks did between two dumps: they progress too slowly for the
+        # counters to show (a slow read, a sleep-poll loop). The job waits on them; it is not stalled.
+        # (A confirmed stall clears only on counter progress, never on old dumps.)
+        quiet, progressing = False, sorted(moving)
 
     if quiet:
         signature = "rank_exited" if missing else device_sig
@@ -260,7 +266,8 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, procs: Sequence[Proce
             return replace(base, progress_since=since, needs_stacks=False)
     idle = [r for r in ranks if r not in progressing]
     if (idle and progressing and len(ranks) > 1) or (devices_busy and any(s != "busy" for s in sigs)):
-        waiting_since = prev.waiting_since if prev.waiting_since is not None else prev_t
+        waiting_since = prev.waiting_since if prev.waiting_since is not None else (
+            onset if slow_movers else prev_t)
         doing = ", ".join(f"rank {r}: {moving[r]}" for r in sorted(moving)) if moving else prev.waiting_doing
         on = tuple(sorted(moving)) if moving else tuple(progressing)
         if t - waiting_since >= cfg.waiting_timeout_s:

@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 from gpu_watchdog.backends import Backend, choose_backend
 from gpu_watchdog.config import Config, resolve_state_dir
+from gpu_watchdog.consistency import ENV_KEYS, ENV_PREFIXES, check_ranks
 from gpu_watchdog.detector import DetectorState, Finding, JobStatus, step
 from gpu_watchdog.evidence import collect_stack_evidence
 from gpu_watchdog.fallback import FallbackStore, validate_job_id
@@ -35,6 +36,7 @@ from gpu_watchdog.processes import JOB_ID_ENV
 from gpu_watchdog.recovery import EXIT_BUDGET_SPENT, Recovery, RestartBudget
 
 log = logging.getLogger("gpu_watchdog.launcher")
+CONSISTENCY_ENV = ENV_PREFIXES + ENV_KEYS
 
 
 class Launcher:
@@ -55,6 +57,7 @@ class Launcher:
         self.fallback = FallbackStore(self.state_dir)
         self.budget = RestartBudget(cfg.recovery)
         self._stop_signal: int | None = None
+        self._reported_digest = ""
         self._wake = threading.Event()  # set when a stack dump finishes: feed it to the detector at once
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stacks")
         self.backend: Backend | None = None
@@ -83,7 +86,8 @@ class Launcher:
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        backend, why = choose_backend(self.cfg.agent.backend, root_pid=os.getpid(), hostname=self.host)
+        backend, why = choose_backend(self.cfg.agent.backend, root_pid=os.getpid(), hostname=self.host,
+                                      env_filter=CONSISTENCY_ENV)
         self.backend = backend
         self.say(f"job {self.job_id}: sampling with the {why}; state in {self.state_dir}")
         control = ControlDir(self.state_dir / "run" / self.job_id)
@@ -110,6 +114,7 @@ class Launcher:
         dump: Future[list[StackEvidence]] | None = None
         healthy_since = time.time()
         next_tick = time.monotonic()
+        checked_ranks: dict[int, int] = {}
         while True:
             rc = child.poll()
             if rc is not None:
@@ -129,6 +134,9 @@ class Launcher:
             pending = []
             self._export(sample, state.jobs, time.process_time() - t0)
             ours = state.jobs.get(self.job_id)
+            if ours is not None and ours.rank_pids != checked_ranks:
+                checked_ranks = dict(ours.rank_pids)
+                self._check_config(backend, ours, sample.t)
             if ours is not None and ours.needs_stacks and dump is None and cfg.stacks.enabled:
                 dump = self._pool.submit(collect_stack_evidence, ours, cfg.stacks, sample.t)
                 dump.add_done_callback(lambda _f: self._wake.set())
@@ -146,6 +154,23 @@ class Launcher:
             if self._wake.wait(max(0.0, next_tick - time.monotonic())):
                 self._wake.clear()  # an early tick; the regular schedule resumes after it
                 next_tick -= cfg.agent.interval_s
+
+    def _check_config(self, backend: Backend, status: JobStatus, t: float) -> None:
+        """Compare the ranks' launch settings as soon as they are seen: a mismatch hangs later."""
+        scanner = backend.scanner  # type: ignore[attr-defined]
+        report = check_ranks({r: scanner.env_of(pid) for r, pid in status.rank_pids.items()})
+        if self.metrics is not None:
+            self.metrics.job_config(self.job_id, report.digest)
+        if report.consistent or report.digest == self._reported_digest:
+            return
+        self._reported_digest = report.digest
+        finding = Finding("config_mismatch", "env_mismatch", self.job_id, status.ranks, (), t, t,
+                          detail=f"ranks were launched with different settings: {report.summary}",
+                          evidence="process")
+        inc = self.incidents.create(finding, self.host)
+        if self.metrics is not None:
+            self.metrics.incident(finding.kind)
+        self.say(f"WARNING: {finding.detail} (incident {inc.id})")
 
     def _recover(self, finding: Finding, child: subprocess.Popen[bytes], sample: NodeSample,
                  status: JobStatus | None, control: ControlDir, attempt: int) -> _Outcome | None:
