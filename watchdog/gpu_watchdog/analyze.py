@@ -80,7 +80,7 @@ def write_rank_stacks(
     doc = {
         "version": FORMAT_VERSION, "rank": rank, "pid": result.pid, "host": host, "outcome": result.outcome,
         "detail": result.detail, "elapsed_s": result.elapsed_s, "t": time.time(), "world_size": world_size,
-        "job_id": job_id, "threads": list(result.threads),
+        "job_id": job_id, "threads": list(result.threads), "raw": result.raw,
     }
     path = d / f"rank-{rank}.json"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -1,6 +1,8 @@
 """Sampling backends behind one interface: ``sample() -> NodeSample``, one call per tick.
 
-- ``nvml``: real GPUs through gpu_watchdog.nvml, plus psutil state of every process NVML reports.
+- ``nvml``: real GPUs through gpu_watchdog.nvml, plus psutil state of every process NVML reports, plus the
+  Xid events gpu_watchdog.xid queued since the last tick (attached as ``DeviceSample.fault``). A faulted GPU
+  that no longer lists its processes (lost) keeps the ones seen on it last, so its jobs stay known.
 - ``proc``: no GPU; every rank process becomes a virtual device (utilization = its process tree's CPU %
   over the interval, memory = RSS). This is how CPU/gloo jobs, the demo and the end-to-end tests run.
 - ``auto``: nvml when NVML initialises and sees a GPU, else proc; ``choose_backend`` says which and why.
@@ -11,8 +13,10 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any, Protocol
 
+from gpu_watchdog.config import FaultsConfig
 from gpu_watchdog.errors import BackendUnavailable, UsageError
 from gpu_watchdog.model import DeviceSample, GpuProcess, NodeSample
 from gpu_watchdog.nvml import NvmlReader
@@ -69,29 +73,46 @@ class NvmlBackend:
     name = "nvml"
 
     def __init__(self, reader: NvmlReader, scanner: ProcessScanner, hostname: str, clock: Any = time.time,
-                 extra_pids: Any = None) -> None:
+                 extra_pids: Any = None, xids: Any = None) -> None:
         self.reader = reader
         self.scanner = scanner
         self.hostname = hostname
         self._clock = clock
         self._extra_pids = extra_pids or (lambda: ())
+        self.xids = xids  # a started gpu_watchdog.xid.XidWatcher, or None
+        self._last_procs: dict[str, tuple[GpuProcess, ...]] = {}
 
     def sample(self) -> NodeSample:
+        from gpu_watchdog.xid import attach_faults
+
         t = self._clock()
         devices, errors = self.reader.read_all()
+        if self.xids is not None:
+            faults, xerrors = self.xids.drain()
+            devices, errors = attach_faults(devices, faults), errors + xerrors
+        devices = [self._keep_processes(d) for d in devices]
         gpu_pids = {p.pid for d in devices for p in d.processes}
         procs, perrors = self.scanner.sample(gpu_pids | set(self._extra_pids()))
         return NodeSample(t=t, hostname=self.hostname, backend=self.name, devices=tuple(devices),
                           processes=procs, errors=tuple(errors + perrors))
 
+    def _keep_processes(self, d: DeviceSample) -> DeviceSample:
+        if d.fault is not None and not d.processes:
+            return replace(d, processes=self._last_procs.get(d.uuid, ()))
+        self._last_procs[d.uuid] = d.processes
+        return d
+
     def close(self) -> None:
+        if self.xids is not None:
+            self.xids.stop()
         self.reader.shutdown()
 
 
 def choose_backend(name: str, *, root_pid: int | None = None, hostname: str = "",
                    extra_pids: Iterable[int] | Any = None, nvml_lib: Any = None,
-                   env_filter: Iterable[str] = ()) -> tuple[Backend, str]:
-    """Build the named backend; returns it and a one-line reason (``auto`` says what it picked and why)."""
+                   env_filter: Iterable[str] = (), faults: FaultsConfig | None = None) -> tuple[Backend, str]:
+    """Build the named backend; returns it and a one-line reason (``auto`` says what it picked and why).
+    The nvml backend also watches Xid events unless ``faults.xid_events`` is false."""
     if name not in BACKENDS:
         raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     host = hostname or socket.gethostname()
@@ -113,4 +134,11 @@ def choose_backend(name: str, *, root_pid: int | None = None, hostname: str = ""
         reader.shutdown()
         return ProcBackend(scanner, host, extra_pids=extra), "proc backend (NVML sees no GPU)"
     why = "requested" if name == "nvml" else f"NVML sees {count} GPU(s), driver {reader.driver_version}"
-    return NvmlBackend(reader, scanner, host, extra_pids=extra), f"nvml backend ({why})"
+    fc = faults or FaultsConfig()
+    xids = None
+    if fc.xid_events:
+        from gpu_watchdog.xid import start_watcher
+
+        xids, note = start_watcher(reader, wait_ms=fc.event_wait_ms, application_xids=fc.application_xids)
+        why += f"; {note}"
+    return NvmlBackend(reader, scanner, host, extra_pids=extra, xids=xids), f"nvml backend ({why})"

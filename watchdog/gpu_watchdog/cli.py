@@ -2,7 +2,7 @@
 
 Exit codes (README "Exit codes"): 0 ok, 1 failure, 64 bad arguments, 65 bad trace data, 66 missing input,
 69 backend unavailable, 78 bad config; ``launch`` exits with the job's own code (or 75 when the restart
-budget is spent).
+budget is spent, 74 when a GPU of the job faulted and the node was drained).
 """
 
 from __future__ import annotations
@@ -117,10 +117,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if not cmd:
         raise UsageError("launch needs a command: gpu-watchdog launch [options] -- CMD ARGS...")
     cfg = _load_cfg(args)
+    hooks = None
+    if cfg.faults.drain_hook:  # the drain hook is a [hooks.NAME] of the same file
+        from gpu_watchdog.daemon_config import load_daemon_config
+
+        hooks = load_daemon_config(args.config)[1].hooks
     metrics, server = _start_metrics(cfg)
     try:
         return Launcher(cfg, cmd, state_dir=Path(args.state_dir) if args.state_dir else None, job_id=args.job_id,
-                        metrics=metrics).run()
+                        metrics=metrics, hooks=hooks).run()
     finally:
         if server is not None:
             server.stop()
@@ -296,3 +301,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+
+
+def _register_daemon_commands(sub: Any) -> None:
+    from gpu_watchdog.daemon_cli import register
+
+    register(sub)
+
+
+_EXTRA_COMMANDS.append(_register_daemon_commands)

@@ -104,6 +104,33 @@ class RecoveryConfig:
     client_boundary_s: float = 5.0  # the in-job client saves at a step boundary within this, else aborts
 
 
+# Xids that NVIDIA's Xid catalogue files under "restart the application": the fault is confined to the
+# contexts of the process that caused it and the GPU keeps serving others, so the node is not drained.
+#   13 graphics engine exception (illegal instruction / out-of-range access in a kernel)
+#   31 GPU memory page fault (MMU fault: the application touched an unmapped address)
+#   43 GPU stopped processing (the channel of a faulting application was reset; others go on)
+#   45 preemptive cleanup (channels torn down after an earlier error or a killed process; a consequence)
+#   68 NVDEC video processor exception (the decoder engine of one context)
+#   94 contained ECC error (the driver contained it to the contexts using that memory: restart them; the
+#      row is remapped at the next GPU reset, which can wait for a maintenance window)
+# Everything else drains: 48 double-bit ECC, 63/64 row remapping, 74 NVLink, 79 fallen off the bus,
+# 92 high single-bit ECC rate, 95 uncontained ECC, 119/120 GSP errors, and any Xid not listed here.
+DEFAULT_APPLICATION_XIDS: tuple[int, ...] = (13, 31, 43, 45, 68, 94)
+DEFAULT_DRAIN_COMMAND: tuple[str, ...] = ("scontrol", "update", "nodename={node}", "state=drain",
+                                          "reason=gpu-watchdog: {reason}")
+DRAIN_PLACEHOLDERS = ("node", "reason", "job_id", "incident", "gpu", "xid")
+
+
+@dataclass(frozen=True)
+class FaultsConfig:
+    xid_events: bool = True  # watch NVML Xid events on a thread (nvml backend only)
+    event_wait_ms: int = 500  # one nvmlEventSetWait call; bounds how long stopping the watcher takes
+    application_xids: tuple[int, ...] = DEFAULT_APPLICATION_XIDS  # incident only, no drain
+    drain_command: tuple[str, ...] = DEFAULT_DRAIN_COMMAND  # argv, no shell; empty: no drain command
+    drain_hook: str = ""  # name of a [hooks.NAME] to run instead of drain_command
+    drain_timeout_s: float = 60.0  # drain_command's timeout (a drain_hook has its own timeout_s)
+
+
 @dataclass(frozen=True)
 class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
@@ -111,6 +138,7 @@ class Config:
     stacks: StacksConfig = field(default_factory=StacksConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     fallback: FallbackConfig = field(default_factory=FallbackConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -236,10 +264,59 @@ def _load_fallback(table: Any) -> FallbackConfig:
     )
 
 
+def _validate_drain_element(key: str, element: str) -> None:
+    """Only the known placeholders, no format specs, conversions, indexing or attribute access."""
+    import string
+
+    try:
+        parsed = list(string.Formatter().parse(element))
+    except ValueError as e:
+        raise ConfigError(f"config: {key}: bad placeholder syntax in {element!r} ({e})") from None
+    for _lit, name, spec, conv in parsed:
+        if name is not None and (name not in DRAIN_PLACEHOLDERS or spec or conv):
+            raise ConfigError(f"config: {key}: unknown placeholder {{{name}}} in {element!r}; allowed: "
+                              + " ".join(f"{{{p}}}" for p in DRAIN_PLACEHOLDERS))
+
+
+def _load_faults(table: Any, hooks: Any) -> FaultsConfig:
+    if not isinstance(table, dict):
+        raise ConfigError("config: [faults] must be a table")
+    default = FaultsConfig()
+    known = {f.name for f in dataclasses.fields(FaultsConfig)}
+    for key in table:
+        if key not in known:
+            raise ConfigError(f"config: unknown key faults.{key}")
+    values: dict[str, Any] = {}
+    for key in ("xid_events", "event_wait_ms", "drain_hook", "drain_timeout_s"):
+        if key in table:
+            values[key] = _check_value(f"faults.{key}", table[key], getattr(default, key))
+    if "application_xids" in table:
+        xids = table["application_xids"]
+        if not isinstance(xids, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and 0 < x < 1 << 16 for x in xids):
+            raise ConfigError(f"config: faults.application_xids must be an array of Xid numbers, got {xids!r}")
+        values["application_xids"] = tuple(sorted(set(xids)))
+    if "drain_command" in table:
+        argv = table["drain_command"]
+        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            raise ConfigError(f"config: faults.drain_command must be an array of strings, got {argv!r}")
+        if argv and (not argv[0] or "{" in argv[0]):
+            raise ConfigError("config: faults.drain_command[0] must be a fixed program name or path")
+        for i, a in enumerate(argv):
+            if "\0" in a:
+                raise ConfigError(f"config: faults.drain_command[{i}] contains a NUL byte")
+            _validate_drain_element(f"faults.drain_command[{i}]", a)
+        values["drain_command"] = tuple(argv)
+    cfg = dataclasses.replace(default, **values)
+    if cfg.drain_hook and (not isinstance(hooks, dict) or cfg.drain_hook not in hooks):
+        raise ConfigError(f"config: faults.drain_hook names no [hooks.{cfg.drain_hook}] table")
+    return cfg
+
+
 def config_from_dict(data: Mapping[str, Any]) -> Config:
     """Build a validated Config from parsed TOML (or any mapping of the same shape)."""
     for section in data:
-        if section not in SECTIONS and section not in ("fallback", "daemon", "hooks"):
+        if section not in SECTIONS and section not in ("fallback", "faults", "daemon", "hooks"):
             raise ConfigError(f"config: unknown section [{section}]")
     if "daemon" in data or "hooks" in data:  # the node daemon's sections (used by `gpu-watchdog run` only)
         from gpu_watchdog.daemon_config import parse_daemon_sections
@@ -248,6 +325,8 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     parts = {name: _load_section(name, cls, data[name]) for name, cls in SECTIONS.items() if name in data}
     if "fallback" in data:
         parts["fallback"] = _load_fallback(data["fallback"])
+    if "faults" in data:
+        parts["faults"] = _load_faults(data["faults"], data.get("hooks", {}))
     cfg = dataclasses.replace(Config(), **parts)
     if cfg.detect.spin_util_min_percent <= cfg.detect.util_idle_max_percent:
         raise ConfigError("config: detect.spin_util_min_percent must be above detect.util_idle_max_percent")
@@ -313,4 +392,9 @@ def render_toml(cfg: Config) -> str:
     for lvl in fb.levels:
         lines += ["[[fallback.levels]]", f"name = {_toml_value(lvl.name)}", f"env = {_toml_value(lvl.env)}",
                   f"advice = {_toml_value(lvl.advice)}", ""]
+    fa = cfg.faults
+    lines += ["[faults]"] + [
+        f"{f.name} = " + ("[" + ", ".join(_toml_value(x) for x in getattr(fa, f.name)) + "]"
+                          if isinstance(getattr(fa, f.name), tuple) else _toml_value(getattr(fa, f.name)))
+        for f in dataclasses.fields(fa)] + [""]
     return "\n".join(lines)

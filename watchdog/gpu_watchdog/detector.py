@@ -24,12 +24,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpu_watchdog.config import DetectConfig
+from gpu_watchdog.diagnosis import stacks_progressed
 from gpu_watchdog.model import DeviceSample, NodeSample, ProcessSample, StackEvidence
 
 RUNNING, SUSPECT, STALLED, WAITING = "running", "suspect", "stalled", "waiting"
 JOB_STATES = (RUNNING, SUSPECT, STALLED, WAITING)
-# Main-thread states in which an unchanged, idle stack means "not making progress".
-_BUSY_STACK_STATES = ("compute", "io")
 
 
 @dataclass(frozen=True)
@@ -135,14 +134,10 @@ def _rank_progress(p: ProcessSample, prev: _RankObs | None, t: float, cfg: Detec
 
 
 def stacks_show_progress(a: StackEvidence, b: StackEvidence) -> dict[int, str]:
-    """Ranks whose stacks moved between two dumps (or that are on CPU in compute/io), with what they do."""
-    before = {r.rank: r for r in a.ranks}
-    moving = {}
-    for r in b.ranks:
-        old = before.get(r.rank)
-        if (old is not None and old.signature != r.signature) or (r.active and r.state in _BUSY_STACK_STATES):
-            moving[r.rank] = f"{r.state} at {r.where}" if r.where else r.state
-    return moving
+    """Ranks whose stacks moved between two dumps (diagnosis.stacks_progressed), with what they are doing."""
+    now = {r.rank: r for r in b.ranks}
+    return {rank: f"{now[rank].state} at {now[rank].where}" if now[rank].where else now[rank].state
+            for rank, moved in stacks_progressed(a, b).items() if moved}
 
 
 def _fmt_ranks(ranks: Iterable[int]) -> str:

@@ -10,6 +10,10 @@ blocked in the same collective; the rank that caused it shows something else. So
      ``range(world_size)``) are culprits too;
   5. if everybody waits in the same collective, the culprit is not among these ranks — likely on
      another node (``gpu-watchdog analyze`` merges the nodes' stacks).
+Ranks in ``device_sync`` count as waiting, never as culprits: NCCL collectives are asynchronous, so
+a healthy rank of a hung NCCL job usually blocks in ``.item()`` / ``cuda.synchronize()`` behind the
+stuck collective kernel rather than in the c10d call. When no rank is in a collective, the
+device_sync ranks are the waiting group (``collective`` is then None).
 Ties between two different collectives name no culprit (either rank may be the one behind), but the
 diagnosis still says ``desync``; Flight Recorder sequence ids can break that tie.
 """
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from .model import RankStack, StackEvidence
 
 WAITING_STATES = ("collective",)
+SYNC_STATES = ("device_sync",)  # waiting on the GPU, which may be waiting on a collective kernel
 PROGRESS_STATES = ("compute", "io")
 
 
@@ -85,11 +90,13 @@ def diagnose(
         group_t += (("missing", tuple(sorted(missing))),)
 
     in_coll = {r: (rs.op or "?") for r, rs in by_rank.items() if rs.state in WAITING_STATES}
+    syncing = sorted(r for r, rs in by_rank.items() if rs.state in SYNC_STATES)
     top = Counter(in_coll.values()).most_common()
     desync = len(top) >= 2
     tie = desync and top[0][1] == top[1][1]
     majority_op = top[0][0] if top and not tie else None
     waiting = sorted(r for r, op in in_coll.items() if op == majority_op)
+    waiters = bool(in_coll or syncing)  # is there a waiting group to compare the others against?
 
     culprits: set[int] = set(missing)
     parts: list[str] = []
@@ -101,10 +108,10 @@ def diagnose(
             members = sorted(r for r, o in in_coll.items() if o == op)
             culprits |= set(members)
             parts.append(f"{format_ranks(members)} in {op} while {_waits(waiting)} in {majority_op}")
-    if in_coll:  # with a collective to compare against, every rank outside it never arrived
+    if waiters:  # every rank neither in a collective nor in a device sync never arrived
         for _key, members in ordered:
             rs0 = by_rank[members[0]]
-            if rs0.state in WAITING_STATES:
+            if rs0.state in WAITING_STATES or rs0.state in SYNC_STATES:
                 continue
             culprits |= set(members)
             how = "busy" if rs0.active else "stuck"
@@ -113,15 +120,19 @@ def diagnose(
     if missing:
         m = sorted(missing)
         parts.append(f"{format_ranks(m)} {_verb(m)} missing (no stack: exited or not dumpable)")
-    if majority_op is not None and parts and not desync:
+    if parts and waiting and not desync:
         parts.append(f"{_waits(waiting)} in {majority_op}")
+    if parts and syncing:
+        parts.append(f"{_waits(syncing)} in device_sync")
 
-    if not in_coll:
+    if not waiters:
         states = ", ".join(f"{format_ranks(m)} {by_rank[m[0]].state}" for _, m in ordered) or "no stacks"
         parts.append(f"no rank is in a collective ({states})" + ("" if culprits else "; culprit unknown"))
     elif not parts:
-        who = f"all {len(waiting)} ranks wait" if len(waiting) > 1 else _waits(waiting)
-        parts.append(f"{who} in {majority_op}; culprit unknown, possibly on another "
+        everyone = sorted(by_rank)
+        what = majority_op if not syncing else (f"{majority_op} or device_sync" if waiting else "device_sync")
+        who = f"all {len(everyone)} ranks wait" if len(everyone) > 1 else _waits(everyone)
+        parts.append(f"{who} in {what}; culprit unknown, possibly on another "
                      "node (merge the nodes' stacks with `gpu-watchdog analyze`)")
     return Diagnosis(tuple(sorted(culprits)), majority_op, "; ".join(parts), desync, group_t)
 

@@ -3,7 +3,9 @@
 Each run: start CMD in its own session with the job's identity, control directory and fallback overlay in
 its environment; sample and detect every tick (stack dumps run off the sampling path); on a confirmed stall
 hand over to gpu_watchdog.recovery, which records the incident, checkpoints, stops and decides the next run's
-settings; then start the next run, until the job exits on its own or the restart budget is spent.
+settings; then start the next run, until the job exits on its own or the restart budget is spent. A GPU
+fault goes to gpu_watchdog.fault_policy instead: stop, drain the node, exit 74 (or, for an application Xid,
+an incident only).
 Signal handlers only set a flag; the loop acts on it at a safe point.
 """
 
@@ -29,6 +31,7 @@ from gpu_watchdog.consistency import ENV_KEYS, ENV_PREFIXES, check_ranks
 from gpu_watchdog.detector import DetectorState, Finding, JobStatus, step
 from gpu_watchdog.evidence import collect_stack_evidence
 from gpu_watchdog.fallback import FallbackStore, validate_job_id
+from gpu_watchdog.fault_policy import FaultPolicy
 from gpu_watchdog.incidents import IncidentStore
 from gpu_watchdog.jobproto import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV, RESTART_COUNT_ENV, ControlDir
 from gpu_watchdog.model import NodeSample, StackEvidence
@@ -41,7 +44,8 @@ CONSISTENCY_ENV = ENV_PREFIXES + ENV_KEYS
 
 class Launcher:
     def __init__(self, cfg: Config, cmd: Sequence[str], *, state_dir: Path | None = None,
-                 job_id: str | None = None, out: TextIO = sys.stderr, metrics: Any = None) -> None:
+                 job_id: str | None = None, out: TextIO = sys.stderr, metrics: Any = None,
+                 hooks: Any = None) -> None:
         if not cmd:
             from gpu_watchdog.errors import UsageError
 
@@ -56,6 +60,7 @@ class Launcher:
         self.incidents = IncidentStore(self.state_dir)
         self.fallback = FallbackStore(self.state_dir)
         self.budget = RestartBudget(cfg.recovery)
+        self.fault_policy = FaultPolicy(self, hooks)  # hooks: the config's [hooks.NAME] (faults.drain_hook)
         self._stop_signal: int | None = None
         self._reported_digest = ""
         self._wake = threading.Event()  # set when a stack dump finishes: feed it to the detector at once
@@ -87,7 +92,7 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         backend, why = choose_backend(self.cfg.agent.backend, root_pid=os.getpid(), hostname=self.host,
-                                      env_filter=CONSISTENCY_ENV)
+                                      env_filter=CONSISTENCY_ENV, faults=self.cfg.faults)
         self.backend = backend
         self.say(f"job {self.job_id}: sampling with the {why}; state in {self.state_dir}")
         control = ControlDir(self.state_dir / "run" / self.job_id)
@@ -141,7 +146,11 @@ class Launcher:
                 dump = self._pool.submit(collect_stack_evidence, ours, cfg.stacks, sample.t)
                 dump.add_done_callback(lambda _f: self._wake.set())
             for f in findings:
-                if f.job_id == self.job_id or f.kind == "gpu_fault":
+                if f.kind == "gpu_fault":
+                    code = self.fault_policy.handle(f, child, sample)
+                    if code is not None:
+                        return _Outcome(exit_code=code)
+                elif f.job_id == self.job_id:
                     outcome = self._recover(f, child, sample, ours, control, attempt)
                     if outcome is not None:
                         return outcome

@@ -21,6 +21,19 @@ Label conventions:
   ranks per job too (``max_ranks``); what the caps drop is counted in ``gpu_watchdog_jobs_dropped`` /
   ``gpu_watchdog_ranks_dropped``. Free-form counter labels (kind, action, error class, ...) are capped too:
   values past the cap are counted under ``"other"``.
+
+Series (alert rules: prometheus/alerts.yml; dashboard: grafana/dashboards/gpu-watchdog.json):
+  per GPU {gpu, UUID, Hostname}: gpu_watchdog_gpu_utilization_ratio (0..1), _gpu_memory_used_bytes,
+    _gpu_memory_total_bytes, _gpu_power_watts (each omitted when unknown), _gpu_stalled (0/1),
+    _gpu_info{+model_name} (1)
+  per job {job_id}: gpu_watchdog_job_state{state} (one-hot: running/suspect/stalled/waiting), _job_stalled,
+    _job_ranks (ranks on this node), _job_fallback_level, _job_waiting_seconds, _rank_waited_on{rank},
+    _job_config_info{digest}
+  agent: gpu_watchdog_up, _last_sample_timestamp_seconds, _start_time_seconds, _build_info{version},
+    _backend_info{backend}, _jobs_dropped, _ranks_dropped, process_* (own registry only)
+  counters: gpu_watchdog_incidents_total{kind}, _actions_total{action,result}, _restarts_total{job_id},
+    _pyspy_dumps_total{outcome}, _nvml_errors_total{error_class}, _gpu_faults_total{UUID,kind}
+  histograms: gpu_watchdog_sample_duration_seconds, gpu_watchdog_detection_latency_seconds
 """
 
 from __future__ import annotations
@@ -51,7 +64,7 @@ DEFAULT_PORT = 9408
 DEFAULT_ADDR = f"0.0.0.0:{DEFAULT_PORT}"
 
 # Label sets that read 0 from the first scrape, so increase() sees the first event.
-INCIDENT_KINDS = ("stall", "gpu_fault")
+INCIDENT_KINDS = ("stall", "gpu_fault", "config_mismatch")
 # gpu_watchdog.stacks.OUTCOMES (kept in step by a test); anything else counts as "other".
 PYSPY_OUTCOMES = ("ok", "py_spy_missing", "permission_denied", "exited", "timeout", "error")
 OVERFLOW = "other"  # label value for values past a cap
@@ -368,6 +381,7 @@ class AgentMetrics:
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out as separate writes: no 40 ms delayed-ACK stall
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         m = self.server.metrics

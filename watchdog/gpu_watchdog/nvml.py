@@ -1,4 +1,5 @@
-"""The only module that talks to nvidia-ml-py. Every NVML call goes through ``NvmlReader._query``.
+"""With gpu_watchdog.xid (the Xid event thread), the only module that talks to nvidia-ml-py. Every NVML call
+of the per-tick reader goes through ``NvmlReader._query``; both map GPU faults with ``fault_of``.
 
 Error mapping (RESEARCH §4):
 - NotSupported → the value is None and the metric is listed in ``DeviceSample.unsupported``; carry on.
@@ -101,14 +102,13 @@ class NvmlReader:
         except self.nvml.NVMLError:
             pass
 
+    def handles(self) -> list[tuple[int, str, Any]]:
+        """(index, uuid, handle) of every GPU that opened at start (for gpu_watchdog.xid)."""
+        return [(d.index, d.uuid, d.handle) for d in self._devices if d.handle is not None]
+
     # -- per tick ------------------------------------------------------------------------------------
     def _fault_of(self, e: Exception, index: int) -> GpuFault | None:
-        n = self.nvml
-        if isinstance(e, n.NVMLError_GpuIsLost):
-            return GpuFault("gpu_lost", f"GPU {index} is lost (fell off the bus?)")
-        if isinstance(e, n.NVMLError_ResetRequired):
-            return GpuFault("reset_required", f"GPU {index} requires a reset")
-        return None
+        return fault_of(self.nvml, e, index)
 
     def _query(self, fn: Any, dev: _Device, what: str, unsupported: list[str], errors: list[SampleError],
                *args: Any) -> Any:
@@ -194,6 +194,18 @@ class NvmlReader:
             out[s.pid] = float(s.smUtil)
             dev.last_process_ts = max(dev.last_process_ts, int(s.timeStamp))
         return out
+
+
+def fault_of(nvml: Any, e: BaseException, index: int) -> GpuFault | None:
+    """The hardware fault an NVML error means for GPU ``index`` (lost, reset required), or None.
+
+    Shared by the per-tick reader and the Xid event watcher (gpu_watchdog.xid), so both map errors alike.
+    """
+    if isinstance(e, nvml.NVMLError_GpuIsLost):
+        return GpuFault("gpu_lost", f"GPU {index} is lost (fell off the bus?)")
+    if isinstance(e, nvml.NVMLError_ResetRequired):
+        return GpuFault("reset_required", f"GPU {index} requires a reset")
+    return None
 
 
 def _field_counters(values: Any, success: int) -> dict[int, int]:

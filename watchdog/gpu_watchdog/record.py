@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from gpu_watchdog.backends import Backend
+from gpu_watchdog.errors import UsageError
 from gpu_watchdog.trace import TraceWriter
 
 
@@ -20,7 +21,11 @@ def record(backend: Backend, output: str | Path, duration_s: float, interval_s: 
     out = Path(output)
     partial = out.with_name(out.name + ".partial")
     n = 0
-    with partial.open("w") as f:
+    try:
+        f = partial.open("w")
+    except OSError as e:  # a user error: one line naming the option, no traceback
+        raise UsageError(f"--output: cannot write {out}: {e.strerror}") from None
+    with f:
         first = backend.sample()
         writer = TraceWriter(f, backend.name, first.hostname, interval_s, first.t)
         writer.sample(first)

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gpu_watchdog.analyze import write_rank_stacks
 from gpu_watchdog.config import RecoveryConfig
 from gpu_watchdog.detector import Finding, JobStatus
 from gpu_watchdog.diagnosis import Diagnosis, diagnose
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from gpu_watchdog.launcher import Launcher
 
 EXIT_BUDGET_SPENT = 75  # launch: the job kept hanging and the restart budget is spent (do not requeue blindly)
+EXIT_GPU_FAULT = 74  # launch: a GPU of the job faulted (lost, reset required, critical Xid); run it elsewhere
 
 
 class RestartBudget:
@@ -61,6 +63,15 @@ class RecoveryResult:
     restart_env: dict[str, str] = field(default_factory=dict)
 
 
+def job_processes(job: Any) -> list[JobProcess]:
+    """The seam between Recovery and whoever runs the job: the launcher passes its ``subprocess.Popen``
+    (the child and its descendants), the daemon a handle with ``processes()`` (the registered and
+    discovered pids of the job, each with the create time it was identified with). Both have ``poll()``:
+    None while the job still runs."""
+    procs = getattr(job, "processes", None)
+    return list(procs()) if callable(procs) else job_tree(job.pid)
+
+
 def _culprit_stack(diag: Diagnosis, stacks: list[RankStack]) -> RankStack | None:
     by_rank = {s.rank: s for s in stacks}
     return next((by_rank[r] for r in diag.culprit_ranks if r in by_rank), None)
@@ -93,8 +104,10 @@ class Recovery:
             entry = inc.begin_action("dump_stacks")
             t0 = time.monotonic()
             results = dump_job(rank_pids, cfg.stacks)
+            world = max((p.job.world_size or 0 for p in sample.processes
+                         if p.job and p.job.job_id == lc.job_id), default=0) or None
             for rank, res in results.items():
-                (inc.stacks_dir / f"rank-{rank}.json").write_text(_rank_stacks_json(rank, lc.host, res))
+                write_rank_stacks(inc.dir, rank, lc.host, res, world_size=world, job_id=lc.job_id)
                 self._metric("pyspy_dump", res.outcome)
             stacks = classify_results(results)
             ok = sum(r.ok for r in results.values())
@@ -211,7 +224,7 @@ class Recovery:
 
     def _stop(self, inc: Any, child: subprocess.Popen[bytes]) -> None:
         lc = self.lc
-        procs = job_tree(child.pid)
+        procs = job_processes(child)
         entry = inc.begin_action("stop", f"SIGTERM to {len(procs)} job processes, SIGKILL after "
                                          f"{self.cfg.recovery.stop_grace_s:.0f}s")
         res = stop_processes(procs, self.cfg.recovery.stop_grace_s, reap=child.poll)
@@ -231,13 +244,6 @@ class Recovery:
         lc.say(f"stopped the job: {detail}")
 
     def stop_only(self, child: subprocess.Popen[bytes]) -> None:
-        res = stop_processes(job_tree(child.pid), self.cfg.recovery.stop_grace_s, reap=child.poll)
+        res = stop_processes(job_processes(child), self.cfg.recovery.stop_grace_s, reap=child.poll)
         child.poll()
         self.lc.say(f"stopped the job: {res.detail}")
-
-
-def _rank_stacks_json(rank: int, host: str, res: Any) -> str:
-    import json
-
-    return json.dumps({"rank": rank, "pid": res.pid, "host": host, "outcome": res.outcome, "detail": res.detail,
-                       "elapsed_s": res.elapsed_s, "threads": list(res.threads), "raw": res.raw}, indent=1)

@@ -104,18 +104,34 @@ def _is_gone(pid: int) -> bool:
         return False
 
 
-def _add_wchan(pid: int, threads: list[dict[str, Any]]) -> None:
-    # The kernel wait channel tells sleep (hrtimer_nanosleep) from lock waits (futex_*) when
-    # py-spy shows only the calling Python frame. Best effort: absent where /proc hides it.
+def _read_wchans(pid: int) -> dict[int, str]:
+    """{tid: kernel wait channel} of every thread of pid; empty where /proc hides it."""
+    out: dict[int, str] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for t in tids:
+        try:
+            with open(f"/proc/{pid}/task/{t}/wchan") as f:
+                out[int(t)] = f.read().strip()
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _add_wchan(threads: list[dict[str, Any]], before: dict[int, str], after: dict[int, str]) -> None:
+    # The kernel wait channel tells sleep (hrtimer_nanosleep) from lock waits (futex_*) when py-spy
+    # shows only the calling Python frame. Read before and after the dump: py-spy's ptrace stop
+    # interrupts the sleep, and on a busy machine the thread may still be runnable ("0") right
+    # after; any non-"0" value is the wait the thread sits in.
     for th in threads:
         tid = th.get("os_thread_id")
         if not isinstance(tid, int):
             continue
-        try:
-            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
-                th["wchan"] = f.read().strip()
-        except OSError:
-            pass
+        seen = [w for w in (before.get(tid), after.get(tid)) if w is not None]
+        if seen:
+            th["wchan"] = next((w for w in seen if w not in ("", "0")), seen[0])
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -138,18 +154,23 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool) -> DumpResu
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return done("error", f"invalid pid {pid!r}")
     argv = [py_spy, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else [])
+    wchans_before = _read_wchans(pid)
     try:
         proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-    except (FileNotFoundError, PermissionError) as e:
-        return done("py_spy_missing", f"cannot run py-spy at {py_spy}: {e.strerror}")
+    except OSError as e:  # vanished since find_py_spy, not executable, bad format
+        return done("py_spy_missing", f"cannot run py-spy at {py_spy}: {e.strerror or e}")
     try:
         out_b, err_b = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
-        out_b, err_b = proc.communicate()
+        try:
+            out_b, err_b = proc.communicate(timeout=2.0)
+        except subprocess.TimeoutExpired:  # something outside the group holds the pipes: give up on output
+            out_b, err_b = b"", b""
+            proc.wait()
         raw = out_b.decode(errors="replace") + err_b.decode(errors="replace")
         return done(
             "timeout",
@@ -170,7 +191,7 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool) -> DumpResu
                 raise ValueError("not a JSON list")
         except ValueError as e:
             return done("error", f"py-spy printed unreadable JSON for pid {pid}: {e}", raw)
-        _add_wchan(pid, threads)
+        _add_wchan(threads, wchans_before, _read_wchans(pid))
         return done("ok", f"{len(threads)} threads", raw, tuple(threads))
     # Failed: decide by the process's fate first (the text differs between versions), then by text.
     if _is_gone(pid):
@@ -181,6 +202,14 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool) -> DumpResu
         return done("error", f"process {pid} is not a Python process py-spy can read: {_first_error_line(err)}",
                     raw)
     return done("error", f"py-spy exited {proc.returncode}: {_first_error_line(err)}", raw)
+
+
+def _dump_guarded(pid: int, py_spy: str, timeout_s: float, native: bool) -> DumpResult:
+    # The agent must keep running whatever one dump does: a bug here becomes an "error" outcome.
+    try:
+        return _dump_one(pid, py_spy, timeout_s, native)
+    except Exception as e:
+        return DumpResult(pid, "error", f"dump failed: {type(e).__name__}: {e}")
 
 
 def dump_stacks(
@@ -204,7 +233,7 @@ def dump_stacks(
         return []
     workers = max(1, min(concurrency, len(pid_list)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="py-spy") as pool:
-        return list(pool.map(lambda p: _dump_one(p, exe, timeout_s, native), pid_list))
+        return list(pool.map(lambda p: _dump_guarded(p, exe, timeout_s, native), pid_list))
 
 
 def _frame_text(fr: dict[str, Any]) -> str:

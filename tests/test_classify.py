@@ -1,0 +1,244 @@
+"""gpu_watchdog.classify: real py-spy dumps of small processes for the states a CPU box can produce,
+and py-spy-shaped frames for those it cannot (CUDA syncs, native C++ frames of NCCL/gloo waits)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gpu_watchdog import classify
+from gpu_watchdog.classify import STATES, classify_thread, classify_threads, main_thread, signature
+from gpu_watchdog.stacks import dump_stacks
+
+C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+
+
+def fr(name: str, filename: str, line: int = 10, short: str | None = None) -> dict[str, Any]:
+    """A frame as py-spy's JSON has it."""
+    if short is None:
+        short = filename.split("site-packages/")[-1] if "site-packages/" in filename else os.path.basename(filename)
+    return {"name": name, "filename": filename, "short_filename": short, "line": line, "module": None,
+            "locals": None, "is_entry": False, "is_shim_entry": False}
+
+
+def native(name: str, lib: str) -> dict[str, Any]:
+    return {"name": name, "filename": lib, "short_filename": lib, "line": 0}
+
+
+def thread(*frames: dict[str, Any], active: bool = False, wchan: str | None = None, **kw: Any) -> dict[str, Any]:
+    th: dict[str, Any] = {"pid": 100, "thread_id": 1, "thread_name": "MainThread", "os_thread_id": 100,
+                          "active": active, "owns_gil": False, "frames": list(frames)}
+    if wchan is not None:
+        th["wchan"] = wchan
+    th.update(kw)
+    return th
+
+
+MAIN = fr("main", "/job/train.py", 107)
+MODULE = fr("<module>", "/job/train.py", 115)
+
+
+# ---- real processes -------------------------------------------------------------------------------
+
+@pytest.fixture
+def proc_dump(tmp_path: Path) -> Iterator[Any]:
+    started: list[subprocess.Popen[str]] = []
+
+    def run(code: str) -> dict[str, Any]:
+        p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True,
+                             cwd=tmp_path, start_new_session=True)
+        started.append(p)
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        time.sleep(0.1)
+        (r,) = dump_stacks([p.pid])
+        assert r.ok, r.raw
+        mt = main_thread(r.threads, p.pid)
+        assert mt is not None
+        return mt | {"_pid": p.pid}
+
+    try:
+        yield run
+    finally:
+        for p in started:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def test_real_sleep(proc_dump: Any) -> None:
+    th = proc_dump("import time\nprint('ready', flush=True)\ntime.sleep(60)\n")
+    rs = classify_thread(th, rank=0, pid=th["_pid"])
+    # py-spy shows no `sleep` frame, only <module>; the kernel wait channel tells it is a sleep.
+    assert rs.state == ("sleep" if th.get("wchan") else "unknown")
+    assert rs.where == "<module> (<string>:3)" and not rs.active and rs.op is None
+
+
+def test_real_queue_get(proc_dump: Any) -> None:
+    th = proc_dump("import queue\nq = queue.Queue()\nprint('ready', flush=True)\nq.get()\n")
+    rs = classify_thread(th, rank=3, pid=th["_pid"])
+    assert rs.state == "data_wait"
+    assert rs.where.startswith("Queue.get (queue.py:")
+    assert rs.signature.startswith("Condition.wait (threading.py:")
+    assert " <- Queue.get (queue.py:" in rs.signature and rs.signature.endswith("<module> (<string>:4)")
+
+
+def test_real_compute(proc_dump: Any) -> None:
+    th = proc_dump("""
+        def spin():
+            x = 0
+            while True:
+                x = (x * 31 + 7) % 1000003
+        print('ready', flush=True)
+        spin()
+    """)
+    for _ in range(5):  # on a busy 2-core box the spinner may be descheduled at the sampled instant
+        if th["active"]:
+            break
+        (r,) = dump_stacks([th["_pid"]])
+        again = main_thread(r.threads, th["_pid"])
+        assert again is not None
+        th = again | {"_pid": th["_pid"]}
+    rs = classify_thread(th, rank=0, pid=th["_pid"])
+    assert rs.state == "compute" and rs.active
+    assert rs.where.startswith("spin (<string>:")
+
+
+def test_real_io_in_save_checkpoint(proc_dump: Any) -> None:
+    th = proc_dump("""
+        import os
+        def save_checkpoint(path):
+            with open(path, "wb") as f:
+                while True:
+                    f.write(os.urandom(1 << 16)); f.flush(); f.seek(0)
+        print('ready', flush=True)
+        save_checkpoint("ckpt.bin")
+    """)
+    rs = classify_thread(th, rank=0, pid=th["_pid"])
+    assert rs.state == "io" and rs.where.startswith("save_checkpoint (<string>:")
+
+
+# ---- rules on py-spy-shaped frames ------------------------------------------------------------------
+
+def test_collective_from_c10d_frames() -> None:
+    logger = "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py"
+    wrapper = fr("_exception_logger.<locals>.wrapper", logger, 83)
+    rs = classify_thread(thread(fr("all_reduce", C10D, 3252), wrapper, MAIN, MODULE), rank=2, pid=100)
+    assert (rs.state, rs.op) == ("collective", "all_reduce")
+    assert rs.where == "all_reduce (torch/distributed/distributed_c10d.py:3252)"
+    assert rs.signature == (
+        "all_reduce (torch/distributed/distributed_c10d.py:3252) <- _exception_logger.<locals>.wrapper "
+        "(torch/distributed/c10d_logger.py:83) <- main (train.py:107) <- <module> (train.py:115)"
+    )
+    assert (rs.rank, rs.pid, rs.active) == (2, 100, False)
+
+
+@pytest.mark.parametrize("op", ["all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
+                                "broadcast", "barrier", "send", "recv", "all_to_all", "monitored_barrier",
+                                "gather", "scatter", "reduce", "all_gather", "reduce_scatter"])
+def test_collective_ops(op: str) -> None:
+    rs = classify_thread(thread(fr(op, C10D), MAIN), 0, 100)
+    assert (rs.state, rs.op) == ("collective", op)
+
+
+def test_c10d_helper_frame_walks_out_to_the_collective() -> None:
+    # Innermost frame is a c10d helper, not a collective: keep walking outward.
+    rs = classify_thread(thread(fr("_check_single_tensor", C10D, 900, ), fr("broadcast", C10D, 2800), MAIN,
+                                active=True), 0, 100)
+    assert (rs.state, rs.op) == ("collective", "broadcast")
+
+
+def test_collective_inside_save_is_a_collective() -> None:
+    rs = classify_thread(thread(fr("barrier", C10D, 5356), fr("save_checkpoint", "/job/train.py", 51), MAIN), 0, 1)
+    assert (rs.state, rs.op) == ("collective", "barrier")
+
+
+def test_torch_save_is_io() -> None:
+    ser = "/venv/lib/python3.11/site-packages/torch/serialization.py"
+    rs = classify_thread(thread(fr("_save", ser, 1100), fr("save", ser, 960), MAIN, active=True), 0, 1)
+    assert rs.state == "io" and rs.where == "_save (torch/serialization.py:1100)"
+    st = "/venv/lib/python3.11/site-packages/safetensors/torch.py"
+    assert classify_thread(thread(fr("save_file", st), MAIN), 0, 1).state == "io"
+
+
+def test_native_sleep_under_dataloader_stays_data_wait() -> None:
+    dl = "/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py"
+    th = thread(native("clock_nanosleep", "libc.so.6"), native("time_sleep", "libpython3.11.so.1.0"),
+                fr("_MultiProcessingDataLoaderIter._try_get_data", dl, 1100), fr("_next_data", dl, 1300), MAIN)
+    rs = classify_thread(th, 0, 1)
+    assert rs.state == "data_wait" and rs.where.startswith("_MultiProcessingDataLoaderIter._try_get_data")
+
+
+def test_multiprocessing_queue_read_is_data_wait_not_io() -> None:
+    mp = "/usr/lib/python3.11/multiprocessing/connection.py"
+    th = thread(fr("read", mp, 384), fr("Connection._recv_bytes", mp, 400),
+                fr("Queue.get", "/usr/lib/python3.11/multiprocessing/queues.py", 103), MAIN)
+    assert classify_thread(th, 0, 1).state == "data_wait"
+
+
+def test_native_sleep_reports_the_python_caller() -> None:
+    th = thread(native("clock_nanosleep", "libc.so.6"), native("time_sleep", "libpython3.11.so.1.0"),
+                fr("main", "/job/train.py", 94), MODULE)
+    rs = classify_thread(th, 1, 1)
+    assert rs.state == "sleep" and rs.where == "main (train.py:94)"
+    assert rs.signature == "main (train.py:94) <- <module> (train.py:115)"  # native frames left out
+
+
+def test_kernel_wchan_decides_only_when_python_frames_do_not() -> None:
+    assert classify_thread(thread(MAIN, wchan="hrtimer_nanosleep"), 0, 1).state == "sleep"
+    assert classify_thread(thread(MAIN, wchan="futex_wait_queue"), 0, 1).state == "unknown"
+    rs = classify_thread(thread(fr("all_reduce", C10D), MAIN, wchan="hrtimer_nanosleep"), 0, 1)
+    assert rs.state == "collective"
+
+
+def test_native_work_wait_is_a_collective_wait() -> None:
+    th = thread(native("pthread_cond_wait", "libc.so.6"), native("c10d::Work::wait", "libtorch_cpu.so"),
+                native("pybind11::cpp_function::dispatcher", "libtorch_python.so"), fr("main", "/job/train.py", 60))
+    rs = classify_thread(th, 0, 1)
+    assert (rs.state, rs.op, rs.where) == ("collective", "wait", "main (train.py:60)")
+
+
+def test_device_sync() -> None:
+    cuda = "/venv/lib/python3.11/site-packages/torch/cuda/__init__.py"
+    assert classify_thread(thread(fr("synchronize", cuda, 1000), MAIN), 0, 1).state == "device_sync"
+    th = thread(native("cuStreamSynchronize", "libcuda.so.1"), native("cudaStreamSynchronize", "libcudart.so.12"),
+                native("at::native::_local_scalar_dense_cuda", "libtorch_cuda.so"), fr("main", "/job/train.py", 70))
+    rs = classify_thread(th, 0, 1)
+    assert rs.state == "device_sync" and rs.where == "main (train.py:70)"
+
+
+def test_compute_unknown_and_empty() -> None:
+    assert classify_thread(thread(MAIN, active=True), 0, 1).state == "compute"
+    rs = classify_thread(thread(MAIN), 0, 1)
+    assert (rs.state, rs.where) == ("unknown", "main (train.py:107)")
+    rs = classify_thread(thread(), 0, 1)
+    assert (rs.state, rs.where, rs.signature) == ("unknown", "", "")
+
+
+def test_every_rule_state_is_known_and_table_is_extendable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert {state for state, _ in classify.RULES} <= set(STATES)
+    th = thread(fr("upload_shard", "/job/ckpt.py", 5), MAIN)
+    assert classify_thread(th, 0, 1).state == "unknown"
+    monkeypatch.setattr(classify, "RULES", [("io", lambda f: "" if f["name"] == "upload_shard" else None),
+                                            *classify.RULES])
+    assert classify_thread(th, 0, 1).state == "io"
+
+
+def test_main_thread_selection() -> None:
+    worker = thread(MAIN, thread_name="producer", os_thread_id=101)
+    by_name = thread(MAIN, thread_name="MainThread", os_thread_id=100)
+    unnamed = thread(MAIN, thread_name=None, os_thread_id=100)
+    assert (main_thread([worker, by_name]) or {}).get("thread_name") == "MainThread"
+    assert (main_thread([worker, unnamed], pid=100) or {}).get("os_thread_id") == 100
+    assert main_thread([worker], pid=100) is None
+    assert classify_threads([worker], 0, 100) is None
+    assert signature(thread(native("x", "libc.so.6"))) == "x (libc.so.6)"

@@ -1,0 +1,217 @@
+"""gpu_watchdog.diagnosis: rules on RankStacks, then end to end on three real hung 4-rank gloo jobs
+(hang, desync, queue) dumped with the real py-spy."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from gloo_jobs import RunningJob, start_job
+from gpu_watchdog.analyze import analyze_dirs, write_rank_stacks
+from gpu_watchdog.classify import classify_threads
+from gpu_watchdog.diagnosis import diagnose, format_ranks, stacks_progressed
+from gpu_watchdog.model import RankStack, StackEvidence
+from gpu_watchdog.stacks import DumpResult, dump_stacks
+
+AR = "all_reduce (torch/distributed/distributed_c10d.py:3252)"
+BAR = "barrier (torch/distributed/distributed_c10d.py:5356)"
+
+
+def coll(rank: int, op: str = "all_reduce", where: str = AR) -> RankStack:
+    return RankStack(rank=rank, pid=1000 + rank, state="collective", signature=f"{where} <- main", active=False,
+                     op=op, where=where)
+
+
+def other(rank: int, state: str, where: str, active: bool = False) -> RankStack:
+    return RankStack(rank=rank, pid=1000 + rank, state=state, signature=f"{where} <- main", active=active,
+                     where=where)
+
+
+# ---- rules -------------------------------------------------------------------------------------------
+
+def test_format_ranks() -> None:
+    assert format_ranks([3]) == "rank 3"
+    assert format_ranks([3, 1, 0]) == "ranks 0,1,3"
+    assert format_ranks([0, 1, 2, 4, 6, 7, 8, 9]) == "ranks 0-2,4,6-9"
+
+
+def test_straggler_not_in_collective() -> None:
+    d = diagnose([coll(0), coll(1), coll(2), other(3, "data_wait", "Queue.get (queue.py:171)")], world_size=4)
+    assert d.culprit_ranks == (3,) and d.collective == "all_reduce" and not d.desync
+    assert d.reason == "rank 3 is stuck in data_wait at Queue.get (queue.py:171); ranks 0-2 wait in all_reduce"
+    assert d.groups[0] == (f"collective:all_reduce@{AR}", (0, 1, 2))
+    assert d.groups[1] == ("data_wait@Queue.get (queue.py:171)", (3,))
+
+
+def test_desync_names_both_ops() -> None:
+    d = diagnose([coll(0), coll(1), coll(2, "barrier", BAR), coll(3)])
+    assert d.culprit_ranks == (2,) and d.desync and d.collective == "all_reduce"
+    assert d.reason == "rank 2 in barrier while ranks 0,1,3 wait in all_reduce"
+
+
+def test_busy_rank_is_named_busy() -> None:
+    d = diagnose([other(0, "io", "save_checkpoint (train.py:51)", active=True), coll(1, "barrier", BAR)])
+    assert d.culprit_ranks == (0,) and d.collective == "barrier"
+    assert d.reason.startswith("rank 0 is busy in io at save_checkpoint (train.py:51)")
+
+
+def test_missing_ranks_from_world_size_and_from_failed_dumps() -> None:
+    d = diagnose([coll(0), coll(1), coll(2)], world_size=5, missing_ranks=[2, 3])
+    assert d.culprit_ranks == (3, 4)  # 2 has a stack after all: not missing
+    assert "ranks 3,4 are missing" in d.reason and d.groups[-1] == ("missing", (3, 4))
+
+
+def test_two_rank_tie_rank_outside_collective_is_culprit() -> None:
+    d = diagnose([coll(0), other(1, "sleep", "main (train.py:129)")])
+    assert d.culprit_ranks == (1,) and d.collective == "all_reduce"
+    assert d.reason == "rank 1 is stuck in sleep at main (train.py:129); rank 0 waits in all_reduce"
+
+
+def test_two_rank_tie_between_collectives_names_nobody() -> None:
+    d = diagnose([coll(0), coll(1, "barrier", BAR)])
+    assert d.culprit_ranks == () and d.desync and d.collective is None
+    assert d.reason.startswith("desync: rank 0 in all_reduce, rank 1 in barrier")
+
+
+def test_everyone_waits_culprit_elsewhere() -> None:
+    d = diagnose([coll(r) for r in range(4)], world_size=4)
+    assert d.culprit_ranks == () and d.collective == "all_reduce" and not d.desync
+    assert "all 4 ranks wait in all_reduce" in d.reason and "another node" in d.reason
+
+
+def test_no_collective_at_all() -> None:
+    d = diagnose([other(0, "compute", "f (a.py:1)", True), other(1, "compute", "f (a.py:1)", True)])
+    assert d.culprit_ranks == () and d.collective is None
+    assert d.reason == "no rank is in a collective (ranks 0,1 compute); culprit unknown"
+    assert diagnose([]).reason.startswith("no rank is in a collective")
+
+
+def test_device_sync_ranks_wait_like_nccl_peers() -> None:
+    item = "main (train.py:80)"
+    # NCCL: healthy ranks block in .item() behind the collective kernel, the culprit is elsewhere.
+    d = diagnose([other(0, "device_sync", item), other(1, "device_sync", item),
+                  other(2, "data_wait", "Queue.get (queue.py:171)"), other(3, "device_sync", item)])
+    assert d.culprit_ranks == (2,) and d.collective is None
+    assert d.reason == "rank 2 is stuck in data_wait at Queue.get (queue.py:171); ranks 0,1,3 wait in device_sync"
+    d = diagnose([coll(0), other(1, "device_sync", item), other(2, "sleep", "m (a.py:1)")])
+    assert d.culprit_ranks == (2,)
+    assert d.reason == ("rank 2 is stuck in sleep at m (a.py:1); rank 0 waits in all_reduce; "
+                        "rank 1 waits in device_sync")
+    d = diagnose([coll(0), other(1, "device_sync", item)])
+    assert d.culprit_ranks == () and "all 2 ranks wait in all_reduce or device_sync" in d.reason
+
+
+def _ev(*ranks: RankStack) -> StackEvidence:
+    return StackEvidence(job_id="j", t=0.0, ranks=ranks)
+
+
+def test_stacks_progressed() -> None:
+    a = _ev(coll(0), other(1, "compute", "f (a.py:1)", True), other(2, "io", "w (a.py:2)", False),
+            other(3, "sleep", "m (a.py:3)"), coll(4))
+    moved = RankStack(rank=3, pid=1003, state="sleep", signature="m (a.py:9) <- main", active=False, where="m")
+    restarted = RankStack(rank=4, pid=77, state="collective", signature=coll(4).signature, active=False,
+                          op="all_reduce", where=AR)
+    b = _ev(coll(0), other(1, "compute", "f (a.py:1)", True), other(2, "io", "w (a.py:2)", False), moved,
+            restarted, coll(5))
+    assert stacks_progressed(a, b) == {0: False, 1: True, 2: False, 3: True, 4: True}
+
+
+# ---- real jobs ----------------------------------------------------------------------------------------
+
+SCENARIOS = {"hang": 1, "desync": 2, "queue": 3}
+
+
+@pytest.fixture(scope="module")
+def hung_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[RunningJob, dict[int, int]]]]:
+    """Three 4-rank jobs started together (they hang within seconds and then burn no CPU)."""
+    base = tmp_path_factory.mktemp("jobs")
+    jobs = {s: start_job(s, nproc=4, extra_args=("--rank-at", str(r)), tmp_path=base / s)
+            for s, r in SCENARIOS.items()}
+    try:
+        ready = {}
+        for s, job in jobs.items():
+            job.wait_event("hang_onset", timeout=120)
+            ready[s] = (job, job.wait_ranks(timeout=30))
+        time.sleep(1.0)  # the peers reach their collective after the onset event
+        yield ready
+    finally:
+        for job in jobs.values():
+            job.stop()
+
+
+def _dump(pids: dict[int, int]) -> tuple[list[RankStack], dict[int, DumpResult]]:
+    ranks = sorted(pids)
+    results = dict(zip(ranks, dump_stacks([pids[r] for r in ranks], timeout_s=10), strict=True))
+    stacks = []
+    for r, res in results.items():
+        assert res.ok, res
+        rs = classify_threads(res.threads, r, res.pid)
+        assert rs is not None
+        stacks.append(rs)
+    return stacks, results
+
+
+@pytest.mark.slow
+def test_real_hang(hung_jobs: dict, tmp_path: Path) -> None:
+    _job, pids = hung_jobs["hang"]
+    stacks, results = _dump(pids)
+    d = diagnose(stacks, world_size=4)
+    assert d.culprit_ranks == (1,) and d.collective == "all_reduce" and not d.desync
+    r1 = stacks[1]
+    assert r1.state in ("sleep", "unknown") and r1.where.startswith("main (train.py:")
+    assert d.reason.startswith(f"rank 1 is stuck in {r1.state} at main (train.py:")
+    assert d.reason.endswith("; ranks 0,2,3 wait in all_reduce")
+
+    # A second dump: nobody moved.
+    again, _ = _dump(pids)
+    assert stacks_progressed(_ev(*stacks), _ev(*again)) == {0: False, 1: False, 2: False, 3: False}
+
+    # Two "nodes" holding ranks 0-1 and 2-3: analyze merges them to the same answer.
+    for r, res in results.items():
+        write_rank_stacks(tmp_path / ("node-a" if r < 2 else "node-b"), r, "a" if r < 2 else "b", res,
+                          world_size=4)
+    assert diagnose([s for s in stacks if s.rank >= 2]).culprit_ranks == ()  # node b alone: unknown
+    merged = analyze_dirs([tmp_path / "node-a", tmp_path / "node-b"])
+    assert merged.culprit_ranks == (1,) and merged.collective == "all_reduce"
+
+
+@pytest.mark.slow
+def test_real_desync(hung_jobs: dict) -> None:
+    _job, pids = hung_jobs["desync"]
+    stacks, _ = _dump(pids)
+    d = diagnose(stacks, world_size=4)
+    assert d.culprit_ranks == (2,) and d.desync and d.collective == "all_reduce"
+    assert d.reason == "rank 2 in barrier while ranks 0,1,3 wait in all_reduce"
+
+
+@pytest.mark.slow
+def test_real_queue(hung_jobs: dict) -> None:
+    _job, pids = hung_jobs["queue"]
+    stacks, _ = _dump(pids)
+    d = diagnose(stacks, world_size=4)
+    assert d.culprit_ranks == (3,) and d.collective == "all_reduce"
+    assert stacks[3].state == "data_wait" and stacks[3].where.startswith("Queue.get (queue.py:")
+    assert d.reason.startswith("rank 3 is stuck in data_wait at Queue.get (queue.py:")
+
+
+@pytest.mark.slow
+def test_real_save_pause_progresses(tmp_path: Path) -> None:
+    """A legit pause (rank 0 writing a checkpoint while rank 1 waits in barrier): the diagnosis names
+    rank 0 as busy in io, and stacks_progressed tells it apart from a hang."""
+    job = start_job("save", nproc=2, extra_args=("--pause-s", "30"), tmp_path=tmp_path)
+    try:
+        job.wait_event("hang_onset", timeout=90)
+        pids = job.wait_ranks(timeout=30)
+        time.sleep(0.5)
+        first, _ = _dump(pids)
+        time.sleep(0.5)
+        second, _ = _dump(pids)
+    finally:
+        job.stop()
+    assert first[0].state == "io" and first[0].where.startswith("save_checkpoint (train.py:")
+    assert (first[1].state, first[1].op) == ("collective", "barrier")
+    d = diagnose(second, world_size=2)
+    assert d.culprit_ranks == (0,) and d.reason.startswith("rank 0 is busy in io at save_checkpoint")
+    assert stacks_progressed(_ev(*first), _ev(*second)) == {0: True, 1: False}
