@@ -1,0 +1,414 @@
+"""gpu_watchdog.metrics: the snapshot collector, counters, caps, /healthz, and a real promtool lint."""
+
+from __future__ import annotations
+
+import threading
+import urllib.error
+import urllib.request
+from typing import Any
+
+import prom
+import pytest
+from gpu_watchdog.detector import JobStatus
+from gpu_watchdog.errors import EXIT_UNAVAILABLE, UsageError
+from gpu_watchdog.metrics import (
+    DEFAULT_PORT,
+    OVERFLOW,
+    PYSPY_OUTCOMES,
+    AgentMetrics,
+    MetricsServeError,
+    parse_addr,
+)
+from gpu_watchdog.model import DeviceSample, NodeSample, SampleError
+from prometheus_client import CollectorRegistry
+
+T0 = 1_700_000_000.0
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def gpu(i: int, **kw: Any) -> DeviceSample:
+    fields: dict[str, Any] = dict(util_percent=50.0, mem_used_bytes=10 << 30, mem_total_bytes=80 << 30,
+                                  power_w=300.0)
+    fields.update(kw)
+    return DeviceSample(i, f"GPU-{i}", "NVIDIA H100", **fields)
+
+
+def node(*devices: DeviceSample, t: float = T0) -> NodeSample:
+    return NodeSample(t=t, hostname="node1", backend="nvml", devices=devices)
+
+
+def value(m: AgentMetrics, name: str, **labels: str) -> float | None:
+    return m.registry.get_sample_value(name, labels)
+
+
+def gpu_labels(i: int) -> dict[str, str]:
+    return {"gpu": str(i), "UUID": f"GPU-{i}", "Hostname": "node1"}
+
+
+def series(m: AgentMetrics, name: str) -> list[dict[str, str]]:
+    return [s.labels for fam in m.registry.collect() for s in fam.samples if s.name == name]
+
+
+# -- the snapshot collector -------------------------------------------------------------------------------
+def test_gpu_series_from_the_snapshot() -> None:
+    m = AgentMetrics()
+    jobs = {"j1": JobStatus("j1", state="stalled", ranks=(0, 1), devices=("GPU-0",)),
+            "j2": JobStatus("j2", state="running", ranks=(2,), devices=("GPU-1",))}
+    m.update(node(gpu(0, util_percent=97.0), gpu(1)), jobs, {})
+    assert value(m, "gpu_watchdog_gpu_utilization_ratio", **gpu_labels(0)) == pytest.approx(0.97)
+    assert value(m, "gpu_watchdog_gpu_memory_used_bytes", **gpu_labels(0)) == 10 << 30
+    assert value(m, "gpu_watchdog_gpu_memory_total_bytes", **gpu_labels(1)) == 80 << 30
+    assert value(m, "gpu_watchdog_gpu_power_watts", **gpu_labels(1)) == 300.0
+    assert value(m, "gpu_watchdog_gpu_stalled", **gpu_labels(0)) == 1.0
+    assert value(m, "gpu_watchdog_gpu_stalled", **gpu_labels(1)) == 0.0
+    assert value(m, "gpu_watchdog_gpu_info", **gpu_labels(0), model_name="NVIDIA H100") == 1.0
+    assert value(m, "gpu_watchdog_last_sample_timestamp_seconds") == T0
+    assert value(m, "gpu_watchdog_backend_info", backend="nvml") == 1.0
+    assert value(m, "gpu_watchdog_up") == 1.0
+
+
+def test_no_series_for_none_values() -> None:
+    m = AgentMetrics()
+    m.update(node(gpu(0, util_percent=None, mem_total_bytes=None, power_w=None)), {}, {})
+    for name in ("gpu_watchdog_gpu_utilization_ratio", "gpu_watchdog_gpu_memory_total_bytes",
+                 "gpu_watchdog_gpu_power_watts"):
+        assert series(m, name) == [], name
+    assert value(m, "gpu_watchdog_gpu_memory_used_bytes", **gpu_labels(0)) == 10 << 30
+    assert value(m, "gpu_watchdog_gpu_stalled", **gpu_labels(0)) == 0.0
+
+
+def test_before_the_first_sample_only_agent_series() -> None:
+    m = AgentMetrics()
+    assert value(m, "gpu_watchdog_up") == 1.0
+    assert value(m, "gpu_watchdog_last_sample_timestamp_seconds") is None
+    assert value(m, "gpu_watchdog_start_time_seconds") is not None
+    assert value(m, "gpu_watchdog_build_info", version=m.version) == 1.0
+    assert series(m, "gpu_watchdog_job_state") == []
+
+
+def test_job_series_one_hot_and_waiting() -> None:
+    m = AgentMetrics()
+    jobs = {"a": JobStatus("a", state="suspect", ranks=(0, 1, 2, 3)),
+            "b": JobStatus("b", state="waiting", ranks=(0, 1, 2, 3), waiting_since=T0 - 30, waiting_on=(0,))}
+    m.update(node(t=T0), jobs, {"a": 1})
+    for job, state in (("a", "suspect"), ("b", "waiting")):
+        hot = {labels["state"] for labels in series(m, "gpu_watchdog_job_state")
+               if labels["job_id"] == job and value(m, "gpu_watchdog_job_state", **labels) == 1.0}
+        assert hot == {state}
+        assert len([s for s in series(m, "gpu_watchdog_job_state") if s["job_id"] == job]) == 4
+    assert value(m, "gpu_watchdog_job_stalled", job_id="a") == 0.0
+    assert value(m, "gpu_watchdog_job_ranks", job_id="a") == 4.0
+    assert value(m, "gpu_watchdog_job_fallback_level", job_id="a") == 1.0
+    assert value(m, "gpu_watchdog_job_fallback_level", job_id="b") == 0.0
+    assert value(m, "gpu_watchdog_job_waiting_seconds", job_id="b") == 30.0
+    assert value(m, "gpu_watchdog_job_waiting_seconds", job_id="a") == 0.0
+    assert series(m, "gpu_watchdog_rank_waited_on") == [{"job_id": "b", "rank": "0"}]
+    # no pid label anywhere
+    assert not any("pid" in s.labels for fam in m.registry.collect() for s in fam.samples)
+
+
+def test_a_job_that_ends_stops_its_series() -> None:
+    m = AgentMetrics()
+    m.update(node(), {"a": JobStatus("a")}, {})
+    assert value(m, "gpu_watchdog_job_stalled", job_id="a") == 0.0
+    m.update(node(), {}, {})
+    assert series(m, "gpu_watchdog_job_stalled") == []
+
+
+def test_proc_backend_model_name_carries_no_pid() -> None:
+    m = AgentMetrics()
+    d = DeviceSample(0, "proc-j-r0", "rank 0 (pid 4242)", util_percent=3.0, mem_used_bytes=1 << 20, virtual=True)
+    m.update(node(d), {}, {})
+    assert series(m, "gpu_watchdog_gpu_info") == [{"gpu": "0", "UUID": "proc-j-r0", "Hostname": "node1",
+                                                   "model_name": "virtual"}]
+
+
+def test_job_cardinality_cap_keeps_stalled_jobs_and_counts_the_rest() -> None:
+    m = AgentMetrics(max_jobs=64, max_ranks=4)
+    jobs = {f"job-{i:03d}": JobStatus(f"job-{i:03d}", state="running", ranks=(0,)) for i in range(100)}
+    jobs["zz-stalled"] = JobStatus("zz-stalled", state="stalled", ranks=(0,))
+    jobs["zz-waiting"] = JobStatus("zz-waiting", state="waiting", ranks=tuple(range(10)), waiting_since=T0,
+                                   waiting_on=tuple(range(10)))
+    m.update(node(), jobs, {})
+    exported = {s["job_id"] for s in series(m, "gpu_watchdog_job_stalled")}
+    assert len(exported) == 64
+    assert {"zz-stalled", "zz-waiting"} <= exported
+    assert value(m, "gpu_watchdog_jobs_dropped") == 102 - 64
+    assert len(series(m, "gpu_watchdog_rank_waited_on")) == 4
+    assert value(m, "gpu_watchdog_ranks_dropped") == 6
+    # restarts{job_id} was pre-initialised for at most max_jobs jobs
+    assert len(series(m, "gpu_watchdog_restarts_total")) <= 64
+
+
+def test_counter_label_caps() -> None:
+    m = AgentMetrics(max_jobs=3)
+    for i in range(5):
+        m.restart(f"j{i}")
+    assert {s["job_id"] for s in series(m, "gpu_watchdog_restarts_total")} == {"j0", "j1", "j2", OVERFLOW}
+    assert value(m, "gpu_watchdog_restarts_total", job_id=OVERFLOW) == 2.0
+    for i in range(40):
+        m.nvml_errors([SampleError(f"Err{i}", "x")])
+    assert len(series(m, "gpu_watchdog_nvml_errors_total")) == 33  # 32 classes + other
+    m.pyspy_dump("something-new")
+    assert value(m, "gpu_watchdog_pyspy_dumps_total", outcome=OVERFLOW) == 1.0
+    m.incident("x" * 500)
+    assert all(len(s["kind"]) <= 128 for s in series(m, "gpu_watchdog_incidents_total"))
+
+
+# -- counters and histograms -------------------------------------------------------------------------------
+def test_preinitialised_counters_read_zero() -> None:
+    m = AgentMetrics()
+    assert value(m, "gpu_watchdog_incidents_total", kind="stall") == 0.0
+    assert value(m, "gpu_watchdog_incidents_total", kind="gpu_fault") == 0.0
+    for outcome in PYSPY_OUTCOMES:
+        assert value(m, "gpu_watchdog_pyspy_dumps_total", outcome=outcome) == 0.0
+    m.update(node(), {"train": JobStatus("train")}, {})
+    assert value(m, "gpu_watchdog_restarts_total", job_id="train") == 0.0
+
+
+def test_counters_and_histograms() -> None:
+    m = AgentMetrics()
+    m.incident("stall")
+    m.incident("stall")
+    m.action("restart", True)
+    m.action("checkpoint", False)
+    m.restart("train")
+    m.pyspy_dump("ok")
+    m.pyspy_dump("timeout")
+    m.nvml_errors([SampleError("NVMLError_Unknown", "a"), SampleError("NVMLError_Unknown", "b"),
+                   SampleError("AccessDenied", "pid 1")])
+    m.gpu_fault("GPU-0", 79)
+    m.gpu_fault("GPU-0", 79)
+    m.gpu_fault("GPU-1", "gpu_lost")
+    m.sample_duration(0.003)
+    m.detection_latency(14.0)
+    m.detection_latency(700.0)
+    assert value(m, "gpu_watchdog_incidents_total", kind="stall") == 2.0
+    assert value(m, "gpu_watchdog_actions_total", action="restart", result="ok") == 1.0
+    assert value(m, "gpu_watchdog_actions_total", action="checkpoint", result="failed") == 1.0
+    assert value(m, "gpu_watchdog_restarts_total", job_id="train") == 1.0
+    assert value(m, "gpu_watchdog_pyspy_dumps_total", outcome="timeout") == 1.0
+    assert value(m, "gpu_watchdog_nvml_errors_total", error_class="NVMLError_Unknown") == 2.0
+    assert value(m, "gpu_watchdog_nvml_errors_total", error_class="AccessDenied") == 1.0
+    assert value(m, "gpu_watchdog_gpu_faults_total", UUID="GPU-0", kind="xid_79") == 2.0
+    assert value(m, "gpu_watchdog_gpu_faults_total", UUID="GPU-1", kind="gpu_lost") == 1.0
+    assert value(m, "gpu_watchdog_sample_duration_seconds_bucket", le="0.005") == 1.0
+    assert value(m, "gpu_watchdog_detection_latency_seconds_bucket", le="15.0") == 1.0
+    assert value(m, "gpu_watchdog_detection_latency_seconds_bucket", le="600.0") == 1.0
+    assert value(m, "gpu_watchdog_detection_latency_seconds_count") == 2.0
+
+
+def test_job_config_digest_replaces_and_forgets() -> None:
+    m = AgentMetrics()
+    m.job_config("train", "aaa")
+    m.job_config("train", "bbb")
+    assert series(m, "gpu_watchdog_job_config_info") == [{"job_id": "train", "digest": "bbb"}]
+    m.forget_job("train")
+    assert series(m, "gpu_watchdog_job_config_info") == []
+
+
+def test_set_up_false_until_the_next_sample() -> None:
+    m = AgentMetrics()
+    m.set_up(False)
+    assert value(m, "gpu_watchdog_up") == 0.0
+    m.update(node(), {}, {})
+    assert value(m, "gpu_watchdog_up") == 1.0
+
+
+def test_pyspy_outcomes_match_the_stacks_module() -> None:
+    from gpu_watchdog.stacks import OUTCOMES
+
+    assert tuple(PYSPY_OUTCOMES) == tuple(OUTCOMES)
+
+
+def test_shared_registry_gets_no_process_collector() -> None:
+    reg = CollectorRegistry()
+    m = AgentMetrics(reg)
+    assert m.registry is reg
+    assert not any(n.startswith("process_") for n in prom.exported_names(reg))
+    assert any(n.startswith("process_") for n in prom.exported_names(AgentMetrics().registry))
+
+
+# -- a scrape touches nothing but the snapshot -----------------------------------------------------------
+class RaisingBackend:
+    """A sampling backend that fails on every call."""
+
+    name = "raising"
+
+    def sample(self) -> NodeSample:
+        raise AssertionError("sample() called")
+
+    def close(self) -> None:
+        raise AssertionError("close() called")
+
+
+def _forbid(monkeypatch: pytest.MonkeyPatch, module: Any, what: str) -> None:
+    def boom(*_a: Any, **_k: Any) -> Any:
+        raise AssertionError(f"{what} called during a scrape")
+
+    for name in dir(module):
+        obj = getattr(module, name)
+        is_exception = isinstance(obj, type) and issubclass(obj, BaseException)
+        if not name.startswith("_") and callable(obj) and not is_exception:
+            monkeypatch.setattr(module, name, boom)
+
+
+def test_registering_and_scraping_never_call_nvml_or_psutil(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpu_watchdog.nvml as nvml_mod
+    import gpu_watchdog.processes as processes_mod
+    import psutil
+    import pynvml
+
+    good = node(gpu(0), gpu(1))
+    jobs = {"train": JobStatus("train", state="stalled", ranks=(0, 1), devices=("GPU-0",))}
+    backend: Any = RaisingBackend()
+    for mod, what in ((pynvml, "NVML"), (psutil, "psutil")):
+        _forbid(monkeypatch, mod, what)
+    for cls in (nvml_mod.NvmlReader, processes_mod.ProcessScanner):
+        for name in ("read_all", "start", "sample", "shutdown"):
+            if hasattr(cls, name):
+                monkeypatch.setattr(cls, name, lambda *_a, **_k: (_ for _ in ()).throw(AssertionError("called")))
+
+    with pytest.raises(AssertionError):
+        psutil.Process()
+    with pytest.raises(AssertionError):
+        pynvml.nvmlInit()
+    m = AgentMetrics()  # registration: describe() only
+    m.update(good, jobs, {"train": 1})
+    try:  # what the loop does when the backend fails
+        backend.sample()
+    except AssertionError:
+        m.set_up(False)
+    with m.serve("127.0.0.1:0") as srv:
+        for _ in range(3):
+            with urllib.request.urlopen(f"{srv.url}/metrics", timeout=10) as r:
+                text = r.read().decode()
+        assert 'gpu_watchdog_gpu_stalled{Hostname="node1",UUID="GPU-0",gpu="0"} 1.0' in text
+        assert "gpu_watchdog_up 0.0" in text
+
+
+def test_registration_does_not_collect(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu_watchdog import metrics as metrics_mod
+
+    def no_collect(self: Any) -> Any:
+        raise AssertionError("collect() during registration")
+
+    monkeypatch.setattr(metrics_mod._SnapshotCollector, "collect", no_collect)
+    AgentMetrics(CollectorRegistry(auto_describe=True))
+
+
+def test_concurrent_updates_and_scrapes() -> None:
+    m = AgentMetrics()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            js = JobStatus("j", state=("running", "stalled")[i % 2], ranks=(0,), devices=("GPU-0",))
+            m.update(node(gpu(0), t=T0 + i), {"j": js}, {})
+            m.incident("stall")
+
+    th = threading.Thread(target=loop)
+    th.start()
+    try:
+        for _ in range(50):
+            text = m.render().decode()
+            assert text.count("gpu_watchdog_job_stalled{") == 1
+    except BaseException as e:  # pragma: no cover
+        errors.append(e)
+    finally:
+        stop.set()
+        th.join()
+    assert not errors
+
+
+# -- serving -----------------------------------------------------------------------------------------------
+def _get(url: str, accept: str | None = None) -> tuple[int, str, str]:
+    req = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.headers["Content-Type"], r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read().decode()
+
+
+def test_healthz_follows_the_last_sample_age() -> None:
+    mono = FakeClock(100.0)
+    m = AgentMetrics(interval_s=1.0, health_intervals=5, monotonic=mono)
+    with m.serve("127.0.0.1:0") as srv:
+        code, _, body = _get(f"{srv.url}/healthz")
+        assert (code, body) == (200, "starting: no sample yet\n")
+        mono.t = 106.0
+        code, _, body = _get(f"{srv.url}/healthz")
+        assert code == 503 and "no sample" in body
+        m.update(node(), {}, {})
+        assert _get(f"{srv.url}/healthz")[:3:2] == (200, "ok\n")
+        mono.t = 110.9
+        assert _get(f"{srv.url}/healthz")[0] == 200
+        mono.t = 111.0
+        code, _, body = _get(f"{srv.url}/healthz")
+        assert code == 503 and body.startswith("last sample 5.0 s ago")
+        m.update(node(), {}, {})
+        m.set_up(False)
+        code, _, body = _get(f"{srv.url}/healthz")
+        assert code == 503 and "backend failed" in body
+
+
+def test_metrics_endpoint_formats_and_404() -> None:
+    m = AgentMetrics()
+    m.update(node(gpu(0)), {}, {})
+    with m.serve("127.0.0.1:0") as srv:
+        code, ctype, body = _get(f"{srv.url}/metrics")
+        assert code == 200 and ctype.startswith("text/plain") and "gpu_watchdog_up 1.0" in body
+        code, ctype, body = _get(f"{srv.url}/metrics", accept="application/openmetrics-text; version=1.0.0")
+        assert code == 200 and ctype.startswith("application/openmetrics-text") and body.endswith("# EOF\n")
+        assert _get(f"{srv.url}/nope")[0] == 404
+        assert _get(f"{srv.url}/")[0] == 200
+
+
+def test_bind_error_is_one_clear_line() -> None:
+    m = AgentMetrics()
+    with m.serve("127.0.0.1:0") as srv:
+        with pytest.raises(MetricsServeError) as ei:
+            m.serve(f"127.0.0.1:{srv.port}")
+    msg = str(ei.value)
+    assert "\n" not in msg and f"127.0.0.1:{srv.port}" in msg and "cannot listen" in msg
+    assert ei.value.exit_code == EXIT_UNAVAILABLE
+
+
+@pytest.mark.parametrize("addr,expected", [
+    ("127.0.0.1:9408", ("127.0.0.1", 9408)), (":9408", ("0.0.0.0", 9408)), ("[::1]:0", ("::1", 0)),
+    ("localhost:1", ("localhost", 1)),
+])
+def test_parse_addr(addr: str, expected: tuple[str, int]) -> None:
+    assert parse_addr(addr) == expected
+
+
+@pytest.mark.parametrize("addr", ["9408", "host:", "host:port", "host:70000", "::1:9408", ""])
+def test_parse_addr_rejects(addr: str) -> None:
+    with pytest.raises(UsageError, match="--metrics-addr"):
+        parse_addr(addr)
+
+
+def test_default_port_is_not_dcgm_exporters() -> None:
+    assert DEFAULT_PORT == 9408
+
+
+# -- promtool ----------------------------------------------------------------------------------------------
+def test_promtool_check_metrics_on_a_live_scrape() -> None:
+    prom.require("promtool")
+    m = prom.populated_metrics()
+    with m.serve("127.0.0.1:0") as srv:
+        code, _, text = _get(f"{srv.url}/metrics")
+    assert code == 200
+    r = prom.promtool("check", "metrics", stdin=text)
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
