@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Iterable
@@ -23,6 +24,7 @@ from gpu_watchdog.nvml import NvmlReader
 from gpu_watchdog.processes import ProcessScanner
 
 BACKENDS = ("auto", "nvml", "proc")
+log = logging.getLogger("gpu_watchdog.backends")
 
 
 class Backend(Protocol):
@@ -81,12 +83,14 @@ class NvmlBackend:
         self._extra_pids = extra_pids or (lambda: ())
         self.xids = xids  # a started gpu_watchdog.xid.XidWatcher, or None
         self._last_procs: dict[str, tuple[GpuProcess, ...]] = {}
+        self._told_unsupported: dict[str, tuple[str, ...]] = {}  # uuid → the list last logged
 
     def sample(self) -> NodeSample:
         from gpu_watchdog.xid import attach_faults
 
         t = self._clock()
         devices, errors = self.reader.read_all()
+        self._tell_unsupported(devices)
         if self.xids is not None:
             faults, xerrors = self.xids.drain()
             devices, errors = attach_faults(devices, faults), errors + xerrors
@@ -101,6 +105,16 @@ class NvmlBackend:
             return replace(d, processes=self._last_procs.get(d.uuid, ()))
         self._last_procs[d.uuid] = d.processes
         return d
+
+    def _tell_unsupported(self, devices: Iterable[DeviceSample]) -> None:
+        """One log line per GPU (again only when the list changes) naming what NVML cannot read there."""
+        for d in devices:
+            if d.unsupported and self._told_unsupported.get(d.uuid) != d.unsupported:
+                self._told_unsupported[d.uuid] = d.unsupported
+                effect = ("; without power the NCCL-spin signature cannot be recognised"
+                          if {"power", "power_limit"} & set(d.unsupported) else "")
+                log.warning("GPU %d (%s, %s): not supported by NVML here: %s; detection uses the rest%s",
+                            d.index, d.name, d.uuid, ", ".join(d.unsupported), effect)
 
     def close(self) -> None:
         if self.xids is not None:

@@ -87,7 +87,7 @@ def check_peer(cred: PeerCred, settings: DaemonSettings, supplementary: set[int]
 
 
 def validate_cgroup(path: str) -> Path:
-    if not isinstance(path, str) or not _CGROUP_RE.match(path) or ".." in path.split("/"):
+    if not isinstance(path, str) or not _CGROUP_RE.fullmatch(path) or ".." in path.split("/"):
         raise UsageError(f"invalid cgroup path {path!r}")
     return CGROUP_ROOT / path.lstrip("/")
 
@@ -264,11 +264,12 @@ def handle_request(daemon: Daemon, req: dict[str, Any], cred: PeerCred) -> dict[
         cgroup = req.get("cgroup")
         if not isinstance(pids, list) or len(pids) > MAX_PIDS:
             raise UsageError(f"pids must be a list of at most {MAX_PIDS} pids")
-        if cgroup is not None:
-            validate_cgroup(cgroup)
+        if cgroup is not None:  # the cgroup is re-read every tick: it may still be empty (Slurm prolog)
+            if not validate_cgroup(cgroup).is_dir():
+                raise UsageError(f"cgroup {cgroup!r} does not exist")
             pids = list(pids) + cgroup_pids(cgroup)
-        if not pids:
-            raise UsageError("job-start needs pids or a cgroup with live processes")
+        elif not pids:
+            raise UsageError("job-start needs pids or a cgroup")
         procs = validate_pids_live(pids)
         if cred.uid != 0:
             for p in procs:

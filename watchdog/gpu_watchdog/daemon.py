@@ -33,6 +33,7 @@ from typing import Any
 
 import psutil
 
+from gpu_watchdog.analyze import write_rank_stacks
 from gpu_watchdog.backends import Backend, choose_backend
 from gpu_watchdog.config import Config
 from gpu_watchdog.daemon_config import DaemonSettings, load_daemon_config
@@ -45,7 +46,7 @@ from gpu_watchdog.hooks import placeholder_values, render_argv, run_hook
 from gpu_watchdog.incidents import Incident, IncidentStore
 from gpu_watchdog.jobproto import ControlDir
 from gpu_watchdog.model import NodeSample, StackEvidence
-from gpu_watchdog.recovery import Recovery, RestartBudget, _rank_stacks_json
+from gpu_watchdog.recovery import Recovery, RestartBudget
 from gpu_watchdog.sdnotify import LoopHealth, Notifier, Pinger
 from gpu_watchdog.stopper import JobProcess, stop_processes
 from gpu_watchdog.store import Store
@@ -269,10 +270,20 @@ class Daemon:
         owned = self._registered_pids()
         if not owned:
             return sample
-        procs = tuple(replace(p, job=replace(p.job, job_id=owned[p.pid]))
-                      if p.job is not None and p.pid in owned and p.job.job_id != owned[p.pid] else p
-                      for p in sample.processes)
-        return replace(sample, processes=procs)
+        # A job registered by a non-root user may not adopt other users' processes that merely claim its id
+        # in their environment: those become a job of their own ("<id>@uid<uid>").
+        nonroot = {j: int(r.get("registered_by_uid", 0)) for j, r in self.registrations().items()
+                   if int(r.get("registered_by_uid", 0)) != 0}
+        procs = []
+        for p in sample.processes:
+            if p.job is not None and p.pid in owned and p.job.job_id != owned[p.pid]:
+                p = replace(p, job=replace(p.job, job_id=owned[p.pid]))
+            elif p.job is not None and p.job.job_id in nonroot and p.pid not in owned:
+                uid = _uid_of(p.pid)
+                if uid != nonroot[p.job.job_id]:
+                    p = replace(p, job=replace(p.job, job_id=f"{p.job.job_id}@uid{uid}"))
+            procs.append(p)
+        return replace(sample, processes=tuple(procs))
 
     # -- the sampling tick (apscheduler job) -----------------------------------------------------------
     def tick(self) -> None:
@@ -430,13 +441,22 @@ class Daemon:
             entry = inc.begin_action("dump_stacks")
             results = dump_job(dict(status.rank_pids), self.cfg.stacks)
             for rank, res in results.items():
-                (inc.stacks_dir / f"rank-{rank}.json").write_text(_rank_stacks_json(rank, self.host, res))
+                write_rank_stacks(inc.dir, rank, self.host, res, job_id=finding.job_id)
             diag = diagnose(classify_results(results), None, set(finding.ranks) - set(status.rank_pids))
             inc.end_action(entry, any(r.ok for r in results.values()),
                            f"{sum(r.ok for r in results.values())}/{len(results)} ranks dumped")
             inc.update(culprit_ranks=list(diag.culprit_ranks) or list(finding.culprit_ranks),
                        collective=diag.collective, reason=diag.reason)
-        inc.record_action("observe", True, "job not registered with the daemon: not stopped, no restart hook")
+        if self.settings.stop_unregistered and self.cfg.recovery.enabled and finding.job_id:
+            sample = self.last_sample
+            procs = [JobProcess(p.pid, p.create_time) for p in (sample.processes if sample else ())
+                     if p.is_rank and p.job and p.job.job_id == finding.job_id and p.pid != os.getpid()]
+            entry = inc.begin_action("stop", f"daemon.stop_unregistered: SIGTERM to {len(procs)} rank(s)")
+            stopped = stop_processes(procs, self.cfg.recovery.stop_grace_s)
+            inc.end_action(entry, stopped.ok, stopped.detail)
+            inc.record_action("observe", True, "job not registered with the daemon: stopped, no restart hook")
+        else:
+            inc.record_action("observe", True, "job not registered with the daemon: not stopped, no restart hook")
         log.warning("%s in unregistered job %s (%s): incident %s", finding.kind, finding.job_id, finding.detail,
                     inc.id)
         self._finish(inc, "observed (job not registered)")
@@ -615,6 +635,13 @@ class Daemon:
         return code
 
 
+def _uid_of(pid: int) -> int:
+    try:
+        return int(psutil.Process(pid).uids().real)
+    except psutil.Error:
+        return -1
+
+
 def _now_utc() -> Any:
     import datetime
 
@@ -652,20 +679,16 @@ def validate_pids_live(pids: list[int]) -> list[dict[str, Any]]:
 
 def main_run(config_path: str | None, overrides: dict[str, Any]) -> int:
     cfg, settings = load_daemon_config(config_path, overrides)  # ConfigError → exit 78 naming the key
+    from gpu_watchdog.cli import _start_metrics
     from gpu_watchdog.config import resolve_state_dir
 
-    metrics = None
-    if cfg.agent.metrics_addr:
-        from gpu_watchdog.metrics import AgentMetrics
-
-        metrics = AgentMetrics(interval_s=cfg.agent.interval_s)
-        metrics.serve(cfg.agent.metrics_addr)
+    metrics, server = _start_metrics(cfg)
     try:
         return Daemon(cfg, settings, resolve_state_dir(cfg), config_path=config_path, overrides=overrides,
                       metrics=metrics).run()
     finally:
-        if metrics is not None:
-            metrics.stop()
+        if server is not None:
+            server.stop()
 
 
 __all__ = ["Daemon", "JobHandle", "main_run", "validate_job_id", "validate_pids_live"]

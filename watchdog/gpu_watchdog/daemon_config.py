@@ -184,5 +184,5 @@ def load_daemon_config(path: str | os.PathLike[str] | None,
             raise ConfigError(f"config: [{section}] must be a table")
         table[key] = value
     settings = parse_daemon_sections(data)
-    cfg = config_from_dict({k: v for k, v in data.items() if k not in ("daemon", "hooks")})
+    cfg = config_from_dict(data)  # also checks [faults] drain_hook against [hooks]
     return cfg, settings

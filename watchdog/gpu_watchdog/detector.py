@@ -264,7 +264,10 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, procs: Sequence[Proce
         waiting_since = prev.waiting_since if prev.waiting_since is not None else (
             onset if slow_movers else prev_t)
         doing = ", ".join(f"rank {r}: {moving[r]}" for r in sorted(moving)) if moving else prev.waiting_doing
-        on = tuple(sorted(moving)) if moving else tuple(progressing)
+        # No rank's process progresses but some GPUs work: the job waits on the ranks on those GPUs.
+        busy_pids = {pid for d, s in zip(devs, sigs, strict=True) if s == "busy" for pid in d.pids}
+        gpu_busy = tuple(r for r, pid in sorted(base.rank_pids.items()) if pid in busy_pids)
+        on = tuple(sorted(moving)) if moving else tuple(progressing) or gpu_busy
         if t - waiting_since >= cfg.waiting_timeout_s:
             return replace(base, state=STALLED, since=t, onset=waiting_since, waiting_since=waiting_since,
                            waiting_on=on, waiting_doing=doing, signature="waiting_timeout",

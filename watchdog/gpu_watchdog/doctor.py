@@ -160,8 +160,10 @@ def check_capabilities(proc_root: Path = Path("/proc")) -> Check:
     return Check("capabilities", PASS, "CAP_SYS_PTRACE and CAP_KILL are available")
 
 
+# Run from a file, never ``python -c``: mp.spawn's children re-import __main__ to find ``work``, which a ``-c``
+# script does not have ("Can't get attribute 'work' on <module '__main__' (built-in)>").
 _P2P_SCRIPT = """
-import os, time, torch, torch.multiprocessing as mp, torch.distributed as dist
+import os, sys, time, torch, torch.multiprocessing as mp, torch.distributed as dist
 def work(rank, world, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
@@ -173,29 +175,59 @@ def work(rank, world, port):
     dist.destroy_process_group()
 if __name__ == "__main__":
     import socket
+    n = torch.cuda.device_count()
+    print(f"gpus={n}", flush=True)
+    if n < 2:
+        sys.exit(0)
     s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-    mp.spawn(work, args=(torch.cuda.device_count(), port), nprocs=torch.cuda.device_count())
+    mp.spawn(work, args=(n, port), nprocs=n)
 """
 
 
-def check_p2p(timeout_s: float = 60.0, run: Callable[..., Any] = subprocess.run) -> list[Check]:
+def _run_group(argv: list[str], *, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run`` that kills the whole process group at the timeout: the spawned ranks of a hung
+    all_reduce would otherwise outlive the check and keep their GPUs."""
+    import signal
+
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def check_p2p(timeout_s: float = 60.0, run: Callable[..., Any] = _run_group,
+              script: str = _P2P_SCRIPT) -> list[Check]:
     """A short all_reduce across local GPUs with P2P on and off; a hang or failure with P2P on is the sign."""
     out = []
-    for label, extra in (("p2p", {}), ("p2p-disabled", {"NCCL_P2P_DISABLE": "1"})):
-        env = {**os.environ, **extra}
-        t0 = time.monotonic()
-        try:
-            r = run([sys.executable, "-c", _P2P_SCRIPT], env=env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            out.append(Check(label, FAIL, f"all_reduce across local GPUs hung for {timeout_s:.0f}s",
-                             "use NCCL_P2P_DISABLE=1 on this box (fallback level 1)" if label == "p2p" else
-                             "NCCL is broken even without P2P: check the driver and NCCL_DEBUG=INFO"))
-            continue
-        if r.returncode != 0:
-            last = (r.stderr.strip().splitlines() or ["?"])[-1]
-            out.append(Check(label, FAIL, f"all_reduce failed: {last}", "run with NCCL_DEBUG=INFO to see why"))
-        else:
-            out.append(Check(label, PASS, f"all_reduce across local GPUs took {time.monotonic() - t0:.1f}s"))
+    with tempfile.TemporaryDirectory(prefix="gpu-watchdog-p2p-") as tmp:
+        path = Path(tmp) / "p2p_check.py"
+        path.write_text(script)
+        for label, extra in (("p2p", {}), ("p2p-disabled", {"NCCL_P2P_DISABLE": "1"})):
+            env = {**os.environ, **extra}
+            t0 = time.monotonic()
+            try:
+                r = run([sys.executable, str(path)], env=env, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                out.append(Check(label, FAIL, f"all_reduce across local GPUs hung for {timeout_s:.0f}s",
+                                 "use NCCL_P2P_DISABLE=1 on this box (fallback level 1)" if label == "p2p" else
+                                 "NCCL is broken even without P2P: check the driver and NCCL_DEBUG=INFO"))
+                continue
+            gpus = re.search(r"^gpus=(\d+)$", r.stdout or "", re.M)
+            if r.returncode != 0:
+                last = (r.stderr.strip().splitlines() or ["?"])[-1]
+                out.append(Check(label, FAIL, f"all_reduce failed: {last}", "run with NCCL_DEBUG=INFO to see why"))
+            elif gpus is not None and int(gpus.group(1)) < 2:
+                out.append(Check(label, SKIP, f"torch sees {gpus.group(1)} GPU(s): no peer to test P2P with"))
+            else:
+                out.append(Check(label, PASS, f"all_reduce across local GPUs took {time.monotonic() - t0:.1f}s"))
     return out
 
 

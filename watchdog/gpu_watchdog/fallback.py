@@ -33,7 +33,7 @@ _APPLICATION_STATES = {
 
 
 def validate_job_id(job_id: str) -> str:
-    if not JOB_ID_RE.match(job_id) or ".." in job_id:
+    if not isinstance(job_id, str) or not JOB_ID_RE.fullmatch(job_id) or ".." in job_id:
         raise UsageError(f"invalid job id {job_id!r}: use letters, digits and ._:@+- (no '/', '..' or control "
                          "characters, at most 128)")
     return job_id

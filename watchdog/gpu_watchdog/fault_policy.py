@@ -146,7 +146,11 @@ class FaultPolicy:
         grace = self.lc.cfg.recovery.stop_grace_s
         procs = job_processes(child)
         entry = inc.begin_action("stop", f"SIGTERM to {len(procs)} job processes, SIGKILL after {grace:.0f}s")
-        res = stop_processes(procs, grace, reap=child.poll)
+
+        def reap() -> None:
+            child.poll()
+
+        res = stop_processes(procs, grace, reap=reap)
         child.poll()
         inc.end_action(entry, res.ok, res.detail)
         self._metric("action", "stop", res.ok)

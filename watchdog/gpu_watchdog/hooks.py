@@ -56,11 +56,11 @@ class HookResult:
 
 def placeholder_values(job_id: str, node: str, level: int, incident: str) -> dict[str, str]:
     validate_job_id(job_id)
-    if not _NODE_RE.match(node):
+    if not _NODE_RE.fullmatch(node):
         raise UsageError(f"invalid node name {node!r}")
     if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level < 1000:
         raise UsageError(f"invalid fallback level {level!r}")
-    if incident and not _INCIDENT_RE.match(incident):
+    if incident and not _INCIDENT_RE.fullmatch(incident):
         raise UsageError(f"invalid incident id {incident!r}")
     return {"job_id": job_id, "node": node, "level": str(level), "incident": incident}
 

@@ -32,6 +32,7 @@ from gpu_watchdog.jobproto import (
     CONTROL_DIR_ENV,
     EXIT_ABORTED,
     EXIT_CHECKPOINTED,
+    ControlDir,
     read_json,
     write_json_atomic,
 )
@@ -90,6 +91,7 @@ class Client:
         if self._request is not None and not self._aborted.is_set():
             self._boundary_reached.set()
             self._save_and_ack("saved")
+            self._wait_for_peers()
             raise _Exit(EXIT_CHECKPOINTED)
 
     @contextlib.contextmanager
@@ -103,6 +105,7 @@ class Client:
             if not self._aborted.is_set():
                 raise
             self._save_and_ack("aborted_saved")  # the collective raised because we aborted it
+            self._wait_for_peers()
             raise SystemExit(EXIT_ABORTED) from None
 
     # -- helper thread -----------------------------------------------------------------------------
@@ -128,6 +131,7 @@ class Client:
         # the hung rank), save from here and leave.
         time.sleep(2.0)
         self._save_and_ack("aborted_saved")
+        self._wait_for_peers()
         os._exit(EXIT_ABORTED)
 
     def _dump_flight_recorder(self) -> None:
@@ -164,6 +168,17 @@ class Client:
                 write_json_atomic(self.control_dir / f"ack-{self.rank}.json",
                                   {"id": self._request["id"], "rank": self.rank, "pid": os.getpid(),
                                    "outcome": outcome, "step": self.last_step, "t": time.time()})
+
+    def _wait_for_peers(self) -> None:
+        """Hold this rank's exit until every client announced on this node has acked the request (bounded by
+        its ``grace_s``): the first rank to exit makes torchrun SIGTERM the others, which would cut short a
+        peer's save still in progress — typically rank 0's, the only one that writes."""
+        if self.control_dir is None or self._request is None:
+            return
+        ctl, rid = ControlDir(self.control_dir), str(self._request["id"])
+        deadline = time.monotonic() + float(self._request.get("grace_s", 60.0))
+        while time.monotonic() < deadline and not set(ctl.clients()) <= set(ctl.acks(rid)):
+            time.sleep(self.poll_s)
 
     def close(self) -> None:
         self._done.set()

@@ -3,7 +3,9 @@
 The agent gives the job a control directory through ``GPU_WATCHDOG_CONTROL_DIR``. In it:
 - ``client-<rank>.json``  the client announces itself (opt-in to checkpoint requests): {pid, rank, t}
 - ``step-<rank>``         the last completed step, rewritten by ``step(n)`` (a heartbeat)
-- ``request.json``        the agent's checkpoint request: {id, t, boundary_s}
+- ``request.json``        the agent's checkpoint request: {id, t, boundary_s, grace_s}; a client that has
+                          saved and acked waits up to ``grace_s`` for every announced client's ack before
+                          its process exits (an exiting rank makes torchrun SIGTERM its peers mid-save)
 - ``ack-<rank>.json``     the client's answer: {id, rank, pid, outcome, step, t}; outcome is one of
                           ``saved`` (at a step boundary), ``aborted_saved`` (after aborting the process
                           group), ``aborted`` (nothing to save on this rank) or ``failed``
@@ -70,10 +72,11 @@ class ControlDir:
                 continue
         return out
 
-    def request_checkpoint(self, request_id: str, boundary_s: float) -> None:
+    def request_checkpoint(self, request_id: str, boundary_s: float, grace_s: float = 60.0) -> None:
         for f in self.path.glob("ack-*.json"):
             f.unlink()
-        write_json_atomic(self.path / "request.json", {"id": request_id, "t": time.time(), "boundary_s": boundary_s})
+        write_json_atomic(self.path / "request.json", {"id": request_id, "t": time.time(), "boundary_s": boundary_s,
+                                                       "grace_s": grace_s})
 
     def acks(self, request_id: str) -> dict[int, dict[str, Any]]:
         out = {}

@@ -6,6 +6,8 @@ Vanished, zombie and access-denied processes are recorded or skipped, never rais
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -46,6 +48,39 @@ class _Known:
     create_time: float
     identity: JobIdentity | None
     env: Mapping[str, str] = field(default_factory=dict)
+    start: float = 0.0  # the process table's start token when this entry was made (see _process_table)
+    cmdline: tuple[str, ...] | None = None  # read once, on first use
+
+
+_LINUX = sys.platform.startswith("linux")
+
+
+def _process_table() -> dict[int, tuple[int, float]]:
+    """pid → (ppid, start token) for every process on the node; the token changes when a pid is reused.
+
+    Linux: one read of /proc/PID/stat per process (token: its start time in clock ticks). psutil's
+    ``process_iter(["ppid"])`` costs about three file reads per process and was most of a tick's CPU.
+    Elsewhere: psutil, with the create time as the token.
+    """
+    if not _LINUX:
+        return {p.pid: (p.info["ppid"] or 0, p.info["create_time"] or 0.0)
+                for p in psutil.process_iter(["ppid", "create_time"])}
+    out: dict[int, tuple[int, float]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fd = os.open(f"/proc/{name}/stat", os.O_RDONLY)
+            try:
+                data = os.read(fd, 4096)
+            finally:
+                os.close(fd)
+            # "pid (comm) state ppid ... starttime ...": comm may hold spaces and parentheses.
+            rest = data[data.rfind(b")") + 2:].split(b" ", 21)
+            out[int(name)] = (int(rest[1]), float(rest[19]))
+        except (OSError, IndexError, ValueError):
+            continue  # gone between the listing and the read
+    return out
 
 
 class ProcessScanner:
@@ -59,21 +94,20 @@ class ProcessScanner:
     def __init__(self, root_pid: int | None = None, env_filter: Iterable[str] = ()) -> None:
         self.root_pid = root_pid
         self._known: dict[int, _Known | None] = {}  # pid → cached process, None = not ours / unreadable
-        self._children: dict[int, psutil.Process] = {}  # cached handles of rank descendants
+        self._children: dict[int, tuple[float | None, psutil.Process]] = {}  # rank descendants: (start, handle)
         self._keep_env = tuple(env_filter)  # env keys kept for consistency checks
 
     def env_of(self, pid: int) -> Mapping[str, str]:
         k = self._known.get(pid)
         return k.env if k else {}
 
-    def _lookup(self, pid: int, ppid: int | None, errors: list[SampleError]) -> _Known | None:
+    def _lookup(self, pid: int, start: float | None, errors: list[SampleError]) -> _Known | None:
         known = self._known.get(pid)
         if known is not None:
-            try:
-                if known.proc.create_time() == known.create_time:
-                    return known
-            except psutil.Error:
-                pass
+            # psutil caches create_time() in the Process object, so only the table's fresh start token can
+            # tell that this pid now belongs to another process.
+            if start is None or known.start == start:
+                return known
         elif pid in self._known:
             return None
         try:
@@ -88,7 +122,7 @@ class ProcessScanner:
             return None
         ident = identity_from_env(env)
         kept = {k: v for k, v in env.items() if k.startswith(self._keep_env)} if self._keep_env else {}
-        known = _Known(proc, ctime, ident, kept)
+        known = _Known(proc, ctime, ident, kept, start if start is not None else 0.0)
         self._known[pid] = known
         return known
 
@@ -114,9 +148,9 @@ class ProcessScanner:
     def sample(self, extra_pids: Iterable[int] = ()) -> tuple[tuple[ProcessSample, ...], list[SampleError]]:
         """One read of every rank process in scope (plus ``extra_pids``), with tree-aggregated counters."""
         errors: list[SampleError] = []
-        ppids: dict[int, int] = {}
-        for p in psutil.process_iter(["ppid"]):
-            ppids[p.pid] = p.info["ppid"] or 0
+        table = _process_table()
+        ppids = {pid: v[0] for pid, v in table.items()}
+        starts = {pid: v[1] for pid, v in table.items()}
         # Forget vanished pids so the cache stays bounded.
         for cache in (self._known, self._children):
             for pid in [p for p in cache if p not in ppids]:
@@ -125,7 +159,7 @@ class ProcessScanner:
         extra = {p for p in extra_pids if p in ppids}
         idents: dict[int, _Known] = {}
         for pid in scope | extra:
-            known = self._lookup(pid, ppids.get(pid), errors)
+            known = self._lookup(pid, starts.get(pid), errors)
             if known is not None and (known.identity is not None or pid in extra):
                 idents[pid] = known
         children = self._tree(ppids)
@@ -137,7 +171,7 @@ class ProcessScanner:
                 parent is not None and parent.identity == known.identity)
             if not is_rank and pid not in extra:
                 continue
-            s = self._read(pid, known, ppids.get(pid, 0), children, errors)
+            s = self._read(pid, known, ppids.get(pid, 0), children, starts, errors)
             if s is not None:
                 samples.append(replace(s, is_rank=is_rank))
         samples.sort(key=lambda s: (s.job.job_id if s.job else "", s.job.rank if s.job and s.job.rank is not None
@@ -145,14 +179,16 @@ class ProcessScanner:
         return tuple(samples), errors
 
     def _read(self, pid: int, known: _Known, ppid: int, children: Mapping[int, list[int]],
-              errors: list[SampleError]) -> ProcessSample | None:
+              starts: Mapping[int, float], errors: list[SampleError]) -> ProcessSample | None:
         proc = known.proc
         try:
             with proc.oneshot():
                 status = proc.status()
                 cpu = proc.cpu_times()
                 rss = proc.memory_info().rss
-                cmdline = tuple(proc.cmdline()) if status != psutil.STATUS_ZOMBIE else ()
+                if known.cmdline is None and status != psutil.STATUS_ZOMBIE:
+                    known.cmdline = tuple(proc.cmdline())  # fixed for the process's life: read once
+                cmdline = known.cmdline or ()
                 io = _io_bytes(proc)
         except psutil.ZombieProcess:
             return ProcessSample(pid, known.create_time, ppid, psutil.STATUS_ZOMBIE, 0.0, None, 0, (),
@@ -169,7 +205,10 @@ class ProcessScanner:
             child = stack.pop()
             stack.extend(children.get(child, ()))
             try:
-                c = self._children.get(child) or self._children.setdefault(child, psutil.Process(child))
+                cached = self._children.get(child)
+                if cached is None or cached[0] != starts.get(child):  # new, or the pid was reused
+                    cached = self._children[child] = (starts.get(child), psutil.Process(child))
+                c = cached[1]
                 ct = c.cpu_times()
                 cpu_total += ct.user + ct.system
                 cio = _io_bytes(c)

@@ -188,7 +188,7 @@ class Recovery:
         clients = control.clients()
         if clients:
             entry = inc.begin_action("checkpoint", f"requested from ranks {sorted(clients)}")
-            control.request_checkpoint(inc.id, rc.client_boundary_s)
+            control.request_checkpoint(inc.id, rc.client_boundary_s, rc.checkpoint_grace_s)
             deadline = time.monotonic() + rc.checkpoint_grace_s
             acks: dict[int, dict[str, Any]] = {}
             while time.monotonic() < deadline and child.poll() is None:

@@ -1,0 +1,251 @@
+"""Control API security and validation: peer credentials, job ids, hooks, pid ownership, and the rule that
+nothing the API accepts makes the daemon signal a process outside a registered or discovered job."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from daemon_helpers import GW, short_dir
+from gpu_watchdog.config import Config
+from gpu_watchdog.control import ControlServer, PeerCred, check_peer, handle_request, request
+from gpu_watchdog.daemon import Daemon
+from gpu_watchdog.daemon_config import DaemonSettings, HookSpec
+from gpu_watchdog.errors import UsageError
+from gpu_watchdog.sdnotify import Notifier
+
+ROOT = PeerCred(1, 0, 0)
+ALICE = PeerCred(1, 4242, 4242)
+
+
+@pytest.fixture
+def base():
+    d = short_dir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(base: Path) -> Daemon:
+    settings = DaemonSettings(control_socket=str(base / "c.sock"), socket_group="", allowed_uids=(4242,),
+                              hooks={"requeue": HookSpec("requeue", "command", ("/bin/true", "{job_id}"), 5.0)})
+    return Daemon(Config(), settings, base / "state", notifier=Notifier(None))
+
+
+@pytest.fixture
+def sleeper():
+    procs = []
+
+    def start() -> int:
+        p = subprocess.Popen(["sleep", "60"])
+        procs.append(p)
+        return p.pid
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_check_peer_rules() -> None:
+    s = DaemonSettings(allowed_uids=(1000,), allowed_gids=(2000,))
+    assert check_peer(PeerCred(1, 0, 0), s, set()) is None
+    assert check_peer(PeerCred(1, 1000, 1000), s, set()) is None
+    assert check_peer(PeerCred(1, 1001, 2000), s, set()) is None
+    assert check_peer(PeerCred(1, 1001, 1001), s, {2000}) is None  # supplementary group
+    assert "not allowed" in (check_peer(PeerCred(1, 1001, 1001), s, {3000}) or "")
+    no_root = DaemonSettings(allowed_uids=(1000,), allow_root=False)
+    assert check_peer(PeerCred(1, 0, 0), no_root, set()) is not None
+
+
+def test_real_socket_refuses_peer_not_allowed(daemon: Daemon, base: Path) -> None:
+    daemon.settings = DaemonSettings(control_socket=str(base / "c.sock"), socket_group="", allow_root=False,
+                                     allowed_uids=(4242,))
+    srv = ControlServer(daemon.settings, daemon)
+    srv.start()
+    try:
+        assert (os.stat(srv.path).st_mode & 0o777) == 0o660
+        reply = request(str(srv.path), {"op": "status"})
+        assert not reply["ok"] and "permission denied" in reply["error"] and "uid 0" in reply["error"]
+        srv.settings = daemon.settings = DaemonSettings(control_socket=str(base / "c.sock"), socket_group="")
+        assert request(str(srv.path), {"op": "status"})["ok"]
+        # garbage and oversized requests are answered, never crash the server
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(srv.path))
+        s.sendall(b"not json\n")
+        assert "not valid JSON" in s.recv(4096).decode()
+        s.sendall(b"x" * 70000)
+        assert "longer than" in s.recv(4096).decode()
+        s.close()
+        assert request(str(srv.path), {"op": "status"})["ok"]
+    finally:
+        srv.stop()
+    assert not srv.path.exists()
+
+
+@pytest.mark.parametrize("job_id", ["a/b", "..", "a..b", "x\n", "x\x1b[31m", "", "-x", "a" * 200, 5, None])
+def test_bad_job_ids_refused(daemon: Daemon, sleeper, job_id: object) -> None:
+    with pytest.raises(UsageError):
+        handle_request(daemon, {"op": "job-start", "job_id": job_id, "pids": [sleeper()]}, ROOT)
+    assert daemon.registrations() == {}
+
+
+def test_unknown_hook_and_fields_refused(daemon: Daemon, sleeper) -> None:
+    pid = sleeper()
+    with pytest.raises(UsageError, match="unknown restart_hook"):
+        handle_request(daemon, {"op": "job-start", "job_id": "j", "pids": [pid], "restart_hook": "rm -rf /"}, ROOT)
+    with pytest.raises(UsageError, match="unknown field"):
+        handle_request(daemon, {"op": "job-start", "job_id": "j", "pids": [pid], "argv": ["sh"]}, ROOT)
+    with pytest.raises(UsageError, match="op must be"):
+        handle_request(daemon, {"op": "exec", "job_id": "j"}, ROOT)
+    ok = handle_request(daemon, {"op": "job-start", "job_id": "j", "pids": [pid], "restart_hook": "requeue"}, ROOT)
+    assert ok["ok"] and daemon.registrations()["j"]["restart_hook"] == "requeue"
+
+
+def test_pids_must_be_live_and_owned(daemon: Daemon, sleeper) -> None:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    for bad in ([p.pid], [0], [1], [-5], ["12"], [True], "123"):
+        with pytest.raises(UsageError):
+            handle_request(daemon, {"op": "job-start", "job_id": "j", "pids": bad}, ROOT)
+    # alice (allowed peer) may not register root's processes
+    with pytest.raises(UsageError, match="not to you"):
+        handle_request(daemon, {"op": "job-start", "job_id": "j", "pids": [sleeper()]}, ALICE)
+    with pytest.raises(UsageError, match="invalid cgroup"):
+        handle_request(daemon, {"op": "job-start", "job_id": "j", "cgroup": "../../etc"}, ROOT)
+
+
+def test_other_users_cannot_end_or_restart_a_job(daemon: Daemon, sleeper) -> None:
+    handle_request(daemon, {"op": "job-start", "job_id": "j", "pids": [sleeper()]}, ROOT)
+    for op in ("job-end", "restart", "preempt"):
+        with pytest.raises(UsageError, match="another user"):
+            handle_request(daemon, {"op": op, "job_id": "j"}, ALICE)
+    assert "j" in daemon.registrations()
+    with pytest.raises(UsageError, match="not registered"):
+        handle_request(daemon, {"op": "restart", "job_id": "nope"}, ROOT)
+
+
+def test_signals_only_reach_registered_job_processes(daemon: Daemon, sleeper) -> None:
+    victim = sleeper()  # never registered
+    job = subprocess.Popen([sys.executable, "-c", "import subprocess,time; subprocess.Popen(['sleep','60']); "
+                            "time.sleep(60)"])
+    try:
+        handle_request(daemon, {"op": "job-start", "job_id": "j", "pids": [job.pid]}, ROOT)
+        time.sleep(0.3)
+        pids = {p.pid for p in daemon.job_processes("j")}
+        assert job.pid in pids and victim not in pids and os.getpid() not in pids
+        assert len(pids) == 2  # the job and its child
+        # a registered pid that exits and is "reused" does not count: create time is checked
+        reg = daemon.registrations()["j"]
+        reg["pids"][0]["create_time"] += 1.0
+        daemon.register(reg)
+        assert job.pid not in {p.pid for p in daemon.job_processes("j")}
+        # a job registered by a non-root peer never includes another user's processes
+        reg["pids"][0]["create_time"] -= 1.0
+        reg["registered_by_uid"] = 4242
+        daemon.register(reg)
+        assert daemon.job_processes("j") == []
+        # preempt of a job that did not opt in sends nothing
+        reply = handle_request(daemon, {"op": "preempt", "job_id": "j", "timeout_s": 0.5}, ROOT)
+        assert not reply["ok"] and "did not opt in" in reply["error"]
+        assert psutil.Process(victim).status() != psutil.STATUS_ZOMBIE
+    finally:
+        for c in psutil.Process(job.pid).children(recursive=True):
+            c.kill()
+        job.kill()
+        job.wait()
+
+
+def test_preempt_with_signal_opt_in(base: Path) -> None:
+    from dataclasses import replace
+
+    cfg = Config()
+    cfg = replace(cfg, recovery=replace(cfg.recovery, checkpoint_signal="SIGUSR1"))
+    d = Daemon(cfg, DaemonSettings(socket_group=""), base / "state", notifier=Notifier(None))
+    job = subprocess.Popen([sys.executable, "-c", "import signal,sys,time; "
+                            "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(0)); time.sleep(60)"])
+    try:
+        time.sleep(0.3)
+        handle_request(d, {"op": "job-start", "job_id": "j", "pids": [job.pid], "checkpoint_opt_in": True}, ROOT)
+        from gpu_watchdog.detector import DetectorState, JobStatus
+
+        d.state = DetectorState(jobs={"j": JobStatus("j", rank_pids={0: job.pid})})
+        reply = handle_request(d, {"op": "preempt", "job_id": "j", "timeout_s": 5}, ROOT)
+        assert reply["ok"] and reply["sent_to"] == [job.pid]
+        assert job.wait(5) == 0
+    finally:
+        job.kill()
+
+
+def test_hook_cli_against_real_daemon(base: Path) -> None:
+    (base / "c.toml").write_text(f'[agent]\nbackend = "proc"\nstate_dir = "{base / "state"}"\n'
+                                 f'[daemon]\ncontrol_socket = "{base / "c.sock"}"\nsocket_group = ""\n'
+                                 '[hooks.requeue]\ntype = "slurm-requeue"\n')
+    d = subprocess.Popen([GW, "run", "--config", str(base / "c.toml")], stderr=subprocess.PIPE)
+    sl = subprocess.Popen(["sleep", "60"])
+    try:
+        deadline = time.time() + 20
+        while not (base / "c.sock").exists() and time.time() < deadline:
+            time.sleep(0.1)
+        run = lambda *a: subprocess.run([GW, "hook", *a, "--config", str(base / "c.toml")],  # noqa: E731
+                                        capture_output=True, text=True, timeout=30)
+        r = run("job-start", "--job-id", "../etc", "--pid", str(sl.pid))
+        assert r.returncode == 1 and "invalid job id" in r.stderr
+        r = run("job-start", "--job-id", "j1", "--pid", str(sl.pid), "--restart-hook", "nope")
+        assert r.returncode == 1 and "unknown restart_hook" in r.stderr
+        assert run("job-start", "--job-id", "j1", "--pid", str(sl.pid), "--restart-hook", "requeue").returncode == 0
+        st = json.loads(run("status").stdout)
+        assert st["registered"] == ["j1"]
+        assert run("job-end", "--job-id", "j1").returncode == 0
+        assert json.loads(run("status").stdout)["registered"] == []
+    finally:
+        sl.kill()
+        d.send_signal(signal.SIGTERM)
+        d.wait(15)
+
+
+def test_slurm_prolog_epilog_with_standin_scontrol(base: Path) -> None:
+    repo = Path(__file__).resolve().parent.parent
+    (base / "c.toml").write_text(f'[agent]\nbackend = "proc"\nstate_dir = "{base / "state"}"\n'
+                                 f'[daemon]\ncontrol_socket = "{base / "c.sock"}"\nsocket_group = ""\n'
+                                 '[hooks.slurm-requeue]\ntype = "slurm-requeue"\n')
+    bindir = base / "bin"
+    bindir.mkdir()
+    sl = subprocess.Popen(["sleep", "60"])
+    (bindir / "scontrol").write_text("#!/bin/sh\n[ \"$1\" = listpids ] || exit 2\n"
+                                     "echo 'PID      JOBID    STEPID   LOCALID GLOBALID'\n"
+                                     f"echo '{sl.pid}    $2    0    0    0'\n")
+    (bindir / "scontrol").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4711",
+           "GPU_WATCHDOG": GW, "GPU_WATCHDOG_SOCKET": str(base / "c.sock"),
+           "GPU_WATCHDOG_CGROUP_ROOT": str(base / "nocgroup")}
+    d = subprocess.Popen([GW, "run", "--config", str(base / "c.toml")], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 20
+        while not (base / "c.sock").exists() and time.time() < deadline:
+            time.sleep(0.1)
+        pro = subprocess.run([str(repo / "scheduler/slurm/prolog.sh")], env=env, capture_output=True, text=True,
+                             timeout=30)
+        assert pro.returncode == 0, pro.stderr
+        st = request(str(base / "c.sock"), {"op": "status"})
+        assert st["registered"] == ["4711"]
+        epi = subprocess.run([str(repo / "scheduler/slurm/epilog.sh")], env=env, capture_output=True, text=True,
+                             timeout=30)
+        assert epi.returncode == 0 and request(str(base / "c.sock"), {"op": "status"})["registered"] == []
+    finally:
+        sl.kill()
+        d.send_signal(signal.SIGTERM)
+        d.wait(15)
+    # the daemon is down: the prolog still exits 0 (never drains the node), and says why
+    pro = subprocess.run([str(repo / "scheduler/slurm/prolog.sh")], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert pro.returncode == 0 and "not registered" in pro.stderr

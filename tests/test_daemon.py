@@ -1,0 +1,197 @@
+"""The node daemon end to end: a real hanging 4-rank gloo job registered through ``gpu-watchdog hook``,
+found, proven with stacks, stopped and handed to the restart hook exactly once — also across a SIGKILL of
+the daemon in the middle of the hook. Plus bad config (exit 78), SIGHUP reload and the in-process faults
+the daemon must survive (NVML fault, vanished process, failing hook)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from daemon_helpers import GW, DaemonProc, records, short_dir, wait_for, write_config
+from gloo_jobs import start_job
+
+
+@pytest.fixture
+def base():
+    d = short_dir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _incidents(state: Path) -> list[dict]:
+    out = subprocess.run([GW, "incidents", "--state-dir", str(state), "--json"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _register(d: DaemonProc, job_id: str, pid: int, hook: str = "requeue") -> None:
+    out = subprocess.run([GW, "hook", "job-start", "--socket", d.socket, "--job-id", job_id, "--pid", str(pid),
+                          "--restart-hook", hook], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr + d.log_text()
+
+
+@pytest.mark.slow
+def test_daemon_finds_registered_hang_and_runs_restart_hook_once(base: Path) -> None:
+    d = DaemonProc(base, write_config(base))
+    job = start_job("hang", nproc=4, extra_args=("--rank-at", "1", "--step-at", "60", "--steps", "1000"),
+                    tmp_path=base / "job")
+    try:
+        d.wait_socket()
+        job.wait_ranks(60)
+        _register(d, "train-42", job.proc.pid)
+        wait_for(lambda: len(records(base)) >= 2, 90, "restart hook ran", d.log_text)
+        inc = wait_for(lambda: [i for i in _incidents(base / "state") if i.get("outcome")
+                                     and i["job_id"] == "train-42"], 30, "incident finished", d.log_text)[0]
+        assert inc["job_id"] == "train-42" and inc["kind"] == "stall"
+        assert inc["culprit_ranks"] == [1], inc
+        stacks = sorted(p.name for p in Path(inc["stacks_dir"]).iterdir())
+        assert stacks == [f"rank-{r}.json" for r in range(4)]
+        acts = {a["action"]: a for a in inc["actions"]}
+        assert acts["stop"]["ok"] and acts["restart_hook"]["ok"], inc["actions"]
+        rec = [r for r in records(base) if "argv" in r]
+        assert len(rec) == 1
+        assert rec[0]["argv"] == ["requeue", "train-42", "--level=1", inc["id"], rec[0]["argv"][-1]]
+        assert rec[0]["env_level"] == "1"
+        # the job is gone, the overlay is readable through `gpu-watchdog env`
+        wait_for(lambda: job.proc.poll() is not None, 15, "job stopped")
+        env = subprocess.run([GW, "env", "--state-dir", str(base / "state"), "--job", "train-42"],
+                             capture_output=True, text=True, timeout=60)
+        assert env.returncode == 0 and "export NCCL_P2P_DISABLE=1" in env.stdout, env
+        st = d.call("incidents")
+        row = [r for r in st["incidents"] if r["id"] == inc["id"]][0]
+        assert st["ok"] and row["outcome"] == "restart hook ran"
+        seq = [a["action"] for a in row["actions"]]
+        assert seq.index("stop") < seq.index("restart_hook")
+        assert all(a["finished_at"] is not None for a in row["actions"])
+        assert d.proc.poll() is None  # still running
+        d.kill(signal.SIGTERM)
+        assert d.proc.returncode == 0, d.log_text()
+        assert not Path(d.socket).exists()
+    finally:
+        job.stop()
+        d.kill()
+
+
+@pytest.mark.slow
+def test_sigkill_during_restart_hook_then_restart_completes_without_rerun(base: Path) -> None:
+    d = DaemonProc(base, write_config(base, hook_sleep=4.0))
+    job = start_job("hang", nproc=4, extra_args=("--rank-at", "2", "--step-at", "60", "--steps", "1000"),
+                    tmp_path=base / "job")
+    try:
+        d.wait_socket()
+        job.wait_ranks(60)
+        _register(d, "train-7", job.proc.pid)
+        wait_for(lambda: (base / "hook.record.started").exists(), 90, "restart hook started", d.log_text,
+                 poll=0.05)
+        d.kill(signal.SIGKILL)  # right after the hook started, before it finished
+        d2 = DaemonProc(base, d.config)
+        d2.wait_socket()
+        inc = wait_for(lambda: [i for i in _incidents(base / "state") if i.get("outcome")
+                                     and i["job_id"] == "train-7"], 30, "incident completed after the restart",
+                       d2.log_text)[0]
+        assert "not re-run" in inc["outcome"], inc
+        hook = [a for a in inc["actions"] if a["action"] == "restart_hook"]
+        assert len(hook) == 1 and "interrupted" in hook[0]["detail"]
+        wait_for(lambda: any(r.get("done") for r in records(base)), 15, "the orphaned hook finished")
+        time.sleep(1.5)  # a few more ticks: nothing re-runs it
+        assert len([r for r in records(base) if "argv" in r]) == 1
+        rows = [r for r in d2.call("incidents")["incidents"] if r["id"] == inc["id"]]
+        assert rows[0]["finished_at"] is not None
+        assert d2.call("status")["ok"]
+        d2.kill(signal.SIGTERM)
+    finally:
+        job.stop()
+        d.kill()
+
+
+def test_bad_config_exits_78_naming_the_key(base: Path) -> None:
+    cfg = write_config(base, extra='[hooks.bad]\nargv = ["rm", "{job_id}{shell}"]\n')
+    out = subprocess.run([GW, "run", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 78
+    assert "hooks.bad.argv[1]" in out.stderr and "{shell}" in out.stderr
+    cfg.write_text('[daemon]\nallowed_uids = ["root"]\n')
+    out = subprocess.run([GW, "run", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 78 and "daemon.allowed_uids" in out.stderr
+
+
+def test_sighup_reload_bad_config_keeps_old(base: Path) -> None:
+    cfg = write_config(base)
+    d = DaemonProc(base, cfg)
+    try:
+        d.wait_socket()
+        good = cfg.read_text()
+        cfg.write_text(good.replace("[hooks.requeue]", "[hooks.requeue]\nbogus = 1"))
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "keeping the old config" in d.log_text(), 15, "reload refused", d.log_text)
+        assert d.call("status")["hooks"] == ["requeue"]
+        cfg.write_text(good + '\n[hooks.other]\ntype = "slurm-requeue"\n')
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: d.call("status")["hooks"] == ["other", "requeue"], 15, "reloaded", d.log_text)
+        d.kill(signal.SIGTERM)
+        assert d.proc.returncode == 0
+    finally:
+        d.kill()
+
+
+# -- in-process: faults the daemon must survive --------------------------------------------------------
+class _FlakyBackend:
+    name = "fake"
+
+    def __init__(self, fail_at: set[int]) -> None:
+        self.n = 0
+        self.fail_at = fail_at
+
+    def sample(self):
+        from gpu_watchdog.model import NodeSample
+
+        self.n += 1
+        if self.n in self.fail_at:
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+        return NodeSample(t=time.time(), hostname="n", backend="fake", devices=(), processes=(), errors=())
+
+    def close(self) -> None:
+        pass
+
+
+def test_tick_survives_backend_fault_vanished_pid_and_gates_watchdog(tmp_path: Path) -> None:
+    from gpu_watchdog.config import Config
+    from gpu_watchdog.daemon import Daemon, validate_pids_live
+    from gpu_watchdog.daemon_config import DaemonSettings
+
+    sent: list[str] = []
+
+    class N:
+        watchdog_interval_s = None
+
+        def watchdog(self) -> None:
+            sent.append("WATCHDOG")
+
+        def ready(self, status: str) -> None:
+            sent.append("READY")
+
+        def status(self, line: str) -> None:
+            sent.append("STATUS")
+
+    d = Daemon(Config(), DaemonSettings(socket_group=""), tmp_path, backend=_FlakyBackend({1, 3}),
+               notifier=N())  # type: ignore[arg-type]
+    d.health._ping = N().watchdog  # type: ignore[method-assign]
+    d.tick()  # NVML fault on the first tick: not ready, no ping
+    assert d.ticks_failed == 1 and "READY" not in sent and not d.health.maybe_ping(time.monotonic())
+    p = subprocess.Popen(["sleep", "30"])
+    d.register({"job_id": "j", "pids": validate_pids_live([p.pid]), "registered_by_uid": 0})
+    p.kill()
+    p.wait()  # the registered process vanishes
+    d.tick()
+    assert sent.count("READY") == 1 and d.ticks_ok == 1
+    assert d.health.maybe_ping(time.monotonic()) and "WATCHDOG" in sent
+    d.tick()  # another fault: the daemon keeps going
+    d.tick()
+    assert d.ticks_ok == 2 and d.ticks_failed == 2 and sent.count("READY") == 1
+    assert d.job_processes("j") == []

@@ -1,0 +1,87 @@
+"""Restart hooks: placeholder validation, no argv injection, timeouts, failures, output capture."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+from gpu_watchdog.daemon_config import HookSpec, parse_daemon_sections
+from gpu_watchdog.errors import ConfigError, UsageError
+from gpu_watchdog.hooks import placeholder_values, render_argv, run_hook
+
+
+def test_builtin_types_and_defaults() -> None:
+    s = parse_daemon_sections({"hooks": {"sr": {"type": "slurm-requeue"}, "k": {"type": "k8s-delete-pod"},
+                                         "c": {"argv": ["/bin/true", "{job_id}"], "timeout_s": 5}}})
+    assert s.hooks["sr"].argv == ("scontrol", "requeue", "{job_id}")
+    assert s.hooks["k"].argv[:3] == ("kubectl", "delete", "pod")
+    assert s.hooks["c"].timeout_s == 5.0
+
+
+@pytest.mark.parametrize("argv,key", [
+    (["rm", "{cmd}"], "hooks.h.argv[1]"),
+    (["rm", "{job_id!r}"], "hooks.h.argv[1]"),
+    (["rm", "{job_id:>99}"], "hooks.h.argv[1]"),
+    (["rm", "{job_id.__class__}"], "hooks.h.argv[1]"),
+    (["rm", "{0}"], "hooks.h.argv[1]"),
+    (["{job_id}"], "hooks.h.argv[0]"),
+    ([], "hooks.h.argv"),
+    (["rm", "{"], "hooks.h.argv[1]"),
+])
+def test_bad_templates_are_config_errors(argv: list[str], key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        parse_daemon_sections({"hooks": {"h": {"argv": argv}}})
+
+
+def test_unknown_hook_key_and_type() -> None:
+    with pytest.raises(ConfigError, match="hooks.h.shell"):
+        parse_daemon_sections({"hooks": {"h": {"argv": ["x"], "shell": True}}})
+    with pytest.raises(ConfigError, match="hooks.h.type"):
+        parse_daemon_sections({"hooks": {"h": {"type": "sh"}}})
+
+
+@pytest.mark.parametrize("job_id", ["a b", "a;rm -rf /", "../x", "a/b", "-rf", "x\n--all", "", "a\x00b",
+                                    "$(id)", "`id`"])
+def test_placeholder_values_refuse_injection(job_id: str) -> None:
+    with pytest.raises(UsageError):
+        placeholder_values(job_id, "node1", 1, "inc-1")
+
+
+def test_one_element_per_template_element() -> None:
+    vals = placeholder_values("job.1", "node-1", 2, "20250101T000000-job.1-stall")
+    argv = render_argv(("scontrol", "requeue", "{job_id}", "--comment=lvl{level}@{node}", "{incident}"), vals)
+    assert argv == ("scontrol", "requeue", "job.1", "--comment=lvl2@node-1", "20250101T000000-job.1-stall")
+    with pytest.raises(UsageError):
+        placeholder_values("job", "node 1", 1, "")
+    with pytest.raises(UsageError):
+        placeholder_values("job", "node", -1, "")
+
+
+def test_run_hook_records_exit_code_and_output() -> None:
+    spec = HookSpec("h", "command", (sys.executable, "-c", "import sys; print('hi', sys.argv[1:]); sys.exit(3)",
+                                     "{job_id}"), 10.0)
+    res = run_hook(spec, placeholder_values("j1", "n", 0, "i"))
+    assert res.exit_code == 3 and not res.ok and not res.timed_out
+    assert "hi ['j1']" in res.output and "exit 3" in res.detail()
+
+
+def test_run_hook_timeout_kills_the_group() -> None:
+    spec = HookSpec("h", "command", (sys.executable, "-c", "import subprocess,time; "
+                                     "subprocess.Popen(['sleep','30']); time.sleep(30)"), 0.5)
+    t0 = time.monotonic()
+    res = run_hook(spec, placeholder_values("j1", "n", 0, "i"))
+    assert res.timed_out and res.exit_code is None and time.monotonic() - t0 < 10
+    assert "timed out" in res.detail()
+
+
+def test_run_hook_missing_program() -> None:
+    res = run_hook(HookSpec("h", "command", ("/nonexistent/prog",), 1.0), placeholder_values("j", "n", 0, ""))
+    assert not res.ok and "cannot start" in res.detail()
+
+
+def test_hook_environment_is_minimal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SECRET_TOKEN", "x")
+    spec = HookSpec("h", "command", (sys.executable, "-c", "import os; print(sorted(os.environ))"), 10.0)
+    res = run_hook(spec, placeholder_values("j", "n", 0, ""))
+    assert "SECRET_TOKEN" not in res.output and "GPU_WATCHDOG_JOB_ID" in res.output

@@ -1,0 +1,132 @@
+"""The daemon's SQLite store: WAL, actions logged before and after, resume rules, corrupt/unwritable files,
+and housekeeping of incident directories."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from gpu_watchdog.config import Config
+from gpu_watchdog.daemon import Daemon
+from gpu_watchdog.daemon_config import DaemonSettings, HookSpec
+from gpu_watchdog.detector import Finding
+from gpu_watchdog.sdnotify import Notifier
+from gpu_watchdog.store import Store
+
+
+def _daemon(state: Path, **kw: object) -> Daemon:
+    return Daemon(Config(), DaemonSettings(socket_group="", **kw), state, notifier=Notifier(None))  # type: ignore[arg-type]
+
+
+def _finding(job: str = "j1") -> Finding:
+    return Finding("stall", "idle_held", job, (0, 1), (1,), time.time() - 5, time.time())
+
+
+def test_wal_and_roundtrip(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    assert not s.problem
+    mode = sqlite3.connect(tmp_path / "daemon.sqlite3").execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+    s.put_job("j1", [{"pid": 5, "create_time": 1.5, "uid": 0}], None, "requeue", True, 0)
+    s.add_incident("i1", "j1", "stall", "/x")
+    seq = s.begin_action("i1", "restart_hook", "argv")
+    assert s.unfinished_incidents()[0]["id"] == "i1"
+    assert s.actions("i1")[0]["finished_at"] is None  # logged before it runs
+    s.end_action(seq, True, "exit 0")
+    s.finish_incident("i1", "done")
+    s.put_fallback("j1", 1, "p2p", {"NCCL_P2P_DISABLE": "1"})
+    s.close()
+    s2 = Store(tmp_path)  # survives a reopen
+    assert s2.jobs()["j1"]["checkpoint_opt_in"] is True
+    assert s2.actions("i1")[0]["ok"] is True and s2.unfinished_incidents() == []
+    assert s2.fallback("j1")["env"] == {"NCCL_P2P_DISABLE": "1"}
+
+
+def test_corrupt_store_is_reported_and_daemon_keeps_working(tmp_path: Path) -> None:
+    (tmp_path / "daemon.sqlite3").write_bytes(b"this is not a database" * 100)
+    s = Store(tmp_path)
+    assert "state store unusable" in s.problem and "daemon.sqlite3" in s.problem
+    s.add_incident("i1", "j", "stall", "/x")  # in memory
+    assert s.unfinished_incidents()[0]["id"] == "i1"
+    d = _daemon(tmp_path)
+    assert "STATE STORE DEGRADED" in d.status_line()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file modes")
+def test_unwritable_store(tmp_path: Path) -> None:
+    tmp_path.chmod(0o500)
+    try:
+        assert Store(tmp_path).problem
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_unwritable_store_as_root(tmp_path: Path) -> None:
+    (tmp_path / "daemon.sqlite3").mkdir()  # cannot be opened as a file, even by root
+    s = Store(tmp_path)
+    assert "unusable" in s.problem
+    s.put_job("j", [], None, None, False, 0)
+    assert "j" in s.jobs()
+
+
+def test_resume_never_reruns_an_interrupted_hook(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    hook = HookSpec("h", "command", ("/bin/sh", "-c", f"echo x >> {marker}"), 5.0)
+    d = _daemon(tmp_path / "state", hooks={"h": hook})
+    d.register({"job_id": "j1", "pids": [], "restart_hook": "h", "registered_by_uid": 0})
+    inc = d.incidents.create(_finding(), "node")
+    inc.begin_action("restart_hook", "h: ...")  # the daemon "died" here
+    d2 = _daemon(tmp_path / "state", hooks={"h": hook})
+    assert d2.resume() == [inc.id]
+    assert not marker.exists()
+    acts = d2.store.actions(inc.id)
+    assert acts[-1]["action"] == "restart_hook" and "not re-run" in acts[-1]["detail"]
+    summary = d2.incidents.get(inc.id).summary
+    assert "not re-run" in summary["outcome"] and summary["actions"][-1]["interrupted"]
+    assert d2.resume() == []  # finished once
+
+
+def test_resume_runs_a_hook_that_never_started(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    hook = HookSpec("h", "command", ("/bin/sh", "-c", f"echo x >> {marker}"), 5.0)
+    d = _daemon(tmp_path / "state", hooks={"h": hook})
+    d.register({"job_id": "j1", "pids": [], "restart_hook": "h", "registered_by_uid": 0})
+    inc = d.incidents.create(_finding(), "node")
+    e = inc.begin_action("stop", "SIGTERM")  # died during the stop ladder
+    del e
+    d2 = _daemon(tmp_path / "state", hooks={"h": hook})
+    d2.resume()
+    assert marker.read_text() == "x\n"
+    acts = [a["action"] for a in d2.store.actions(inc.id)]
+    assert acts == ["stop", "stop", "restart_hook"]
+
+
+def test_failing_and_missing_hooks_are_recorded(tmp_path: Path) -> None:
+    hook = HookSpec("h", "command", ("/bin/sh", "-c", "echo nope; exit 7"), 5.0)
+    d = _daemon(tmp_path / "state", hooks={"h": hook})
+    inc = d.incidents.create(_finding(), "node")
+    assert not d._run_restart_hook(inc, "j1", "h", 1)
+    assert not d._run_restart_hook(inc, "j1", "gone", 1)
+    acts = d.store.actions(inc.id)
+    assert "exit 7" in acts[0]["detail"] and "nope" in acts[0]["detail"] and acts[0]["ok"] is False
+    assert "no longer in the config" in acts[1]["detail"]
+    assert d.incidents.get(inc.id).summary["restart_hook"]["exit_code"] == 7
+
+
+def test_housekeeping_by_age_and_size(tmp_path: Path) -> None:
+    d = _daemon(tmp_path / "state", incident_max_age_days=1.0, incident_max_total_mb=1.0)
+    old, big, new, active = (d.incidents.create(_finding(f"j{i}"), "n") for i in range(4))
+    for inc in (old, big, new):
+        d.store.finish_incident(inc.id, "done")
+    now = time.time()
+    os.utime(old.dir / "summary.json", (now - 3 * 86400, now - 3 * 86400))
+    (big.dir / "blob").write_bytes(b"x" * (2 << 20))
+    os.utime(big.dir / "summary.json", (now - 3600, now - 3600))
+    os.utime(active.dir / "summary.json", (now - 9 * 86400, now - 9 * 86400))
+    removed = d.housekeeping(now)
+    assert set(removed) == {old.id, big.id}
+    assert new.dir.exists() and active.dir.exists()  # an unfinished incident is never removed
+    assert {r["id"] for r in d.store.incidents()} == {new.id, active.id}
