@@ -59,7 +59,7 @@ def test_file_format(two_nodes: tuple[Path, Path]) -> None:
     assert files == ["rank-0.json", "rank-1.json", "rank-2.json", "rank-3.json"]  # no temp files left
     doc = json.loads((a / "stacks" / "rank-2.json").read_text())
     assert {"version", "rank", "pid", "host", "outcome", "detail", "elapsed_s", "t", "world_size", "job_id",
-            "threads"} == set(doc)
+            "threads", "raw"} == set(doc)
     assert (doc["rank"], doc["pid"], doc["host"], doc["outcome"], doc["world_size"]) == (2, 4002, "node-a", "ok", 8)
     assert doc["threads"][1]["thread_name"] == "MainThread"
 

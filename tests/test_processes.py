@@ -1,0 +1,319 @@
+"""ProcessScanner against real processes: identity from the environment, rank trees, scoping, zombies, races."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import psutil
+import pytest
+from gpu_watchdog import processes as processes_mod
+from gpu_watchdog.model import JobIdentity, ProcessSample
+from gpu_watchdog.processes import ProcessScanner, identity_from_env
+
+ID_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID",
+           "SLURM_LOCALID", "SLURM_NTASKS", "GPU_WATCHDOG_JOB_ID")
+SLEEP = "import time; time.sleep(120)"
+# Burn ~0.5 s of CPU, then sleep: a dataloader worker that did some work.
+BURN = "import time\ne = time.process_time() + 0.5\nwhile time.process_time() < e: pass\ntime.sleep(120)"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ID_KEYS}
+    env.update(extra)
+    return env
+
+
+class Procs:
+    """Starts processes in their own sessions and kills every one of them (and their children) at the end."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, code: str, **env: str) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen([sys.executable, "-c", code], env=clean_env(**env), start_new_session=True)
+        self.started.append(p)
+        wait_for(lambda: _env_ready(p.pid, env), what=f"pid {p.pid} to exec")
+        return p
+
+    def kill(self, p: subprocess.Popen[bytes], reap: bool = True) -> None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if reap:
+            p.wait()
+
+    def close(self) -> None:
+        for p in self.started:
+            self.kill(p)
+
+
+def _env_ready(pid: int, env: dict[str, str]) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return proc.cmdline()[:1] == [sys.executable] and all(proc.environ().get(k) == v for k, v in env.items())
+    except psutil.Error:
+        return False
+
+
+def wait_for(cond: Callable[[], object], what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    p = Procs()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def mine(samples: tuple[ProcessSample, ...], *ps: subprocess.Popen[bytes]) -> dict[int, ProcessSample]:
+    pids = {p.pid for p in ps}
+    return {s.pid: s for s in samples if s.pid in pids}
+
+
+# -- identity from the environment --------------------------------------------------------------------
+@pytest.mark.parametrize(("env", "ident"), [
+    ({"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "te-1"},
+     JobIdentity("te-1", 2, 2, 4)),
+    ({"SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8"},
+     JobIdentity("4242", 5, 1, 8)),
+    ({"SLURM_JOB_ID": "4242", "TORCHELASTIC_RUN_ID": "te-1", "RANK": "3", "SLURM_PROCID": "0"},
+     JobIdentity("4242", 3, None, None)),  # torchrun inside Slurm: the Slurm job id, torchrun's RANK
+    ({"GPU_WATCHDOG_JOB_ID": "wd-7", "SLURM_JOB_ID": "4242", "TORCHELASTIC_RUN_ID": "te-1", "RANK": "1",
+      "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, JobIdentity("wd-7", 1, 1, 2)),
+    ({"RANK": "0"}, JobIdentity("unknown", 0)),
+    ({"RANK": "0", "GPU_WATCHDOG_JOB_ID": ""}, JobIdentity("unknown", 0)),  # empty ids do not count
+])
+def test_identity_of_a_real_process(procs: Procs, env: dict[str, str], ident: JobIdentity) -> None:
+    p = procs.start(SLEEP, **env)
+    samples, errors = ProcessScanner(root_pid=os.getpid()).sample()
+    got = mine(samples, p)
+    assert got[p.pid].job == ident and got[p.pid].is_rank
+    assert got[p.pid].create_time == psutil.Process(p.pid).create_time()
+    assert got[p.pid].cmdline[:2] == (sys.executable, "-c") and got[p.pid].status in ("sleeping", "running")
+    assert got[p.pid].rss_bytes > 0 and errors == []
+
+
+def test_processes_without_identity_are_not_sampled(procs: Procs) -> None:
+    p = procs.start(SLEEP)
+    q = procs.start(SLEEP, GPU_WATCHDOG_JOB_ID="launcher-only")  # a job member that is no rank
+    samples, _ = ProcessScanner(root_pid=os.getpid()).sample()
+    assert mine(samples, p, q) == {}
+    # ... unless someone else names them (NVML, a scheduler registration)
+    samples, _ = ProcessScanner(root_pid=os.getpid()).sample(extra_pids=[p.pid, q.pid])
+    got = mine(samples, p, q)
+    assert got[p.pid].job is None and not got[p.pid].is_rank
+    assert got[q.pid].job == JobIdentity("launcher-only") and not got[q.pid].is_rank
+
+
+def test_identity_from_env_unit() -> None:
+    assert identity_from_env({}) is None
+    assert identity_from_env({"PATH": "/bin"}) is None
+    assert identity_from_env({"RANK": "x"}) is None
+    assert identity_from_env({"SLURM_PROCID": "3"}) == JobIdentity("unknown", 3)
+    assert identity_from_env({"RANK": "1", "LOCAL_RANK": "z", "WORLD_SIZE": "4"}) == JobIdentity("unknown", 1,
+                                                                                                None, 4)
+    assert identity_from_env({"TORCHELASTIC_RUN_ID": "r"}) == JobIdentity("r")  # torchrun's own agent, no rank
+
+
+# -- rank trees ---------------------------------------------------------------------------------------
+RANK_WITH_WORKER = (
+    "import subprocess, sys, time\n"
+    f"subprocess.Popen([sys.executable, '-c', {BURN!r}])\n"
+    "time.sleep(120)\n"
+)
+RANK_WITH_REAPED_WORKER = (
+    "import subprocess, sys, time\n"
+    f"subprocess.run([sys.executable, '-c', {BURN.replace('time.sleep(120)', '')!r}])\n"
+    "time.sleep(120)\n"
+)
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children()
+    except psutil.Error:
+        return []
+
+
+def test_a_child_that_inherits_rank_is_not_a_rank_but_its_cpu_counts(procs: Procs) -> None:
+    rank = procs.start(RANK_WITH_WORKER, RANK="0", WORLD_SIZE="1", GPU_WATCHDOG_JOB_ID="tree")
+    wait_for(lambda: _children(rank.pid), what="the worker")
+    worker = _children(rank.pid)[0]
+    wait_for(lambda: worker.cpu_times().user + worker.cpu_times().system >= 0.45, what="the worker to burn CPU")
+    assert worker.environ().get("RANK") == "0"  # inherited
+    samples, _ = ProcessScanner(root_pid=os.getpid()).sample()
+    assert worker.pid not in {s.pid for s in samples}
+    s = mine(samples, rank)[rank.pid]
+    own = psutil.Process(rank.pid).cpu_times()
+    assert s.is_rank and s.job == JobIdentity("tree", 0, None, 1)
+    assert s.cpu_time_s >= own.user + own.system + 0.45
+    # NVML may name the worker (it holds a CUDA context): it is sampled then, but still not a rank.
+    samples, _ = ProcessScanner(root_pid=os.getpid()).sample(extra_pids=[worker.pid])
+    got = {x.pid: x for x in samples}
+    assert not got[worker.pid].is_rank and got[rank.pid].is_rank
+
+
+def test_cpu_of_reaped_children_still_counts(procs: Procs) -> None:
+    rank = procs.start(RANK_WITH_REAPED_WORKER, RANK="0", GPU_WATCHDOG_JOB_ID="reaped")
+
+    def reaped() -> bool:
+        ct = psutil.Process(rank.pid).cpu_times()
+        return ct.children_user + ct.children_system >= 0.45
+
+    wait_for(reaped, what="the worker to be reaped")
+    samples, _ = ProcessScanner(root_pid=os.getpid()).sample()
+    assert mine(samples, rank)[rank.pid].cpu_time_s >= 0.45
+
+
+def test_root_pid_scoping_excludes_a_decoy(procs: Procs) -> None:
+    job_root = procs.start(
+        "import subprocess, sys, os, time\n"
+        "for r in range(2):\n"
+        "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],\n"
+        "                     env={**os.environ, 'RANK': str(r), 'WORLD_SIZE': '2', 'TORCHELASTIC_RUN_ID': 'in'})\n"
+        "time.sleep(120)\n")
+    decoy = procs.start(SLEEP, RANK="0", WORLD_SIZE="2", TORCHELASTIC_RUN_ID="decoy")
+
+    def two_ranks() -> bool:
+        return len(_children(job_root.pid)) == 2 and all(
+            _env_ready(c.pid, {"RANK": c.environ().get("RANK", "?")}) for c in _children(job_root.pid))
+
+    wait_for(two_ranks, what="the job's ranks")
+    ranks = {c.pid for c in _children(job_root.pid)}
+    samples, _ = ProcessScanner(root_pid=job_root.pid).sample()
+    assert {s.pid for s in samples} == ranks
+    assert sorted((s.job.job_id, s.job.rank) for s in samples if s.job) == [("in", 0), ("in", 1)]
+    # The daemon (no root) sees both jobs.
+    samples, _ = ProcessScanner().sample()
+    seen = {s.pid: s for s in samples}
+    assert ranks | {decoy.pid} <= set(seen)
+    assert seen[decoy.pid].job == JobIdentity("decoy", 0, None, 2)
+
+
+def test_samples_are_sorted_by_job_then_rank(procs: Procs) -> None:
+    a = [procs.start(SLEEP, RANK=str(r), GPU_WATCHDOG_JOB_ID="b-job") for r in (1, 0)]
+    b = procs.start(SLEEP, RANK="3", GPU_WATCHDOG_JOB_ID="a-job")
+    samples, _ = ProcessScanner(root_pid=os.getpid()).sample()
+    order = [(s.job.job_id, s.job.rank) for s in samples if s.pid in {p.pid for p in (*a, b)} and s.job]
+    assert order == [("a-job", 3), ("b-job", 0), ("b-job", 1)]
+
+
+# -- zombies and vanished processes -------------------------------------------------------------------
+def test_a_zombie_child_of_a_rank(procs: Procs) -> None:
+    rank = procs.start(
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os._exit(0)\n"
+        "time.sleep(120)\n", RANK="0", GPU_WATCHDOG_JOB_ID="zombie-child")
+
+    def has_zombie() -> bool:
+        return any(c.status() == psutil.STATUS_ZOMBIE for c in _children(rank.pid))
+
+    wait_for(has_zombie, what="an unreaped child")
+    samples, errors = ProcessScanner(root_pid=os.getpid()).sample()
+    got = mine(samples, rank)
+    assert got[rank.pid].is_rank and got[rank.pid].status != psutil.STATUS_ZOMBIE
+    assert errors == []
+
+
+def test_a_rank_that_becomes_a_zombie(procs: Procs) -> None:
+    rank = procs.start(SLEEP, RANK="0", GPU_WATCHDOG_JOB_ID="zombie")
+    scanner = ProcessScanner(root_pid=os.getpid())
+    assert mine(scanner.sample()[0], rank)[rank.pid].status != psutil.STATUS_ZOMBIE
+    procs.kill(rank, reap=False)  # exited, not reaped: a zombie until we wait()
+    wait_for(lambda: psutil.Process(rank.pid).status() == psutil.STATUS_ZOMBIE, what="the zombie")
+    samples, errors = scanner.sample()
+    got = mine(samples, rank)
+    assert got[rank.pid].status == psutil.STATUS_ZOMBIE and got[rank.pid].job == JobIdentity("zombie", 0)
+    assert errors == []
+    # A fresh scanner never saw it alive: a zombie's environment is gone, so it is simply not a rank.
+    assert mine(ProcessScanner(root_pid=os.getpid()).sample()[0], rank) == {}
+    rank.wait()
+    assert mine(scanner.sample()[0], rank) == {}
+
+
+def test_a_vanished_rank_drops_out_and_from_the_cache(procs: Procs) -> None:
+    r0 = procs.start(SLEEP, RANK="0", GPU_WATCHDOG_JOB_ID="gone")
+    r1 = procs.start(SLEEP, RANK="1", GPU_WATCHDOG_JOB_ID="gone")
+    scanner = ProcessScanner(root_pid=os.getpid())
+    assert set(mine(scanner.sample()[0], r0, r1)) == {r0.pid, r1.pid}
+    procs.kill(r1)
+    samples, errors = scanner.sample()
+    assert set(mine(samples, r0, r1)) == {r0.pid} and errors == []
+    assert r1.pid not in scanner._known
+
+
+def test_a_rank_vanishing_in_the_middle_of_a_tick(procs: Procs, monkeypatch: pytest.MonkeyPatch) -> None:
+    victims = [procs.start(SLEEP, RANK=str(r), GPU_WATCHDOG_JOB_ID="race") for r in range(2)]
+    scanner = ProcessScanner(root_pid=os.getpid())
+    known = scanner.sample()[0]  # both cached
+    assert len(mine(known, *victims)) == 2
+    fresh = procs.start(SLEEP, RANK="2", GPU_WATCHDOG_JOB_ID="race")  # not cached yet
+    real_table = processes_mod._process_table
+
+    def table_then_kill() -> dict[int, tuple[int, float]]:
+        listed = real_table()
+        procs.kill(victims[1])  # gone after the listing, before its stats are read
+        procs.kill(fresh)  # gone before its environment is read
+        return listed
+
+    monkeypatch.setattr(processes_mod, "_process_table", table_then_kill)
+    samples, errors = scanner.sample()
+    assert set(mine(samples, *victims, fresh)) == {victims[0].pid} and errors == []
+
+
+# -- pid reuse ----------------------------------------------------------------------------------------
+def test_pid_reuse_is_caught_by_the_start_time(procs: Procs) -> None:
+    p = procs.start(SLEEP, RANK="1", GPU_WATCHDOG_JOB_ID="new-job")
+    scanner = ProcessScanner(root_pid=os.getpid())
+    scanner.sample()
+    cached = scanner._known[p.pid]
+    assert cached is not None
+    # Pretend the cache entry belongs to an older process that had this pid (another job, another rank):
+    # its psutil handle, create time and start token are the old process's.
+    old = psutil.Process(os.getpid())  # any other live process: its handle reports its own create time
+    scanner._known[p.pid] = replace(cached, proc=old, create_time=old.create_time(), start=cached.start - 100,
+                                    identity=JobIdentity("old-job", 7), cmdline=("old",))
+    s = mine(scanner.sample()[0], p)[p.pid]
+    assert s.job == JobIdentity("new-job", 1) and s.create_time == psutil.Process(p.pid).create_time()
+    assert s.cmdline[:2] == (sys.executable, "-c")
+
+
+def test_process_table_matches_psutil() -> None:
+    table = processes_mod._process_table()
+    me = psutil.Process()
+    assert table[os.getpid()][0] == me.ppid()
+    assert os.getpid() in table and len(table) >= len(psutil.pids()) // 2
+    again = processes_mod._process_table()
+    assert again[os.getpid()][1] == table[os.getpid()][1]  # the start token is stable for a live process
+    with subprocess.Popen([sys.executable, "-c", SLEEP]) as child:
+        try:
+            wait_for(lambda: child.pid in processes_mod._process_table(), what="the child in /proc")
+            assert processes_mod._process_table()[child.pid][0] == os.getpid()
+        finally:
+            child.kill()
+
+
+def test_env_filter_keeps_selected_variables(procs: Procs) -> None:
+    p = procs.start(SLEEP, RANK="0", GPU_WATCHDOG_JOB_ID="envs", NCCL_P2P_DISABLE="1", NCCL_PROTO="Simple")
+    scanner = ProcessScanner(root_pid=os.getpid(), env_filter=("NCCL_",))
+    scanner.sample()
+    env = scanner.env_of(p.pid)
+    assert env.get("NCCL_P2P_DISABLE") == "1" and env.get("NCCL_PROTO") == "Simple"
+    assert all(k.startswith("NCCL_") for k in env)
+    assert scanner.env_of(999_999_999) == {}
