@@ -317,3 +317,19 @@ def test_env_filter_keeps_selected_variables(procs: Procs) -> None:
     assert env.get("NCCL_P2P_DISABLE") == "1" and env.get("NCCL_PROTO") == "Simple"
     assert all(k.startswith("NCCL_") for k in env)
     assert scanner.env_of(999_999_999) == {}
+
+
+def test_a_process_that_execs_into_a_rank_is_found(procs: Procs) -> None:
+    """torchrun's workers and wrapper scripts start without RANK and exec the real program with it: the scanner
+    must look again at a young process it first saw without an identity."""
+    wrapper = ("import os, sys, time; time.sleep(1.5); "
+               "os.execve(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)'], "
+               "{**os.environ, 'RANK': '0', 'GPU_WATCHDOG_JOB_ID': 'exec-job'})")
+    p = procs.start(wrapper)
+    scanner = ProcessScanner()
+    first, _ = scanner.sample()
+    assert p.pid not in mine(first, p)  # no identity yet
+    wait_for(lambda: _env_ready(p.pid, {"RANK": "0"}), what="the wrapper to exec")
+    later, _ = scanner.sample()
+    s = mine(later, p)[p.pid]
+    assert s.is_rank and s.job == JobIdentity("exec-job", 0)

@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[job] rank {rank}: step {step}: waiting for a P2P transfer that never arrives", flush=True)
                 dist.recv(torch.zeros(1), src=(rank + 1) % world)  # nobody sends: a hung P2P
             for p in model.parameters():  # data-parallel gradient averaging
+                assert p.grad is not None
                 dist.all_reduce(p.grad)
                 p.grad /= world
             opt.step()

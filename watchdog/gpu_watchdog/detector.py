@@ -88,7 +88,8 @@ class DetectorState:
     ranks: Mapping[tuple[str, int], _RankObs] = field(default_factory=dict)
     traffic: Mapping[str, tuple[float, int]] = field(default_factory=dict)  # uuid → (t, total bytes)
     jobs: Mapping[str, JobStatus] = field(default_factory=dict)
-    faulted: frozenset[str] = frozenset()  # GPU UUIDs whose fault was already reported
+    faulted: frozenset[str] = frozenset()  # GPU UUIDs with a fault in the last sample
+    fault_keys: frozenset[str] = frozenset()  # "uuid/kind/xid" of the faults already reported (see step)
 
 
 def _traffic_total(d: DeviceSample) -> int | None:
@@ -151,13 +152,16 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
     findings: list[Finding] = []
     prev_t = state.t if state.t is not None else t
 
-    # GPU faults: reported once per GPU while they last.
-    faulted = set()
+    # GPU faults: each reported once while it lasts. Keyed by GPU, kind and Xid, so a lost GPU seen every
+    # tick is one finding, while a new Xid right after another (an application Xid, then Xid 79) is news.
+    faulted, fault_keys = set(), set()
     for d in sample.devices:
         if d.fault is None:
             continue
+        key = f"{d.uuid}/{d.fault.kind}/{d.fault.xid}"
         faulted.add(d.uuid)
-        if d.uuid not in state.faulted:
+        fault_keys.add(key)
+        if key not in state.fault_keys:
             jobs = sorted({p.job.job_id for p in sample.processes if p.job and p.pid in d.pids})
             findings.append(Finding("gpu_fault", d.fault.kind, jobs[0] if jobs else None, (), (), t, t,
                                     (d.uuid,), f"{d.fault.detail}; jobs: {', '.join(jobs) or 'none'}", "fault"))
@@ -203,7 +207,7 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
         if js.state == STALLED and prev.state != STALLED:
             findings.append(_stall_finding(js, t))
     # Jobs whose ranks are all gone simply end; a stall that ended with them was already reported.
-    return DetectorState(t, ranks_obs, traffic, jobs, frozenset(faulted)), findings
+    return DetectorState(t, ranks_obs, traffic, jobs, frozenset(faulted), frozenset(fault_keys)), findings
 
 
 def _advance_job(prev: JobStatus, t: float, prev_t: float, procs: Sequence[ProcessSample],

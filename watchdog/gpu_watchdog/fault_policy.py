@@ -20,7 +20,6 @@ its own session, a timeout. The node is drained at most once per ``launch``.
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -175,11 +174,10 @@ class FaultPolicy:
             lc.say("drain: nothing configured (faults.drain_command is empty)")
             return
         entry = inc.begin_action("drain", f"{spec.name}: {' '.join(spec.argv)}")
-        t0 = time.monotonic()
         res = run_drain(spec, values)
         inc.end_action(entry, res.ok, res.detail())
         inc.update(drain_hook=res.to_json())
         self._metric("action", "drain", res.ok)
         if res.ok:
             self.drained = inc.id
-        lc.say(f"drain: {res.detail()} ({time.monotonic() - t0:.1f}s)")
+        lc.say(f"drain: {res.detail()}")

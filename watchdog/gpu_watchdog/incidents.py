@@ -102,7 +102,7 @@ class IncidentStore:
 
     def list(self) -> list[dict[str, Any]]:
         """Every readable incident summary, oldest first (by detection time, then id)."""
-        out = []
+        out: list[dict[str, Any]] = []
         if not self.root.is_dir():
             return out
         for d in self.root.iterdir():

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +37,7 @@ from gpu_watchdog.jobproto import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV, RESTART_C
 from gpu_watchdog.model import NodeSample, StackEvidence
 from gpu_watchdog.processes import JOB_ID_ENV
 from gpu_watchdog.recovery import EXIT_BUDGET_SPENT, Recovery, RestartBudget
+from gpu_watchdog.stopper import JobProcess, stop_processes
 
 log = logging.getLogger("gpu_watchdog.launcher")
 CONSISTENCY_ENV = ENV_PREFIXES + ENV_KEYS
@@ -100,6 +101,9 @@ class Launcher:
         attempt = 0
         try:
             while True:
+                if self._stop_signal is not None:  # arrived during a recovery (the job is already stopped)
+                    self.say(f"received {signal.Signals(self._stop_signal).name}: not restarting the job")
+                    return 128 + self._stop_signal
                 child = self._start(attempt, restart_env, control)
                 backend.scanner.root_pid = child.pid  # type: ignore[attr-defined]
                 outcome = self._watch(child, backend, control, attempt)
@@ -120,11 +124,14 @@ class Launcher:
         healthy_since = time.time()
         next_tick = time.monotonic()
         checked_ranks: dict[int, int] = {}
+        seen_ranks: dict[int, int] = {}
+        seen: dict[int, JobProcess] = {}  # every job process sampled in this run (pid + create time)
         while True:
             rc = child.poll()
             if rc is not None:
                 self.say(f"job exited with code {rc}")
-                return _Outcome(exit_code=rc)
+                self._stop_leftovers(seen.values())
+                return _Outcome(exit_code=128 - rc if rc < 0 else rc)  # killed by signal N: 128+N, as a shell
             if self._stop_signal is not None:
                 signum = self._stop_signal
                 self.say(f"received {signal.Signals(signum).name}: stopping the job")
@@ -132,6 +139,8 @@ class Launcher:
                 return _Outcome(exit_code=128 + signum)
             t0 = time.process_time()
             sample = _with_heartbeats(backend.sample(), control.steps(), self.job_id)
+            seen.update((p.pid, JobProcess(p.pid, p.create_time)) for p in sample.processes
+                        if p.job is not None and p.job.job_id == self.job_id)
             if dump is not None and dump.done():
                 pending.extend(_future_result(dump))
                 dump = None
@@ -140,8 +149,12 @@ class Launcher:
             self._export(sample, state.jobs, time.process_time() - t0)
             ours = state.jobs.get(self.job_id)
             if ours is not None and ours.rank_pids != checked_ranks:
-                checked_ranks = dict(ours.rank_pids)
-                self._check_config(backend, ours, sample.t)
+                # Compare once the same rank processes were seen two ticks in a row: a wrapper that sets
+                # variables and then execs (`export NCCL_…; exec python …`) has exec'd by then.
+                if ours.rank_pids == seen_ranks:
+                    checked_ranks = dict(ours.rank_pids)
+                    self._check_config(backend, ours, sample.t)
+                seen_ranks = dict(ours.rank_pids)
             if ours is not None and ours.needs_stacks and dump is None and cfg.stacks.enabled:
                 dump = self._pool.submit(collect_stack_evidence, ours, cfg.stacks, sample.t)
                 dump.add_done_callback(lambda _f: self._wake.set())
@@ -153,6 +166,7 @@ class Launcher:
                 elif f.job_id == self.job_id:
                     outcome = self._recover(f, child, sample, ours, control, attempt)
                     if outcome is not None:
+                        self._stop_leftovers(seen.values())
                         return outcome
             if ours is not None and ours.state in ("running",):
                 if self.fallback.note_healthy(self.job_id, healthy_since, time.time(), cfg.fallback):
@@ -164,10 +178,20 @@ class Launcher:
                 self._wake.clear()  # an early tick; the regular schedule resumes after it
                 next_tick -= cfg.agent.interval_s
 
+    def _stop_leftovers(self, procs: Any) -> None:
+        """Ranks that outlived the launched process (torchrun killed, or crashed): orphans re-parented away from
+        its tree would train or hang on unsupervised. Only processes sampled as this job's, same create time."""
+        from gpu_watchdog.stopper import _alive
+
+        left = [p for p in procs if _alive(p)]
+        if left:
+            res = stop_processes(left, self.cfg.recovery.stop_grace_s)
+            self.say(f"stopped {len(left)} job process(es) left behind by the launched command: {res.detail}")
+
     def _check_config(self, backend: Backend, status: JobStatus, t: float) -> None:
         """Compare the ranks' launch settings as soon as they are seen: a mismatch hangs later."""
         scanner = backend.scanner  # type: ignore[attr-defined]
-        report = check_ranks({r: scanner.env_of(pid) for r, pid in status.rank_pids.items()})
+        report = check_ranks({r: _launch_env(pid, scanner) for r, pid in status.rank_pids.items()})
         if self.metrics is not None:
             self.metrics.job_config(self.job_id, report.digest)
         if report.consistent or report.digest == self._reported_digest:
@@ -203,6 +227,18 @@ class _Outcome:
     def __init__(self, exit_code: int | None = None, restart_env: dict[str, str] | None = None) -> None:
         self.exit_code = exit_code
         self.restart_env = restart_env or {}
+
+
+def _launch_env(pid: int, scanner: Any) -> Mapping[str, str]:
+    """A rank's environment as it is now (after any exec; the scanner caches the one it first saw), limited
+    to the keys the consistency check compares; the scanner's copy when /proc cannot be read."""
+    import psutil
+
+    try:
+        env = psutil.Process(pid).environ()
+    except psutil.Error:
+        return scanner.env_of(pid)  # type: ignore[no-any-return]
+    return {k: v for k, v in env.items() if k.startswith(CONSISTENCY_ENV)}
 
 
 def _future_result(f: Future[list[StackEvidence]]) -> list[StackEvidence]:

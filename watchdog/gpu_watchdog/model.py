@@ -48,7 +48,7 @@ class GpuProcess:
 class GpuFault:
     """A hardware-level problem seen on a device: lost, reset required, or a critical Xid."""
 
-    kind: str  # "gpu_lost" | "reset_required" | "xid"
+    kind: str  # "gpu_lost" | "reset_required" | "xid" | "xid_application" (faults.application_xids: no drain)
     detail: str
     xid: int | None = None
 

@@ -209,11 +209,10 @@ def fault_of(nvml: Any, e: BaseException, index: int) -> GpuFault | None:
 
 
 def _field_counters(values: Any, success: int) -> dict[int, int]:
-    out = {}
-    for v in values:
-        if v.nvmlReturn == success:
-            out[int(v.fieldId)] = int(v.value.ullVal)
-    return out
+    # NVML answers in the order asked (TRAFFIC_FIELDS), so fieldId need not be read back: every attribute of
+    # a pynvml struct goes through its Python-level __getattribute__, a visible share of a tick.
+    pairs = zip(TRAFFIC_FIELDS, values, strict=False)
+    return {fid: int(v.value.ullVal) for fid, v in pairs if v.nvmlReturn == success}
 
 
 # NVML_VALUE_NOT_AVAILABLE as an unsigned long long: pynvml turns it into None, older versions return it raw.

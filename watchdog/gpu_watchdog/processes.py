@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -19,6 +20,7 @@ from gpu_watchdog.model import JobIdentity, ProcessSample, SampleError
 JOB_ID_ENV = "GPU_WATCHDOG_JOB_ID"
 _JOB_ID_SOURCES = (JOB_ID_ENV, "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 _RANK_SOURCES = ("RANK", "SLURM_PROCID")
+_REREAD_YOUNG_S = 30.0  # how long after its start a process without a job identity is looked at again
 
 
 def _int_or_none(value: str | None) -> int | None:
@@ -106,7 +108,10 @@ class ProcessScanner:
         if known is not None:
             # psutil caches create_time() in the Process object, so only the table's fresh start token can
             # tell that this pid now belongs to another process.
-            if start is None or known.start == start:
+            same = start is None or known.start == start
+            # A fork reads as "not a rank" until it execs the real program with its own environment
+            # (torchrun's workers, wrapper scripts): keep re-reading young processes without an identity.
+            if same and (known.identity is not None or time.time() - known.create_time > _REREAD_YOUNG_S):
                 return known
         elif pid in self._known:
             return None

@@ -149,6 +149,15 @@ class Recovery:
         if decision.advice:
             lc.say(f"advice: {decision.advice}")
         shown = " ".join(f"{k}={v}" for k, v in sorted(decision.env.items())) or "(no NCCL change)"
+        stop_signal = getattr(lc, "_stop_signal", None)  # the daemon's job context has none
+        if stop_signal is not None:  # SIGINT/SIGTERM arrived while we recovered: the launcher exits next
+            import signal as _signal
+
+            inc.record_action("restart", False, f"skipped: the launcher received "
+                                                f"{_signal.Signals(stop_signal).name}; the next launch of "
+                                                f"job {lc.job_id} starts at fallback level {decision.level}: {shown}")
+            inc.write_report(render_report(inc.summary, stacks))
+            return RecoveryResult(give_up=False, restart_env=restart_env)
         inc.record_action("restart", True, f"run {attempt + 1} at fallback level {decision.level} "
                                            f"({decision.name}): {shown}")
         self._metric("restart", lc.job_id)

@@ -67,7 +67,7 @@ def send_signal(jp: JobProcess, sig: int) -> bool:
 
 
 def stop_processes(procs: Iterable[JobProcess], grace_s: float, poll_s: float = 0.1,
-                   reap: Callable[[], None] | None = None) -> StopResult:
+                   reap: Callable[[], object] | None = None) -> StopResult:
     """SIGTERM all, wait up to ``grace_s``, SIGKILL the rest, wait briefly, report.
 
     ``reap`` is called while waiting so that a parent (the launcher) can collect its own child's exit status;

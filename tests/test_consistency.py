@@ -1,0 +1,171 @@
+"""Job-configuration consistency: ranks launched with different NCCL / world settings are caught at start.
+
+Unit tests of ``check_ranks`` (the digest is stable and names what differs), of the launcher's check
+(exported digest, one incident per distinct mismatch, the environment read after an exec wrapper), and
+two real 4-rank gloo jobs under ``gpu-watchdog launch``: one where rank 3 was started through
+``tests/jobs/skewed_env.py`` with ``NCCL_P2P_DISABLE=1`` (flagged before its first training step), and the
+same job without the skew (not flagged).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gpu_watchdog.config import AgentConfig, Config
+from gpu_watchdog.consistency import check_ranks, relevant
+from gpu_watchdog.detector import JobStatus
+from gpu_watchdog.launcher import Launcher
+from launch_harness import base_env, read_events, start_launch, torchrun, write_config
+
+REPO = Path(__file__).resolve().parent.parent
+SKEWED = REPO / "tests" / "jobs" / "skewed_env.py"
+TRAIN = REPO / "tests" / "jobs" / "train.py"
+CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
+
+BASE = {"NCCL_SOCKET_IFNAME": "eth0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+
+
+def rank_env(rank: int, **extra: str) -> dict[str, str]:
+    """What a rank's environment looks like: the shared settings plus per-rank noise that must not count."""
+    return {**BASE, "RANK": str(rank), "LOCAL_RANK": str(rank), "PATH": f"/p{rank}", "HOSTNAME": "n1",
+            "NCCL_DEBUG_FILE": f"/tmp/nccl.{rank}.log", **extra}
+
+
+# == check_ranks =============================================================================================
+def test_consistent_ranks_share_a_digest_independent_of_rank_order_and_noise() -> None:
+    a = check_ranks({r: rank_env(r) for r in range(4)})
+    b = check_ranks({r: rank_env(r) for r in (3, 1, 0, 2)})
+    assert a.consistent and b.consistent and a.differences == () and a.summary == "consistent"
+    assert a.digest == b.digest and len(a.digest) == 16 and int(a.digest, 16) >= 0
+    # The digest is of the settings, not of the ranks: another node of the job (ranks 4-7) matches.
+    assert check_ranks({r: rank_env(r) for r in range(4, 8)}).digest == a.digest
+    # A node of the same job with a different setting does not.
+    assert check_ranks({r: rank_env(r, NCCL_PROTO="Simple") for r in range(4, 8)}).digest != a.digest
+
+
+def test_only_the_launch_settings_count() -> None:
+    env = {**BASE, "NCCL_P2P_DISABLE": "1", "TORCH_NCCL_BLOCKING_WAIT": "1", "NPROC_PER_NODE": "4",
+           "MY_NCCL_THING": "x", "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "RANK": "0", "NCCL_DEBUG_FILE": "/x"}
+    assert set(relevant(env)) == {*BASE, "NCCL_P2P_DISABLE", "TORCH_NCCL_BLOCKING_WAIT", "NPROC_PER_NODE"}
+
+
+def test_differences_are_named() -> None:
+    envs = {r: rank_env(r) for r in range(4)}
+    envs[3]["NCCL_P2P_DISABLE"] = "1"
+    envs[2]["LOCAL_WORLD_SIZE"] = "8"
+    rep = check_ranks(envs)
+    assert not rep.consistent
+    assert rep.differences == ("LOCAL_WORLD_SIZE: ranks 0,1,3=4, rank 2=8",
+                               "NCCL_P2P_DISABLE: ranks 0,1,2=(unset), rank 3=1")
+    assert rep.summary == "; ".join(rep.differences)
+    # Stable too, and never equal to a consistent node's digest.
+    again = check_ranks({r: envs[r] for r in (2, 0, 3, 1)})
+    assert again.digest == rep.digest and again.differences == rep.differences
+    assert rep.digest != check_ranks({r: rank_env(r) for r in range(4)}).digest
+    assert rep.digest != check_ranks({r: {**rank_env(r), "NCCL_P2P_DISABLE": "1"} for r in range(4)}).digest
+
+
+def test_no_ranks_and_one_rank_are_consistent() -> None:
+    assert check_ranks({}).consistent
+    assert check_ranks({0: rank_env(0)}).consistent
+
+
+# == the launcher's check ====================================================================================
+class Metrics:
+    def __init__(self) -> None:
+        self.configs: list[tuple[str, str]] = []
+        self.incidents: list[str] = []
+
+    def job_config(self, job_id: str, digest: str) -> None:
+        self.configs.append((job_id, digest))
+
+    def incident(self, kind: str) -> None:
+        self.incidents.append(kind)
+
+
+class Scanner:
+    def __init__(self, envs: dict[int, dict[str, str]]) -> None:
+        self.envs = envs
+
+    def env_of(self, pid: int) -> dict[str, str]:
+        return self.envs.get(pid, {})
+
+
+def test_launcher_check_exports_the_digest_and_records_one_incident_per_mismatch(tmp_path: Path) -> None:
+    metrics = Metrics()
+    lc = Launcher(Config(agent=AgentConfig(hostname="n1")), ["true"], state_dir=tmp_path, job_id="job-c",
+                  out=io.StringIO(), metrics=metrics)
+    pids = {r: 4_000_000 + r for r in range(4)}  # no such processes: the scanner's copies are used
+    envs = {pids[r]: rank_env(r) for r in range(4)}
+    backend: Any = type("B", (), {"scanner": Scanner(envs)})()
+    status = JobStatus("job-c", ranks=(0, 1, 2, 3), rank_pids=pids)
+    lc._check_config(backend, status, 100.0)
+    assert lc.incidents.list() == [] and metrics.configs[-1] == ("job-c", check_ranks(
+        {r: rank_env(r) for r in range(4)}).digest)
+    envs[pids[3]]["NCCL_P2P_DISABLE"] = "1"
+    lc._check_config(backend, status, 101.0)
+    lc._check_config(backend, status, 102.0)  # the same mismatch again: no second incident
+    [inc] = lc.incidents.list()
+    assert (inc["kind"], inc["signature"], inc["job_id"], inc["detected_at"]) == ("config_mismatch", "env_mismatch",
+                                                                                  "job-c", 101.0)
+    assert inc["ranks"] == [0, 1, 2, 3] and inc["evidence"] == "process"
+    assert "NCCL_P2P_DISABLE: ranks 0,1,2=(unset), rank 3=1" in inc["reason"]
+    assert metrics.incidents == ["config_mismatch"] and metrics.configs[-1][1] != metrics.configs[0][1]
+
+
+# == real jobs under launch ==================================================================================
+def skewed_job_argv(events: Path, workdir: Path, steps: int = 8) -> list[str]:
+    argv = [torchrun(), "--standalone", "--nproc-per-node", "4", str(SKEWED), str(TRAIN), "--scenario", "healthy",
+            "--steps", str(steps), "--step-s", "0.05", "--events", str(events), "--workdir", str(workdir)]
+    timeout_bin = shutil.which("timeout")
+    return [timeout_bin, "-s", "KILL", "240", *argv] if timeout_bin else argv
+
+
+def run_job(tmp_path: Path, job_id: str, skew_rank: str) -> tuple[int, Any, list[dict[str, Any]]]:
+    events = tmp_path / "events.jsonl"
+    cfg = write_config(tmp_path / "watchdog.toml", {"agent": {"interval_s": 0.5}})
+    env = {**base_env(), "SKEW_RANK": skew_rank}
+    env.pop("NCCL_P2P_DISABLE", None)
+    run = start_launch(["--backend", "proc", "--config", str(cfg)], skewed_job_argv(events, tmp_path), env=env,
+                       tmp_path=tmp_path, job_id=job_id, max_lifetime_s=240)
+    try:
+        rc = run.wait(timeout=200)
+    finally:
+        run.kill([e["pid"] for e in read_events(events) if "pid" in e])
+    return rc, run, read_events(events)
+
+
+@pytest.mark.slow
+def test_a_rank_started_with_a_different_nccl_p2p_disable_is_flagged_at_start(tmp_path: Path) -> None:
+    rc, run, events = run_job(tmp_path, "skewed", skew_rank="3")
+    out = run.output()
+    assert rc == 0, out[-3000:]  # gloo ignores NCCL settings: the job itself runs to the end
+    incs = run.incidents()
+    assert [(i["kind"], i["signature"]) for i in incs] == [("config_mismatch", "env_mismatch")], incs
+    inc = incs[0]
+    assert inc["job_id"] == "skewed" and inc["ranks"] == [0, 1, 2, 3]
+    assert "NCCL_P2P_DISABLE: ranks 0,1,2=(unset), rank 3=1" in inc["reason"], inc["reason"]
+    first_step = min(e["t"] for e in events if e["event"] == "step")
+    print(f"mismatch detected {first_step - inc['detected_at']:.2f}s before the first step")
+    assert inc["detected_at"] < first_step, (inc["detected_at"], first_step)  # before any training happened
+    assert "WARNING: ranks were launched with different settings" in out
+    listed = json.loads(subprocess.run([CLI, "incidents", "--json", "--state-dir", str(run.state_dir)],
+                                       capture_output=True, text=True, check=True).stdout)
+    assert [i["kind"] for i in listed] == ["config_mismatch"]
+
+
+@pytest.mark.slow
+def test_the_same_job_without_the_skew_is_not_flagged(tmp_path: Path) -> None:
+    rc, run, events = run_job(tmp_path, "even", skew_rank="none")
+    assert rc == 0, run.output()[-3000:]
+    assert len([e for e in events if e["event"] == "done"]) == 4
+    assert run.incidents() == [], run.incidents()
+    assert "different settings" not in run.output()
