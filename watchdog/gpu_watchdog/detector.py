@@ -162,9 +162,9 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
         faulted.add(d.uuid)
         fault_keys.add(key)
         if key not in state.fault_keys:
-            jobs = sorted({p.job.job_id for p in sample.processes if p.job and p.pid in d.pids})
-            findings.append(Finding("gpu_fault", d.fault.kind, jobs[0] if jobs else None, (), (), t, t,
-                                    (d.uuid,), f"{d.fault.detail}; jobs: {', '.join(jobs) or 'none'}", "fault"))
+            hit = sorted({p.job.job_id for p in sample.processes if p.job and p.pid in d.pids})
+            findings.append(Finding("gpu_fault", d.fault.kind, hit[0] if hit else None, (), (), t, t,
+                                    (d.uuid,), f"{d.fault.detail}; jobs: {', '.join(hit) or 'none'}", "fault"))
 
     # Traffic rates from cumulative counters.
     traffic: dict[str, tuple[float, int]] = {}
@@ -178,10 +178,10 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
             if old is not None and t > old[0] and total >= old[1]:
                 traffic_bps[d.uuid] = (total - old[1]) / (t - old[0])
 
-    by_job: dict[str, list[ProcessSample]] = {}
+    by_job: dict[str, list[tuple[int, ProcessSample]]] = {}
     for p in sample.processes:
         if p.is_rank and p.job is not None and p.job.rank is not None:
-            by_job.setdefault(p.job.job_id, []).append(p)
+            by_job.setdefault(p.job.job_id, []).append((p.job.rank, p))
 
     ev_by_job: dict[str, list[StackEvidence]] = {}
     for ev in stacks:
@@ -189,20 +189,18 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
 
     ranks_obs: dict[tuple[str, int], _RankObs] = {}
     jobs: dict[str, JobStatus] = {}
-    for job_id, procs in by_job.items():
+    for job_id, ranked in by_job.items():
         progressing = []
-        for p in procs:
-            rank = p.job.rank  # type: ignore[union-attr]
-            key = (job_id, rank)  # type: ignore[assignment]
-            if _rank_progress(p, state.ranks.get(key), t, cfg):  # type: ignore[arg-type]
+        for rank, p in ranked:
+            if _rank_progress(p, state.ranks.get((job_id, rank)), t, cfg):
                 progressing.append(rank)
-            ranks_obs[key] = _RankObs(p.pid, p.create_time, t, p.cpu_time_s, p.io_bytes,  # type: ignore[index]
-                                      p.heartbeat_step)
-        pids = frozenset(p.pid for p in procs)
+            ranks_obs[(job_id, rank)] = _RankObs(p.pid, p.create_time, t, p.cpu_time_s, p.io_bytes,
+                                                 p.heartbeat_step)
+        pids = frozenset(p.pid for _, p in ranked)
         devs = [d for d in sample.devices if d.pids & pids and d.fault is None]
         sigs = [device_signature(d, cfg, traffic_bps.get(d.uuid), pids) for d in devs]
         prev = state.jobs.get(job_id) or JobStatus(job_id, since=t)
-        js = _advance_job(prev, t, prev_t, procs, progressing, devs, sigs, ev_by_job.get(job_id, []), cfg)
+        js = _advance_job(prev, t, prev_t, ranked, progressing, devs, sigs, ev_by_job.get(job_id, []), cfg)
         jobs[job_id] = js
         if js.state == STALLED and prev.state != STALLED:
             findings.append(_stall_finding(js, t))
@@ -210,16 +208,16 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
     return DetectorState(t, ranks_obs, traffic, jobs, frozenset(faulted), frozenset(fault_keys)), findings
 
 
-def _advance_job(prev: JobStatus, t: float, prev_t: float, procs: Sequence[ProcessSample],
+def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tuple[int, ProcessSample]],
                  progressing: list[int], devs: Sequence[DeviceSample], sigs: Sequence[str | None],
                  evidence_in: Sequence[StackEvidence], cfg: DetectConfig) -> JobStatus:
-    ranks = tuple(sorted(p.job.rank for p in procs))  # type: ignore[union-attr,misc]
+    ranks = tuple(sorted(rank for rank, _ in ranked))
     seen = prev.ranks_seen | frozenset(ranks)
     missing = seen - frozenset(ranks)
     devices_busy = any(s == "busy" for s in sigs)
     device_sig = "spin" if "spin" in sigs else "idle_held"
     base = replace(prev, ranks=ranks, ranks_seen=seen, devices=tuple(d.uuid for d in devs),
-                   rank_pids={p.job.rank: p.pid for p in procs})  # type: ignore[union-attr,misc]
+                   rank_pids={rank: p.pid for rank, p in ranked})
 
     streak_start = prev.onset if prev.onset is not None else prev.waiting_since
     evidence = tuple(e for e in (*prev.evidence, *evidence_in) if streak_start is not None and
