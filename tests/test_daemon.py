@@ -5,6 +5,7 @@ the daemon must survive (NVML fault, vanished process, failing hook)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import signal
@@ -195,3 +196,57 @@ def test_tick_survives_backend_fault_vanished_pid_and_gates_watchdog(tmp_path: P
     d.tick()
     assert d.ticks_ok == 2 and d.ticks_failed == 2 and sent.count("READY") == 1
     assert d.job_processes("j") == []
+
+
+class _FaultyGpuBackend:
+    """Two ticks on one GPU: healthy, then the fault named in ``fault`` (a lost GPU or an Xid)."""
+
+    name = "fake"
+
+    def __init__(self, fault) -> None:
+        self.n = 0
+        self.fault = fault
+
+    def sample(self):
+        from gpu_watchdog.model import DeviceSample, GpuProcess, NodeSample
+
+        self.n += 1
+        dev = DeviceSample(0, "GPU-test-0", "fake", util_percent=50.0, processes=(GpuProcess(4242, 1 << 30),),
+                           fault=self.fault if self.n >= 2 else None)
+        return NodeSample(t=time.time(), hostname="n", backend="fake", devices=(dev,))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("fault", "drains"), [
+    ("lost", True), ("xid79", True), ("xid13", False)])
+def test_gpu_fault_drains_the_node_once_and_never_for_an_application_xid(tmp_path: Path, fault: str,
+                                                                          drains: bool) -> None:
+    import sys
+
+    from gpu_watchdog.config import Config, FaultsConfig
+    from gpu_watchdog.daemon import Daemon
+    from gpu_watchdog.daemon_config import DaemonSettings
+    from gpu_watchdog.model import GpuFault
+
+    faults = {"lost": GpuFault("gpu_lost", "GPU 0 is lost"), "xid79": GpuFault("xid", "Xid 79", xid=79),
+              "xid13": GpuFault("xid_application", "Xid 13", xid=13)}
+    record = tmp_path / "argv.jsonl"
+    script = tmp_path / "drain.py"
+    script.write_text(f"import json, sys\nopen({str(record)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    cfg = dataclasses.replace(Config(), faults=dataclasses.replace(
+        FaultsConfig(), drain_command=(sys.executable, str(script), "{node}", "{reason}")))
+    d = Daemon(cfg, DaemonSettings(socket_group=""), tmp_path / "state", backend=_FaultyGpuBackend(faults[fault]))
+    for _ in range(4):  # the fault lasts: it must be handled once
+        d.tick()
+        time.sleep(0.1)
+    d._pool.shutdown(wait=True)
+    runs = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+    if drains:
+        assert len(runs) == 1 and runs[0][0] == d.host
+    else:
+        assert runs == []
+    kinds = [s["kind"] for s in d.incidents.list()]
+    assert kinds == ["gpu_fault"]
+    assert all(s.get("fallback") is None for s in d.incidents.list())  # never an NCCL fallback

@@ -39,9 +39,10 @@ from gpu_watchdog.config import Config
 from gpu_watchdog.daemon_config import DaemonSettings, load_daemon_config
 from gpu_watchdog.detector import STALLED, DetectorState, Finding, JobStatus, step
 from gpu_watchdog.diagnosis import diagnose
-from gpu_watchdog.errors import ConfigError, UsageError
+from gpu_watchdog.errors import ConfigError, UsageError, WatchdogError
 from gpu_watchdog.evidence import classify_results, collect_stack_evidence, dump_job
 from gpu_watchdog.fallback import FallbackDecision, FallbackStore, validate_job_id
+from gpu_watchdog.fault_policy import drain_reason, drain_spec, drain_values, run_drain
 from gpu_watchdog.hooks import placeholder_values, render_argv, run_hook
 from gpu_watchdog.incidents import Incident, IncidentStore
 from gpu_watchdog.jobproto import ControlDir
@@ -50,6 +51,7 @@ from gpu_watchdog.recovery import Recovery, RestartBudget
 from gpu_watchdog.sdnotify import LoopHealth, Notifier, Pinger
 from gpu_watchdog.stopper import JobProcess, stop_processes
 from gpu_watchdog.store import Store
+from gpu_watchdog.xid import is_draining
 
 log = logging.getLogger("gpu_watchdog.daemon")
 
@@ -177,6 +179,7 @@ class Daemon:
         self._lock = threading.RLock()  # registrations, busy set, budgets
         self._jobs: dict[str, dict[str, Any]] = self.store.jobs()
         self._busy: set[str] = set()  # jobs being recovered
+        self._drained: set[str] = set()  # "gpu/kind" faults whose drain hook already ran
         self._budgets: dict[str, RestartBudget] = {}
         self._dumps: dict[str, Future[list[StackEvidence]]] = {}
         self._observed: set[tuple[str | None, float]] = set()
@@ -355,6 +358,14 @@ class Daemon:
 
     def _on_finding(self, f: Finding, sample: NodeSample) -> None:
         job_id = f.job_id
+        if f.kind == "gpu_fault":
+            if self.metrics is not None:
+                self.metrics.gpu_fault(f.devices[0] if f.devices else "", f.signature)
+            if not is_draining(f.signature):  # an application Xid: the job's own error, not the node's
+                self._pool.submit(self._guarded, None, self._observe, f, None)
+                return
+            self._pool.submit(self._guarded, None, self._drain_node, f, sample)
+            return
         regs = self.registrations()
         status = self.state.jobs.get(job_id) if job_id else None
         if job_id in regs and self.cfg.recovery.enabled:
@@ -433,6 +444,48 @@ class Daemon:
     def _finish(self, inc: Incident, outcome: str) -> None:
         inc.update(outcome=outcome, finished_at=time.time())
         self.store.finish_incident(inc.id, outcome)
+
+    def _drain_node(self, finding: Finding, sample: NodeSample) -> None:
+        """A GPU fault that a restart on this node cannot fix (once per GPU and kind): stop the registered jobs
+        on that GPU, run the drain hook, then their restart hooks so the scheduler places them elsewhere. The
+        fallback level is left alone: no NCCL setting helps a broken GPU."""
+        key = f"{finding.devices[0] if finding.devices else ''}/{finding.signature}"
+        with self._lock:
+            if key in self._drained:
+                return
+            self._drained.add(key)
+        spec = drain_spec(self.cfg.faults, self.settings.hooks)
+        inc = self.incidents.create(replace(finding, kind="gpu_fault"), self.host)
+        gpu = finding.devices[0] if finding.devices else ""
+        dev = next((d for d in sample.devices if d.uuid == gpu), None)
+        xid = dev.fault.xid if dev is not None and dev.fault is not None else None
+        inc.update(gpu=gpu, xid=xid, drain=True, fallback=None,
+                   advice="GPU fault: no NCCL change helps; drain the node and run the job elsewhere")
+        on_gpu = {p for d in sample.devices if d.uuid == gpu for p in d.pids}
+        regs = self.registrations()
+        hit = sorted({p.job.job_id for p in sample.processes if p.job and p.pid in on_gpu and p.job.job_id in regs}
+                     | ({finding.job_id} & set(regs) if finding.job_id else set()))
+        inc.update(jobs=hit)
+        if self.cfg.recovery.enabled:
+            for job_id in hit:
+                procs = self.job_processes(job_id)
+                entry = inc.begin_action("stop", f"job {job_id}: SIGTERM to {len(procs)} processes")
+                stopped = stop_processes(procs, self.cfg.recovery.stop_grace_s)
+                inc.end_action(entry, stopped.ok, stopped.detail)
+        if spec is None:
+            inc.record_action("drain", False, "not run: no faults.drain_hook or faults.drain_command configured")
+        else:
+            entry = inc.begin_action("drain", " ".join(spec.argv))
+            try:
+                res = run_drain(spec, drain_values(finding.job_id or "node", self.host, 0, inc.id,
+                                                   drain_reason(finding.signature, xid, gpu), gpu, xid))
+                inc.end_action(entry, res.ok, res.detail())
+            except WatchdogError as e:
+                inc.end_action(entry, False, str(e))
+        if self.cfg.recovery.enabled:
+            for job_id in hit:
+                self._run_restart_hook(inc, job_id, regs[job_id].get("restart_hook"), self.fallback.level(job_id))
+        self._finish(inc, "node drain requested" if spec is not None else "drain not configured")
 
     def _observe(self, finding: Finding, status: JobStatus | None) -> None:
         """A stall in a job nobody registered: evidence only; nothing is stopped or restarted."""
@@ -591,7 +644,7 @@ class Daemon:
         if self.backend is None:
             self.backend, self.backend_why = choose_backend(
                 self.cfg.agent.backend, root_pid=None, hostname=self.host,
-                extra_pids=lambda: tuple(self._registered_pids()))
+                extra_pids=lambda: tuple(self._registered_pids()), faults=self.cfg.faults)
         log.info("gpu-watchdog daemon: sampling with the %s every %gs; state in %s", self.backend_why,
                  self.cfg.agent.interval_s, self.state_dir)
         for iid in self.resume():
