@@ -33,7 +33,7 @@ class AgentConfig:
     backend: str = "auto"  # auto | nvml | proc
     state_dir: str = ""  # empty: /var/lib/gpu-watchdog as root, else ~/.local/state/gpu-watchdog
     hostname: str = ""  # empty: socket.gethostname()
-    metrics_addr: str = ""  # HOST:PORT for /metrics and /healthz; empty: off (daemon default 0.0.0.0:9408)
+    metrics_addr: str = ""  # HOST:PORT for /metrics and /healthz (conventional port 9408); empty: off
 
 
 @dataclass(frozen=True)
