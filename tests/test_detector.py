@@ -505,3 +505,28 @@ def test_findings_serialise() -> None:
     j = f.to_json()
     assert j["kind"] == "stall" and j["signature"] == "spin" and j["job"] == JOB and j["ranks"] == [0, 1, 2, 3]
     assert isinstance(j["onset"], float) and j["confirmed_at"] - j["onset"] == CFG.confirm_after_s
+
+
+def test_an_early_tick_cannot_turn_clock_tick_noise_into_progress() -> None:
+    """An early tick 50 ms after the last one (the launcher wakes when a stack dump finishes) sees one 10 ms CPU
+    clock tick of a blocked rank: 0.2 cores over that window. It must not reset the stall's onset."""
+    node = Node()
+    samples = node.healthy(5) + node.idle_held(3)
+    node.dt = 0.05
+    samples.append(node.tick(util=0.0, power_w=70.0, cpu_cores=0.2, traffic_bps=0.0))  # 10 ms in 50 ms
+    node.dt = 0.95
+    samples += node.idle_held(40)
+    r = run(samples)
+    (f,) = r.findings
+    assert f.onset == samples[4].t  # the last healthy tick, not the early one
+
+
+def test_a_short_window_keeps_a_busy_verdict_too() -> None:
+    node = Node()
+    samples = node.healthy(5)
+    node.dt = 0.05
+    samples.append(node.tick(cpu_cores=0.0))  # no CPU in 50 ms says nothing about a busy rank
+    node.dt = 1.0
+    samples += node.healthy(3)
+    r = run(samples)
+    assert r.findings == [] and all(s.jobs[JOB].state == "running" for s in r.states)

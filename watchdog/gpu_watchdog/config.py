@@ -47,6 +47,7 @@ class DetectConfig:
     spin_traffic_max_bytes_per_s: float = 10.0 * MIB  # ... and PCIe+NVLink traffic below this
     progress_cpu_min_cores: float = 0.1  # a rank tree using this much CPU is making progress
     progress_io_min_bytes_per_s: float = 256.0 * 1024  # or doing this much I/O
+    progress_min_window_s: float = 0.5  # rates need a window this long (CPU time moves in 10 ms ticks)
     suspect_after_s: float = 2.0  # no progress anywhere in the job for this long → suspect
     confirm_after_s: float = 30.0  # suspect this long → confirmed, when stack proof is unavailable
     stack_confirm_gap_s: float = 3.0  # two unchanged stack dumps this far apart confirm a suspect

@@ -59,6 +59,7 @@ class _RankObs:
     cpu_time_s: float
     io_bytes: int | None
     heartbeat_step: int | None
+    progressing: bool = True  # the verdict for the window that ended at ``t``
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,20 @@ def device_signature(d: DeviceSample, cfg: DetectConfig, traffic_bps: float | No
         if d.power_w <= limit and quiet_link:
             return "spin"
     return "busy"
+
+
+def _observe_rank(p: ProcessSample, prev: _RankObs | None, t: float, cfg: DetectConfig) -> _RankObs:
+    """The rank's progress verdict and the baseline for the next one.
+
+    CPU time moves in 10 ms clock ticks, so a window much shorter than a tick interval (an early tick right
+    after a stack dump) turns noise into a "busy" rate: such a window keeps the previous baseline and verdict.
+    """
+    same = prev is not None and prev.pid == p.pid and prev.create_time == p.create_time
+    if same and prev is not None and p.status != "zombie" and t - prev.t < cfg.progress_min_window_s \
+            and p.heartbeat_step == prev.heartbeat_step:
+        return prev
+    return _RankObs(p.pid, p.create_time, t, p.cpu_time_s, p.io_bytes, p.heartbeat_step,
+                    _rank_progress(p, prev, t, cfg))
 
 
 def _rank_progress(p: ProcessSample, prev: _RankObs | None, t: float, cfg: DetectConfig) -> bool:
@@ -192,10 +207,10 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
     for job_id, ranked in by_job.items():
         progressing = []
         for rank, p in ranked:
-            if _rank_progress(p, state.ranks.get((job_id, rank)), t, cfg):
+            obs = _observe_rank(p, state.ranks.get((job_id, rank)), t, cfg)
+            ranks_obs[(job_id, rank)] = obs
+            if obs.progressing:
                 progressing.append(rank)
-            ranks_obs[(job_id, rank)] = _RankObs(p.pid, p.create_time, t, p.cpu_time_s, p.io_bytes,
-                                                 p.heartbeat_step)
         pids = frozenset(p.pid for _, p in ranked)
         devs = [d for d in sample.devices if d.pids & pids and d.fault is None]
         sigs = [device_signature(d, cfg, traffic_bps.get(d.uuid), pids) for d in devs]

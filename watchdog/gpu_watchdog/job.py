@@ -11,8 +11,10 @@
 A Python signal handler cannot run while the main thread is blocked in a C++ collective (RESEARCH §2), so a
 helper thread watches the control directory. On a request it lets the main thread save at its next step
 boundary; if that boundary does not come within the request's ``boundary_s``, it dumps the Flight Recorder
-(when enabled), aborts the default process group — which makes the blocked collective raise — and saves the
-last completed step's state, then the process exits with EXIT_ABORTED (86). A save at a boundary exits with
+(when enabled), aborts the default process group and saves the last completed step's state, then the process
+exits with EXIT_ABORTED (86). Whether the abort makes the blocked call raise depends on the backend and the
+torch build (seen not to unblock gloo all_reduce/recv on torch 2.13 CPU here, though RESEARCH §2 reports it
+did), so the helper thread does not rely on it: after a short wait it saves from its own thread. A save at a boundary exits with
 EXIT_CHECKPOINTED (85). The callback must save the state *as of* the step it is given: the model is unchanged
 between ``client.step(n)`` and the optimizer step of n+1, which is where a hung gradient all-reduce sits.
 torch is imported only when an abort is needed.
@@ -127,8 +129,8 @@ class Client:
         self._aborted.set()
         self._dump_flight_recorder()
         self._abort_process_group()
-        # The main thread gets a RuntimeError if it was in a collective; if it was somewhere else (it is
-        # the hung rank), save from here and leave.
+        # If the abort made the main thread's collective raise, training() saves there; otherwise (the main
+        # thread is still blocked, or it is the hung rank doing something else) save from here and leave.
         time.sleep(2.0)
         self._save_and_ack("aborted_saved")
         self._wait_for_peers()
@@ -149,7 +151,7 @@ class Client:
         try:
             from torch.distributed import distributed_c10d
 
-            distributed_c10d._abort_process_group()  # verified on torch 2.13: the blocked call raises
+            distributed_c10d._abort_process_group()  # experimental API; see the module docstring
         except Exception as e:
             log.warning("gpu-watchdog: process group abort failed: %s", e)
 
