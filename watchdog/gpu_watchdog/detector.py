@@ -104,7 +104,9 @@ def device_signature(d: DeviceSample, cfg: DetectConfig, traffic_bps: float | No
     """'idle_held', 'spin', 'busy', or None when utilization is unknown."""
     if d.util_percent is None:
         return None
-    if d.util_percent <= cfg.util_idle_max_percent:
+    # A proc-backend device is a rank's CPU use: it is idle exactly when the rank makes no CPU progress.
+    idle_max = cfg.progress_cpu_min_cores * 100.0 if d.virtual else cfg.util_idle_max_percent
+    if d.util_percent <= idle_max:
         if d.virtual:
             held = (d.mem_used_bytes or 0) >= cfg.proc_rss_held_min_bytes
         else:

@@ -6,8 +6,6 @@ StackEvidence on a later tick.
 
 from __future__ import annotations
 
-import time
-
 from gpu_watchdog.classify import classify_threads
 from gpu_watchdog.config import StacksConfig
 from gpu_watchdog.detector import JobStatus
@@ -33,7 +31,9 @@ def classify_results(results: dict[int, DumpResult]) -> list[RankStack]:
     return out
 
 
-def collect_stack_evidence(status: JobStatus, cfg: StacksConfig, _sample_t: float) -> list[StackEvidence]:
-    t = time.time()
+def collect_stack_evidence(status: JobStatus, cfg: StacksConfig, sample_t: float) -> list[StackEvidence]:
+    """One dump of the job's ranks, stamped with the time of the tick that asked for it: the detector's gaps
+    between dumps are then whole tick intervals (a wall-clock stamp taken a few ms later would make a 3 s gap
+    read as 2.99 s and cost a tick)."""
     results = dump_job(dict(status.rank_pids), cfg)
-    return [StackEvidence(status.job_id, t, tuple(classify_results(results)))]
+    return [StackEvidence(status.job_id, sample_t, tuple(classify_results(results)))]
