@@ -15,8 +15,8 @@ boundary; if that boundary does not come within the request's ``boundary_s``, it
 exits with EXIT_ABORTED (86). Whether the abort makes the blocked call raise depends on the backend and the
 torch build (seen not to unblock gloo all_reduce/recv on torch 2.13 CPU here, though RESEARCH §2 reports it
 did), so the helper thread does not rely on it: after a short wait it saves from its own thread. A save at a
-boundary exits with EXIT_CHECKPOINTED (85). The callback must save the state *as of* the step it is given: the model is unchanged
-between ``client.step(n)`` and the optimizer step of n+1, which is where a hung gradient all-reduce sits.
+boundary exits with EXIT_CHECKPOINTED (85). The callback must save the state *as of* the step it is given: the
+model is unchanged between ``client.step(n)`` and the optimizer step of n+1, where a hung gradient all-reduce sits.
 torch is imported only when an abort is needed.
 """
 
