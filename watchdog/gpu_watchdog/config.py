@@ -346,6 +346,12 @@ def resolve_state_dir(cfg: Config) -> Path:
 
 def load_config(path: str | os.PathLike[str] | None, overrides: Mapping[str, Any] | None = None) -> Config:
     """Load ``path`` (None: defaults only) and apply dotted-key overrides from the command line."""
+    return config_from_dict(read_config_data(path, overrides))
+
+
+def read_config_data(path: str | os.PathLike[str] | None,
+                     overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The parsed TOML of ``path`` (empty when None) with dotted-key overrides applied; not yet validated."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -363,7 +369,7 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Mapping[str, Any
         if not isinstance(table, dict):
             raise ConfigError(f"config: [{section}] must be a table")
         table[key] = value
-    return config_from_dict(data)
+    return data
 
 
 def _toml_value(v: Any) -> str:

@@ -17,19 +17,12 @@ from __future__ import annotations
 import grp
 import os
 import string
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from gpu_watchdog.config import Config, config_from_dict
+from gpu_watchdog.config import Config, config_from_dict, read_config_data
 from gpu_watchdog.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 PLACEHOLDERS = ("job_id", "node", "level", "incident")
 HOOK_TYPES: dict[str, tuple[str, ...]] = {
@@ -166,23 +159,7 @@ def socket_gid(settings: DaemonSettings) -> int | None:
 
 def load_daemon_config(path: str | os.PathLike[str] | None,
                        overrides: Mapping[str, Any] | None = None) -> tuple[Config, DaemonSettings]:
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config: file not found: {p}") from None
-        except OSError as e:
-            raise ConfigError(f"config: cannot read {p}: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config: {p} is not valid TOML: {e}") from None
-    for dotted, value in (overrides or {}).items():
-        section, key = dotted.split(".", 1)
-        table = data.setdefault(section, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"config: [{section}] must be a table")
-        table[key] = value
+    data = read_config_data(path, overrides)
     settings = parse_daemon_sections(data)
     cfg = config_from_dict(data)  # also checks [faults] drain_hook against [hooks]
     return cfg, settings
