@@ -2,9 +2,10 @@
 
 Each holds ``summary.json`` (the contract in DESIGN.md: id, job_id, kind, signature, onset, detected_at,
 culprit_ranks, collective, stacks_dir, actions, fallback — plus host, ranks, reason, advice, and ``finding``,
-the detector's own words, kept when ``reason`` is replaced by the stack diagnosis), ``stacks/`` (raw py-spy output per rank), ``report.txt`` (readable: culprit first, then the grouped
-stacks) and whatever else the recovery collected (Flight Recorder dumps, NCCL debug logs of the restart).
-``summary.json`` is rewritten atomically after every change, so a crash never leaves half of it.
+the detector's own words, kept when ``reason`` is replaced by the stack diagnosis), ``stacks/`` (raw py-spy
+output per rank), ``report.txt`` (readable: culprit first, then the grouped stacks) and whatever else the
+recovery collected (Flight Recorder dumps, NCCL debug logs of the restart). ``summary.json`` is rewritten
+atomically after every change, so a crash never leaves half of it.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class IncidentStore:
             "id": iid, "job_id": finding.job_id, "kind": finding.kind, "signature": finding.signature,
             "onset": finding.onset, "detected_at": finding.confirmed_at, "host": host,
             "ranks": list(finding.ranks), "culprit_ranks": list(finding.culprit_ranks), "collective": None,
-            "reason": finding.detail, "finding": finding.detail, "evidence": finding.evidence, "devices": list(finding.devices),
+            "reason": finding.detail, "finding": finding.detail, "evidence": finding.evidence,
+            "devices": list(finding.devices),
             "stacks_dir": str(d / "stacks"), "actions": [], "fallback": None, "advice": None,
         })
         inc.save()
