@@ -363,6 +363,21 @@ def test_healthz_follows_the_last_sample_age() -> None:
         assert code == 503 and "backend failed" in body
 
 
+def test_healthz_stays_up_during_a_bounded_recovery_only() -> None:
+    """Recovery holds the launcher's loop (checkpoint grace, stop ladder): healthy until its bound, then not."""
+    mono = FakeClock(100.0)
+    m = AgentMetrics(interval_s=1.0, health_intervals=5, monotonic=mono)
+    m.update(node(), {}, {})
+    m.recovering(30.0)
+    mono.t = 120.0  # no sample for 20 s, but a recovery is under way
+    assert m.health() == (True, "recovering a job (sampling paused)")
+    mono.t = 131.0  # past the bound: a wedged recovery is unhealthy
+    assert m.health()[0] is False
+    m.recovering(None)
+    m.update(node(), {}, {})
+    assert m.health() == (True, "ok")
+
+
 def test_metrics_endpoint_formats_and_404() -> None:
     m = AgentMetrics()
     m.update(node(gpu(0)), {}, {})

@@ -210,7 +210,15 @@ class Launcher:
         if not self.cfg.recovery.enabled:
             self.say(f"{finding.kind} found ({finding.detail}); recovery disabled, watching on")
             return None
-        result = Recovery(self).handle(finding, child, sample, status, control, attempt)
+        rc = self.cfg.recovery
+        if self.metrics is not None:  # the stack dump, checkpoint grace, stop ladder and GPU memory wait
+            self.metrics.recovering(self.cfg.stacks.timeout_s + rc.checkpoint_grace_s + rc.stop_grace_s + 5.0
+                                    + rc.memory_release_timeout_s + 10.0)
+        try:
+            result = Recovery(self).handle(finding, child, sample, status, control, attempt)
+        finally:
+            if self.metrics is not None:
+                self.metrics.recovering(None)
         if result.give_up:
             return _Outcome(exit_code=EXIT_BUDGET_SPENT)
         return _Outcome(restart_env=result.restart_env)

@@ -255,6 +255,7 @@ class AgentMetrics:
         self._started_mono = monotonic()
         self._snapshot: _Snapshot | None = None
         self._up = True
+        self._busy_until: float | None = None  # a bounded recovery holds the loop: healthy meanwhile
         self._lock = threading.Lock()
         self._job_config: dict[str, str] = {}
         r = self.registry
@@ -353,9 +354,16 @@ class AgentMetrics:
             return dict(self._job_config)
 
     # -- health and serving -----------------------------------------------------------------------------
+    def recovering(self, max_s: float | None) -> None:
+        """The loop is busy recovering a job for at most ``max_s`` (None: done). Samples pause meanwhile, but
+        the agent is alive: /healthz stays 200 until that bound, so a liveness probe won't kill it mid-recovery."""
+        self._busy_until = None if max_s is None else self._monotonic() + max_s
+
     def health(self) -> tuple[bool, str]:
         """(healthy, reason): the last sample (or, before the first, the start) is recent enough."""
         limit = self.health_intervals * self.interval_s
+        if self._busy_until is not None and self._monotonic() < self._busy_until:
+            return True, "recovering a job (sampling paused)"
         snap = self._snapshot
         if snap is None:
             age = self._monotonic() - self._started_mono
