@@ -14,7 +14,6 @@ rendezvous port, so jobs of concurrent test sessions never collide.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -24,6 +23,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from gpu_watchdog.demo import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "jobs" / "train.py"
@@ -47,17 +48,7 @@ class RunningJob:
 
     def events(self) -> list[dict[str, Any]]:
         """Every JSON line the ranks wrote so far (a torn last line is skipped)."""
-        try:
-            text = self.events_path.read_text()
-        except FileNotFoundError:
-            return []
-        out = []
-        for line in text.splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-        return out
+        return read_events(self.events_path)
 
     def rank_pids(self) -> dict[int, int]:
         """{rank: pid} of the ranks that have logged their "start" event (torchrun's children)."""

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
+from gpu_watchdog import demo
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -67,18 +68,7 @@ def demo_argv(events: Path, workdir: Path, *, nproc: int = 4, steps: int = 24, h
     return _safety(argv, max_lifetime_s)
 
 
-def read_events(path: Path) -> list[dict[str, Any]]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a torn last line
-    return out
+read_events = demo.read_events  # one reader of the jobs' events files, shared with the demo
 
 
 def write_config(path: Path, sections: Mapping[str, Mapping[str, Any]]) -> Path:

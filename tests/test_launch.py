@@ -27,6 +27,7 @@ import psutil
 import pytest
 from gpu_watchdog import demo_job, fallback
 from gpu_watchdog.config import FallbackConfig, FallbackLevel, RecoveryConfig
+from gpu_watchdog.demo import read_events
 from gpu_watchdog.detector import Finding
 from gpu_watchdog.errors import UsageError
 from gpu_watchdog.fallback import FallbackDecision, FallbackStore, decide, validate_job_id
@@ -528,20 +529,6 @@ def _job_processes(job_id: str) -> list[psutil.Process]:
             if p.environ().get("GPU_WATCHDOG_JOB_ID") == job_id and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p)
         except (psutil.Error, OSError):
-            continue
-    return out
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    out = []
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
             continue
     return out
 

@@ -9,20 +9,18 @@ launcher exits 0 after exactly one incident and one restart.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import prom
 import psutil
 import pytest
 from gpu_watchdog.config import DetectConfig
-from gpu_watchdog.demo import demo_command
+from gpu_watchdog.demo import demo_command, read_events
 
 pytestmark = pytest.mark.slow
 
@@ -37,18 +35,7 @@ OPTIONAL_HERE = {"gpu_watchdog_gpu_memory_total_bytes", "gpu_watchdog_gpu_power_
                  "gpu_watchdog_rank_waited_on", "gpu_watchdog_gpu_faults_total", "gpu_watchdog_nvml_errors_total"}
 
 
-def _events(path: Path) -> list[dict[str, Any]]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+_events = read_events
 
 
 def _kill_tree(proc: subprocess.Popen[bytes]) -> None:

@@ -33,9 +33,19 @@ def demo_command(workdir: Path, nproc: int = 3, steps: int = 30, hang_at: int = 
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
+    """The JSON lines a job's ranks appended so far (``--events``); a torn last line is skipped, because the
+    file is read while the ranks still write to it."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def timings(events: list[dict[str, Any]], hang_at: int) -> dict[str, float | None]:
