@@ -434,6 +434,7 @@ LATENCY_JOB = {"step_s": 0.02, "step_at": 60}
 # tick of the hang is "not progressing" (progress_cpu_min_cores) while its virtual device is still "busy"
 # (util_idle_max_percent). Latencies are compared path by path.
 USUAL_PATH_MIN_S = DetectConfig().suspect_after_s + DetectConfig().stack_confirm_gap_s
+LATENCY_RUNS = 3  # per backend; odd, so the median is a run and one outlier cannot move it far
 
 
 def _latency(res: dict[str, Any]) -> tuple[float, float]:
@@ -445,14 +446,16 @@ def _latency(res: dict[str, Any]) -> tuple[float, float]:
 @pytest.mark.slow
 def test_detection_latency_nvml_matches_proc(nvml_standin, tmp_path, record_property):
     """The same hang (train.py, rank 1 sleeps at step 60), the same shipped config, under ``launch
-    --backend proc`` and ``--backend nvml``, twice each, alternating: the same incident (signature, culprit,
-    collective, actions) and detection latencies within one sampling interval (see the asserts)."""
+    --backend proc`` and ``--backend nvml``, three times each, alternating: the same incident (signature,
+    culprit, collective, actions) and detection latencies within one sampling interval (see the asserts).
+    Medians of three: one run whose ranks took seconds longer to go quiet on a loaded CI machine (seen once:
+    13.5 s against 6.4 s) must not decide the comparison, as it did with two runs per backend."""
     state = nvml_standin.require_scripted()
     add_gpus(state)
     config = {"recovery": GIVE_UP}
     lat: dict[str, list[float]] = {"proc": [], "nvml": []}
     own: dict[str, list[float]] = {"proc": [], "nvml": []}
-    for i in range(2):
+    for i in range(LATENCY_RUNS):
         for backend in ("proc", "nvml"):
             env = nvml_standin.env if backend == "nvml" else base_env()
             res = run_train_hang(tmp_path / f"{backend}-{i}", backend, env=env,
@@ -480,20 +483,22 @@ def test_detection_latency_nvml_matches_proc(nvml_standin, tmp_path, record_prop
                    "usual_path_runs": usual[b]} for b in lat}
     record_property("detection_latency", json.dumps(figures))
     print(f"\ndetection latency (true onset -> confirmed): {json.dumps(figures)}", file=sys.stderr)
-    # On the same path, what the backend decides — the detector's streak start to the confirmed stall (the
-    # GPU signature, the stack dumps, the confirmation) — agrees within one interval. The true onset adds
-    # the lag until the process counters show that the ranks stopped: psutil in both backends, and on a
-    # loaded 2-core machine it varies by more than the tick phase, so one interval more is allowed there.
+    # What the backend decides — the detector's streak start to the confirmed stall (the GPU signature, the
+    # stack dumps, the confirmation) — agrees within one interval on the same path. The lag before it, from
+    # the true onset to the streak start, is when the process counters show that the ranks stopped: psutil
+    # in both backends, path-independent, and on a loaded 2-core machine noisy; its medians agree within one
+    # interval too. So the whole latency agrees within two.
     for path in ("usual", "early"):
         pick = {b: [i for i in range(len(own[b])) if (i in usual[b]) == (path == "usual")] for b in own}
         if not pick["proc"] or not pick["nvml"]:
             continue  # only one backend took this path this time
         med = {b: statistics.median(own[b][i] for i in pick[b]) for b in own}
-        med_lat = {b: statistics.median(lat[b][i] for i in pick[b]) for b in lat}
         assert abs(med["nvml"] - med["proc"]) <= INTERVAL_S, (path, figures)
-        assert abs(med_lat["nvml"] - med_lat["proc"]) <= 2 * INTERVAL_S, (path, figures)
+    lag = {b: statistics.median(x - y for x, y in zip(lat[b], own[b], strict=True)) for b in lat}
+    assert abs(lag["nvml"] - lag["proc"]) <= INTERVAL_S, (lag, figures)
     for b in lat:
-        assert all(x < 15 for x in lat[b]), figures
+        assert statistics.median(lat[b]) <= 10, figures  # the stack-evidence issue's goal: ≤10 s median
+        assert all(x < 20 for x in lat[b]), figures
 
 
 @pytest.mark.slow

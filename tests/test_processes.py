@@ -333,3 +333,43 @@ def test_a_process_that_execs_into_a_rank_is_found(procs: Procs) -> None:
     later, _ = scanner.sample()
     s = mine(later, p)[p.pid]
     assert s.is_rank and s.job == JobIdentity("exec-job", 0)
+
+
+class _ScriptedScanner:
+    """Hands ProcBackend one rank whose cumulative CPU time the test sets before each tick."""
+
+    def __init__(self) -> None:
+        self.cpu_time_s = 0.0
+
+    def sample(self, extra_pids: object = ()) -> tuple[tuple[ProcessSample, ...], list[object]]:
+        rank = ProcessSample(4242, 1000.0, 1, "sleeping", self.cpu_time_s, 0, 64 << 20,
+                             job=JobIdentity("j", rank=0), is_rank=True)
+        return (rank,), []
+
+
+def test_proc_backend_rates_need_a_minimum_window() -> None:
+    """One 10 ms CPU clock tick over the 40 ms between a tick and the early one after a stack dump would
+    read as 25 % busy and restart a stall's streak (seen in the latency runs): a window shorter than
+    min_window_s keeps the previous value and baseline, so the next full window measures the real rate."""
+    from gpu_watchdog.backends import ProcBackend
+
+    now = [100.0]
+    scanner = _ScriptedScanner()
+    backend = ProcBackend(scanner, "host", clock=lambda: now[0], min_window_s=0.5)  # type: ignore[arg-type]
+
+    def tick(at: float, cpu: float) -> float | None:
+        now[0], scanner.cpu_time_s = at, cpu
+        (dev,) = backend.sample().devices
+        return dev.util_percent
+
+    assert tick(100.0, 5.0) is None  # nothing to compare with yet
+    assert tick(101.0, 5.0) == 0.0  # a hung rank: idle
+    assert tick(101.04, 5.01) == 0.0  # early tick: one clock tick, not 25 %
+    assert tick(102.0, 5.01) == pytest.approx(1.0)  # measured from 101.0: 10 ms over 1 s
+    assert tick(103.0, 5.51) == pytest.approx(50.0)
+    short = ProcBackend(scanner, "host", clock=lambda: now[0], min_window_s=0.0)  # type: ignore[arg-type]
+    now[0], scanner.cpu_time_s = 103.0, 5.51
+    short.sample()
+    now[0], scanner.cpu_time_s = 103.04, 5.52
+    (dev,) = short.sample().devices
+    assert dev.util_percent == pytest.approx(25.0)  # what the unguarded rate said

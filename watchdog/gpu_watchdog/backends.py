@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, Protocol
 
-from gpu_watchdog.config import FaultsConfig
+from gpu_watchdog.config import DetectConfig, FaultsConfig
 from gpu_watchdog.errors import BackendUnavailable, UsageError
 from gpu_watchdog.model import DeviceSample, GpuProcess, NodeSample
 from gpu_watchdog.nvml import NvmlReader
@@ -39,12 +39,16 @@ class ProcBackend:
     name = "proc"
 
     def __init__(self, scanner: ProcessScanner, hostname: str, clock: Any = time.time,
-                 extra_pids: Any = None) -> None:
+                 extra_pids: Any = None, min_window_s: float = DetectConfig.progress_min_window_s) -> None:
         self.scanner = scanner
         self.hostname = hostname
         self._clock = clock
         self._extra_pids = extra_pids or (lambda: ())
-        self._prev: dict[tuple[int, float], tuple[float, float]] = {}  # (pid, ctime) → (t, cpu_time_s)
+        # CPU time moves in 10 ms clock ticks: over the few tens of ms between a tick and the early one that
+        # follows a stack dump, one clock tick reads as 25 % "busy" and restarts a stall's streak. A window
+        # shorter than this keeps the previous baseline and value (as the detector does for rank progress).
+        self.min_window_s = min_window_s
+        self._prev: dict[tuple[int, float], tuple[float, float, float | None]] = {}  # → (t, cpu_time_s, util)
 
     def sample(self) -> NodeSample:
         t = self._clock()
@@ -53,10 +57,14 @@ class ProcBackend:
         prev, self._prev = self._prev, {}
         for i, p in enumerate(p for p in procs if p.is_rank):
             key = (p.pid, p.create_time)
-            self._prev[key] = (t, p.cpu_time_s)
             util = None
-            if key in prev and t > prev[key][0]:
-                util = min(100.0, max(0.0, 100.0 * (p.cpu_time_s - prev[key][1]) / (t - prev[key][0])))
+            if key in prev and t - prev[key][0] < self.min_window_s:
+                self._prev[key] = prev[key]
+                util = prev[key][2]
+            else:
+                if key in prev and t > prev[key][0]:
+                    util = min(100.0, max(0.0, 100.0 * (p.cpu_time_s - prev[key][1]) / (t - prev[key][0])))
+                self._prev[key] = (t, p.cpu_time_s, util)
             job = p.job.job_id if p.job else "unknown"
             rank = p.job.rank if p.job else None
             devices.append(DeviceSample(
@@ -124,29 +132,35 @@ class NvmlBackend:
 
 def choose_backend(name: str, *, root_pid: int | None = None, hostname: str = "",
                    extra_pids: Iterable[int] | Any = None, nvml_lib: Any = None,
-                   env_filter: Iterable[str] = (), faults: FaultsConfig | None = None) -> tuple[Backend, str]:
+                   env_filter: Iterable[str] = (), faults: FaultsConfig | None = None,
+                   min_window_s: float = DetectConfig.progress_min_window_s) -> tuple[Backend, str]:
     """Build the named backend; returns it and a one-line reason (``auto`` says what it picked and why).
-    The nvml backend also watches Xid events unless ``faults.xid_events`` is false."""
+    The nvml backend also watches Xid events unless ``faults.xid_events`` is false; the proc backend
+    measures CPU rates over windows of at least ``min_window_s`` (detect.progress_min_window_s)."""
     if name not in BACKENDS:
         raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     host = hostname or socket.gethostname()
     scanner = ProcessScanner(root_pid=root_pid, env_filter=env_filter)
     extra = extra_pids if callable(extra_pids) else (lambda: tuple(extra_pids or ()))
+
+    def proc(why: str) -> tuple[Backend, str]:
+        return ProcBackend(scanner, host, extra_pids=extra, min_window_s=min_window_s), f"proc backend ({why})"
+
     if name == "proc":
-        return ProcBackend(scanner, host, extra_pids=extra), "proc backend (requested)"
+        return proc("requested")
     reader = NvmlReader(nvml_lib)
     try:
         count = reader.start()
     except BackendUnavailable as e:
         if name == "nvml":
             raise
-        return ProcBackend(scanner, host, extra_pids=extra), f"proc backend ({e})"
+        return proc(str(e))
     if count == 0:
         if name == "nvml":
             reader.shutdown()
             raise BackendUnavailable("NVML started but sees no GPU")
         reader.shutdown()
-        return ProcBackend(scanner, host, extra_pids=extra), "proc backend (NVML sees no GPU)"
+        return proc("NVML sees no GPU")
     why = "requested" if name == "nvml" else f"NVML sees {count} GPU(s), driver {reader.driver_version}"
     fc = faults or FaultsConfig()
     xids = None

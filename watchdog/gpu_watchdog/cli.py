@@ -65,7 +65,8 @@ def cmd_record(args: argparse.Namespace) -> int:
     from gpu_watchdog.record import record
 
     cfg = _load_cfg(args)
-    backend, why = choose_backend(cfg.agent.backend, hostname=cfg.agent.hostname)
+    backend, why = choose_backend(cfg.agent.backend, hostname=cfg.agent.hostname,
+                                  min_window_s=cfg.detect.progress_min_window_s)
     print(f"gpu-watchdog: recording with the {why} to {args.output}", file=sys.stderr)
     try:
         n = record(backend, args.output, args.duration, args.interval or cfg.agent.interval_s)

@@ -644,7 +644,8 @@ class Daemon:
         if self.backend is None:
             self.backend, self.backend_why = choose_backend(
                 self.cfg.agent.backend, root_pid=None, hostname=self.host,
-                extra_pids=lambda: tuple(self._registered_pids()), faults=self.cfg.faults)
+                extra_pids=lambda: tuple(self._registered_pids()), faults=self.cfg.faults,
+                min_window_s=self.cfg.detect.progress_min_window_s)
         log.info("gpu-watchdog daemon: sampling with the %s every %gs; state in %s", self.backend_why,
                  self.cfg.agent.interval_s, self.state_dir)
         for iid in self.resume():

@@ -93,7 +93,8 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         backend, why = choose_backend(self.cfg.agent.backend, root_pid=os.getpid(), hostname=self.host,
-                                      env_filter=CONSISTENCY_ENV, faults=self.cfg.faults)
+                                      env_filter=CONSISTENCY_ENV, faults=self.cfg.faults,
+                                      min_window_s=self.cfg.detect.progress_min_window_s)
         self.backend = backend
         self.say(f"job {self.job_id}: sampling with the {why}; state in {self.state_dir}")
         control = ControlDir(self.state_dir / "run" / self.job_id)
