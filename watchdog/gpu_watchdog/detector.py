@@ -158,6 +158,16 @@ def stacks_show_progress(a: StackEvidence, b: StackEvidence) -> dict[int, str]:
             for rank, moved in stacks_progressed(a, b).items() if moved}
 
 
+# Ticks come from a wall clock that jitters by milliseconds: a tick 1 ms short of "suspect for 2 s" must not
+# cost a whole interval (it made the same hang confirm 5, 6 or 7 s after its onset, at random).
+CLOCK_SLACK_S = 0.05
+
+
+def _lasted(elapsed: float, threshold: float) -> bool:
+    """Has ``elapsed`` reached ``threshold``, give or take the sampling clock's jitter?"""
+    return elapsed >= threshold - CLOCK_SLACK_S
+
+
 def _fmt_ranks(ranks: Iterable[int]) -> str:
     return ",".join(str(r) for r in sorted(ranks))
 
@@ -241,7 +251,7 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
                      e.t >= streak_start)[-2:]
     moving: dict[int, str] = {}
     stack_quiet = False
-    if len(evidence) == 2 and evidence[1].t - evidence[0].t >= cfg.stack_confirm_gap_s and evidence[1].ranks:
+    if len(evidence) == 2 and _lasted(evidence[1].t - evidence[0].t, cfg.stack_confirm_gap_s) and evidence[1].ranks:
         moving = stacks_show_progress(evidence[0], evidence[1])
         stack_quiet = not moving
 
@@ -261,13 +271,13 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
         signature = "rank_exited" if missing else device_sig
         if prev.state == STALLED:
             return replace(base, onset=onset, evidence=evidence, progress_since=None, needs_stacks=False)
-        stalled = t - onset >= cfg.suspect_after_s and (stack_quiet or t - onset >= cfg.confirm_after_s)
+        stalled = _lasted(t - onset, cfg.suspect_after_s) and (stack_quiet or _lasted(t - onset, cfg.confirm_after_s))
         if stalled:
             return replace(base, state=STALLED, since=t, onset=onset, signature=signature, evidence=evidence,
                            progress_since=None, needs_stacks=False)
-        if t - onset >= cfg.suspect_after_s:
+        if _lasted(t - onset, cfg.suspect_after_s):
             since = prev.since if prev.state == SUSPECT else t
-            needs = not evidence or t - evidence[-1].t >= cfg.stack_confirm_gap_s
+            needs = not evidence or _lasted(t - evidence[-1].t, cfg.stack_confirm_gap_s)
             return replace(base, state=SUSPECT, since=since, onset=onset, signature=signature,
                            evidence=evidence, needs_stacks=needs)
         return replace(base, onset=onset, evidence=evidence, signature=signature, needs_stacks=False,
@@ -276,7 +286,7 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
     # Some progress somewhere.
     if prev.state == STALLED:
         since = prev.progress_since if prev.progress_since is not None else t
-        if t - since < cfg.clear_after_s:
+        if not _lasted(t - since, cfg.clear_after_s):
             return replace(base, progress_since=since, needs_stacks=False)
     idle = [r for r in ranks if r not in progressing]
     if (idle and progressing and len(ranks) > 1) or (devices_busy and any(s != "busy" for s in sigs)):
@@ -287,12 +297,12 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
         busy_pids = {pid for d, s in zip(devs, sigs, strict=True) if s == "busy" for pid in d.pids}
         gpu_busy = tuple(r for r, pid in sorted(base.rank_pids.items()) if pid in busy_pids)
         on = tuple(sorted(moving)) if moving else tuple(progressing) or gpu_busy
-        if t - waiting_since >= cfg.waiting_timeout_s:
+        if _lasted(t - waiting_since, cfg.waiting_timeout_s):
             return replace(base, state=STALLED, since=t, onset=waiting_since, waiting_since=waiting_since,
                            waiting_on=on, waiting_doing=doing, signature="waiting_timeout",
                            evidence=evidence, progress_since=None, needs_stacks=False)
-        needs = not evidence or t - evidence[-1].t >= (
-            cfg.stack_confirm_gap_s if len(evidence) < 2 else cfg.waiting_stack_interval_s)
+        needs = not evidence or _lasted(t - evidence[-1].t, (
+            cfg.stack_confirm_gap_s if len(evidence) < 2 else cfg.waiting_stack_interval_s))
         return replace(base, state=WAITING, since=prev.since if prev.state == WAITING else t, onset=None,
                        waiting_since=waiting_since, waiting_on=on, waiting_doing=doing, signature="",
                        evidence=evidence, progress_since=None, needs_stacks=needs)
