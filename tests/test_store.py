@@ -130,3 +130,44 @@ def test_housekeeping_by_age_and_size(tmp_path: Path) -> None:
     assert set(removed) == {old.id, big.id}
     assert new.dir.exists() and active.dir.exists()  # an unfinished incident is never removed
     assert {r["id"] for r in d.store.incidents()} == {new.id, active.id}
+
+
+def test_restart_budget_survives_a_daemon_restart_and_the_jobs_requeue(tmp_path: Path) -> None:
+    """The budget is what stops a restart loop: neither the daemon's own restart nor the job's requeue
+    (job-end from the epilog, job-start under the same id) may hand the job a fresh one."""
+    cfg = Config().recovery
+    d = _daemon(tmp_path / "state")
+    reg = {"job_id": "j1", "pids": [], "registered_by_uid": 0}
+    d.register(reg)
+    now = time.time()
+    for i in range(cfg.max_restarts):
+        assert d.budget("j1").allow(now + i, hang_step=10 * (i + 1)) == (True, "")
+    d.unregister("j1")  # the epilog
+    d.register(reg)  # the requeued job's prolog
+    allowed, why = d.budget("j1").allow(now + 10, hang_step=100)
+    assert not allowed and f"recovery.max_restarts = {cfg.max_restarts}" in why
+    d.store.close()
+
+    again = _daemon(tmp_path / "state")  # a new daemon process on the same state dir
+    b = again.budget("j1")
+    assert len(b.restarts) == cfg.max_restarts and b.last_hang_step == 100
+    assert not b.allow(now + 11, hang_step=110)[0]
+    # Past the window the restarts no longer count, and housekeeping forgets the untouched budget.
+    assert again.budget("j1").allow(now + cfg.restart_window_s + 20, hang_step=120) == (True, "")
+    assert again.store.budget("j1") is not None
+    again.housekeeping(time.time() + 2 * cfg.restart_window_s + 60)
+    assert again.store.budget("j1") is None
+    assert again.budget("j1").restarts == []
+
+
+def test_restart_budget_counts_hangs_that_make_no_progress_across_restarts(tmp_path: Path) -> None:
+    cfg = Config().recovery
+    d = _daemon(tmp_path / "state")
+    now = time.time()
+    assert d.budget("j2").allow(now, hang_step=7)[0]
+    d.store.close()
+    d2 = _daemon(tmp_path / "state")
+    for i in range(1, cfg.max_no_progress_restarts):
+        assert d2.budget("j2").allow(now + i, hang_step=7)[0]
+    allowed, why = d2.budget("j2").allow(now + 50, hang_step=7)
+    assert not allowed and "without passing step 7" in why

@@ -204,12 +204,20 @@ class Daemon:
     def unregister(self, job_id: str) -> bool:
         with self._lock:
             self._jobs.pop(job_id, None)
-            self._budgets.pop(job_id, None)
+            # The restart budget outlives the registration: a job requeued by its restart hook ends (epilog)
+            # and starts again under the same id, and must not come back with a fresh budget (a restart loop).
             return self.store.delete_job(job_id)
 
     def budget(self, job_id: str) -> RestartBudget:
+        """The job's restart budget, kept in the store so that neither a daemon restart nor the job's
+        requeue resets it; a budget untouched for ``recovery.restart_window_s`` is forgotten."""
         with self._lock:
-            return self._budgets.setdefault(job_id, RestartBudget(self.cfg.recovery))
+            b = self._budgets.get(job_id)
+            if b is None or b.cfg is not self.cfg.recovery:  # first use, or the config was reloaded
+                b = RestartBudget(self.cfg.recovery, self.store.budget(job_id),
+                                  on_change=lambda b: self.store.put_budget(job_id, b.state()))
+                self._budgets[job_id] = b
+            return b
 
     def _registered_pids(self) -> dict[int, str]:
         """pid → registered job, for live registered pids (create time checked), their descendants and
@@ -577,9 +585,17 @@ class Daemon:
 
     # -- housekeeping --------------------------------------------------------------------------------
     def housekeeping(self, now: float | None = None) -> list[str]:
+        """Prune old incident directories and forget restart budgets untouched for a whole window; returns
+        the removed incidents."""
+        now = time.time() if now is None else now
+        with self._lock:
+            for job_id in self.store.prune_budgets(now - self.cfg.recovery.restart_window_s):
+                self._budgets.pop(job_id, None)
+        return self._prune_incidents(now)
+
+    def _prune_incidents(self, now: float) -> list[str]:
         """Remove finished incident directories older than the age limit, then the oldest until the rest
         fit in the size limit. Unfinished incidents are never removed."""
-        now = time.time() if now is None else now
         root = self.incidents.root
         if not root.is_dir():
             return []

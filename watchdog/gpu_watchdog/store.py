@@ -57,6 +57,11 @@ CREATE TABLE IF NOT EXISTS actions (
     detail TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS actions_incident ON actions(incident_id);
+CREATE TABLE IF NOT EXISTS restart_budgets (
+    job_id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,           -- JSON: recovery.RestartBudget.state()
+    updated_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS fallback (
     job_id TEXT PRIMARY KEY,
     level INTEGER NOT NULL,
@@ -183,6 +188,20 @@ class Store:
         if not rows:
             return None
         return {"level": rows[0][0], "name": rows[0][1], "env": json.loads(rows[0][2]), "updated_at": rows[0][3]}
+
+    # -- restart budgets -----------------------------------------------------------------------------
+    def put_budget(self, job_id: str, state: dict[str, Any]) -> None:
+        self._exec("INSERT OR REPLACE INTO restart_budgets VALUES (?,?,?)", (job_id, json.dumps(state), time.time()))
+
+    def budget(self, job_id: str) -> dict[str, Any] | None:
+        rows = self._exec("SELECT state FROM restart_budgets WHERE job_id=?", (job_id,))
+        return json.loads(rows[0][0]) if rows else None
+
+    def prune_budgets(self, older_than: float) -> list[str]:
+        """Forget budgets not touched since ``older_than`` (unix time); returns their job ids."""
+        gone = [r[0] for r in self._exec("SELECT job_id FROM restart_budgets WHERE updated_at < ?", (older_than,))]
+        self._exec("DELETE FROM restart_budgets WHERE updated_at < ?", (older_than,))
+        return gone
 
     def close(self) -> None:
         with self._lock:
