@@ -22,7 +22,7 @@ from gpu_watchdog.model import (
     SampleError,
     StackEvidence,
 )
-from gpu_watchdog.record import record
+from gpu_watchdog.record import only_job, record
 from gpu_watchdog.replay import replay_trace
 from gpu_watchdog.trace import FORMAT, VERSION, TraceWriter, read_trace, sample_record
 
@@ -112,6 +112,38 @@ def test_record_writes_aside_then_renames(tmp_path: Path) -> None:
     head, recs = read_trace(out)
     assert head["backend"] == "proc" and head["interval_s"] == 1.0
     assert [r.t for r in recs] == [T0 + i for i in range(n)]
+
+
+def _two_jobs(t: float) -> NodeSample:
+    """job-1 on GPU-aaa (shared with a process of job-2), job-2 alone on GPU-bbb, and a stray process."""
+    a, b = JobIdentity("job-1", rank=0), JobIdentity("job-2", rank=0)
+    return NodeSample(
+        t=t, hostname="h", backend="nvml",
+        devices=(DeviceSample(0, "GPU-aaa", "x", processes=(GpuProcess(11, 1 << 30), GpuProcess(22, 1 << 30))),
+                 DeviceSample(1, "GPU-bbb", "x", processes=(GpuProcess(21, 1 << 30),)),
+                 DeviceSample(2, "GPU-ccc", "x")),
+        processes=(ProcessSample(11, T0, 1, "sleeping", 1.0, 0, 1, job=a, is_rank=True),
+                   ProcessSample(21, T0, 1, "sleeping", 1.0, 0, 1, job=b, is_rank=True),
+                   ProcessSample(22, T0, 21, "sleeping", 1.0, 0, 1, job=b),
+                   ProcessSample(30, T0, 1, "sleeping", 1.0, 0, 1)),
+    )
+
+
+def test_record_one_job_keeps_its_processes_and_devices(tmp_path: Path) -> None:
+    class TwoJobs(_ListBackend):
+        def __init__(self) -> None:
+            self.samples = [_two_jobs(T0 + i) for i in range(5)]
+
+    clock = iter(float(x) for x in range(100))
+    out = tmp_path / "j.trace"
+    record(TwoJobs(), out, duration_s=2.0, interval_s=1.0, clock=lambda: next(clock), sleep=lambda s: None,
+           job_id="job-1")
+    recs = list(read_trace(out)[1])
+    assert recs and all([p.pid for p in r.processes] == [11] for r in recs)
+    assert all([d.uuid for d in r.devices] == ["GPU-aaa"] for r in recs)
+    assert recs[0].devices[0].pids == {11, 22}  # a shared GPU stays whole: its counters are the device's
+    assert [d.uuid for d in only_job(_two_jobs(T0), "job-2").devices] == ["GPU-aaa", "GPU-bbb"]
+    assert only_job(_two_jobs(T0), "nobody").devices == ()
 
 
 def test_events_and_stacks_do_not_disturb_replay(tmp_path: Path) -> None:

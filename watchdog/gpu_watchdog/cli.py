@@ -69,7 +69,7 @@ def cmd_record(args: argparse.Namespace) -> int:
                                   min_window_s=cfg.detect.progress_min_window_s)
     print(f"gpu-watchdog: recording with the {why} to {args.output}", file=sys.stderr)
     try:
-        n = record(backend, args.output, args.duration, args.interval or cfg.agent.interval_s)
+        n = record(backend, args.output, args.duration, args.interval or cfg.agent.interval_s, job_id=args.job)
     finally:
         backend.close()
     print(f"gpu-watchdog: wrote {n} samples to {args.output}", file=sys.stderr)
@@ -229,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--duration", type=_positive_float, required=True, metavar="S")
     r.add_argument("--output", required=True, metavar="F")
     r.add_argument("--interval", type=_positive_float, metavar="S", help="default: agent.interval_s")
+    r.add_argument("--job", metavar="JOB_ID", help="keep only this job's processes and devices (default: all)")
     r.set_defaults(func=cmd_record)
 
     rp = sub.add_parser("replay", help="run the detector over a trace")
