@@ -66,7 +66,7 @@ class RestartBudget:
             self.no_progress = 0
         if hang_step is not None:
             self.last_hang_step = hang_step if self.last_hang_step is None else max(self.last_hang_step, hang_step)
-        self.restarts = recent = [t for t in self.restarts if now - t < self.cfg.restart_window_s]
+        recent = [t for t in self.restarts if now - t < self.cfg.restart_window_s]
         if len(recent) >= self.cfg.max_restarts:
             return False, (f"{len(recent)} restarts in the last {self.cfg.restart_window_s:.0f}s "
                            f"(recovery.max_restarts = {self.cfg.max_restarts})")
