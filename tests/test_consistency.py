@@ -121,6 +121,31 @@ def test_launcher_check_exports_the_digest_and_records_one_incident_per_mismatch
     assert metrics.incidents == ["config_mismatch"] and metrics.configs[-1][1] != metrics.configs[0][1]
 
 
+def test_one_more_rank_with_the_same_mismatch_is_not_a_second_incident(tmp_path: Path) -> None:
+    """Seen in CI: the check ran on ranks 0,1,3 (rank 2 not identified yet), then again on all four. The
+    disagreement (NCCL_P2P_DISABLE unset vs 1) is the same, so there is one incident; and while
+    LOCAL_WORLD_SIZE says more ranks are coming, the launcher waits for them before comparing."""
+    three = check_ranks({r: {**rank_env(r), **({"NCCL_P2P_DISABLE": "1"} if r == 3 else {})} for r in (0, 1, 3)})
+    four = check_ranks({r: {**rank_env(r), **({"NCCL_P2P_DISABLE": "1"} if r == 3 else {})} for r in range(4)})
+    assert three.digest != four.digest and three.mismatch == four.mismatch == (("NCCL_P2P_DISABLE", ("(unset)", "1")),)
+    lc = Launcher(Config(agent=AgentConfig(hostname="n1")), ["true"], state_dir=tmp_path, job_id="job-d",
+                  out=io.StringIO(), metrics=Metrics())
+    pids = {r: 4_000_000 + r for r in range(4)}
+    envs = {pids[r]: rank_env(r) for r in range(4)}
+    envs[pids[3]]["NCCL_P2P_DISABLE"] = "1"
+    backend: Any = type("B", (), {"scanner": Scanner(envs)})()
+    partial = JobStatus("job-d", ranks=(0, 1, 3), rank_pids={r: pids[r] for r in (0, 1, 3)})
+    full = JobStatus("job-d", ranks=(0, 1, 2, 3), rank_pids=pids)
+    assert not lc._all_local_ranks(backend, partial) and lc._all_local_ranks(backend, full)  # LOCAL_WORLD_SIZE=4
+    lc._check_config(backend, partial, 100.0)
+    lc._check_config(backend, full, 101.0)
+    [inc] = lc.incidents.list()
+    assert inc["detected_at"] == 100.0
+    envs[pids[1]]["NCCL_PROTO"] = "Simple"  # a new disagreement is news
+    lc._check_config(backend, full, 102.0)
+    assert len(lc.incidents.list()) == 2
+
+
 # == real jobs under launch ==================================================================================
 def skewed_job_argv(events: Path, workdir: Path, steps: int = 8) -> list[str]:
     argv = [torchrun(), "--standalone", "--nproc-per-node", "4", str(SKEWED), str(TRAIN), "--scenario", "healthy",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
@@ -29,6 +29,9 @@ class ConfigReport:
     digest: str  # sha256 (16 hex) of the settings; identical on every node of a consistent job
     consistent: bool
     differences: tuple[str, ...]  # "NCCL_P2P_DISABLE: rank 3=1, ranks 0,1,2=(unset)"
+    # What disagrees, whichever ranks and however many: (key, its distinct values). The same mismatch
+    # seen again with one more rank is not news.
+    mismatch: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def summary(self) -> str:
@@ -39,11 +42,20 @@ def _digest(settings: Mapping[str, str]) -> str:
     return hashlib.sha256(json.dumps(sorted(settings.items())).encode()).hexdigest()[:16]
 
 
+def local_world_size(envs: Iterable[Mapping[str, str]]) -> int | None:
+    """How many ranks this node should run (torchrun's LOCAL_WORLD_SIZE), when any rank says."""
+    for env in envs:
+        value = env.get("LOCAL_WORLD_SIZE", "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
 def check_ranks(envs: Mapping[int, Mapping[str, str]]) -> ConfigReport:
     """Compare the launch environment of the ranks seen on this node."""
     per_rank = {r: relevant(e) for r, e in envs.items()}
     keys = sorted({k for e in per_rank.values() for k in e})
-    differences = []
+    differences, mismatch = [], []
     for k in keys:
         by_value: dict[str, list[int]] = {}
         for r in sorted(per_rank):
@@ -51,9 +63,10 @@ def check_ranks(envs: Mapping[int, Mapping[str, str]]) -> ConfigReport:
         if len(by_value) > 1:
             parts = [f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}={v}" for v, rs in by_value.items()]
             differences.append(f"{k}: {', '.join(parts)}")
+            mismatch.append((k, tuple(sorted(by_value))))
     if differences:
         # Inconsistent: the digest covers every rank's settings, so it matches no consistent node.
         merged = {f"{r}:{k}": v for r, e in per_rank.items() for k, v in e.items()}
-        return ConfigReport(_digest(merged), False, tuple(differences))
+        return ConfigReport(_digest(merged), False, tuple(differences), tuple(mismatch))
     first = next(iter(per_rank.values()), {})
     return ConfigReport(_digest(first), True, ())
