@@ -14,12 +14,13 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from gpu_watchdog.config import AgentConfig, Config
-from gpu_watchdog.consistency import check_ranks, relevant
+from gpu_watchdog.consistency import ConfigWatch, check_ranks, relevant
 from gpu_watchdog.detector import JobStatus
 from gpu_watchdog.launcher import Launcher
 from launch_harness import base_env, read_events, start_launch, torchrun, write_config
@@ -136,7 +137,12 @@ def test_one_more_rank_with_the_same_mismatch_is_not_a_second_incident(tmp_path:
     backend: Any = type("B", (), {"scanner": Scanner(envs)})()
     partial = JobStatus("job-d", ranks=(0, 1, 3), rank_pids={r: pids[r] for r in (0, 1, 3)})
     full = JobStatus("job-d", ranks=(0, 1, 2, 3), rank_pids=pids)
-    assert not lc._all_local_ranks(backend, partial) and lc._all_local_ranks(backend, full)  # LOCAL_WORLD_SIZE=4
+    watch = ConfigWatch()
+    env_of = backend.scanner.env_of
+    assert not watch.due(partial.rank_pids, env_of, 10.0) and not watch.due(partial.rank_pids, env_of, 11.0)
+    assert watch.due(partial.rank_pids, env_of, 20.0)  # LOCAL_WORLD_SIZE=4, but nobody else came in 10 s
+    assert not watch.due(full.rank_pids, env_of, 21.0) and watch.due(full.rank_pids, env_of, 22.0)
+    assert not watch.due(full.rank_pids, env_of, 23.0)  # checked: not again for the same ranks
     lc._check_config(backend, partial, 100.0)
     lc._check_config(backend, full, 101.0)
     [inc] = lc.incidents.list()
@@ -144,6 +150,47 @@ def test_one_more_rank_with_the_same_mismatch_is_not_a_second_incident(tmp_path:
     envs[pids[1]]["NCCL_PROTO"] = "Simple"  # a new disagreement is news
     lc._check_config(backend, full, 102.0)
     assert len(lc.incidents.list()) == 2
+
+
+def test_the_daemon_checks_every_jobs_ranks_and_reports_a_mismatch_once(tmp_path: Path) -> None:
+    from gpu_watchdog.daemon import Daemon
+    from gpu_watchdog.daemon_config import DaemonSettings
+    from gpu_watchdog.metrics import AgentMetrics
+    from gpu_watchdog.model import JobIdentity, NodeSample, ProcessSample
+    from gpu_watchdog.sdnotify import Notifier
+
+    pids = {r: 4_100_000 + r for r in range(4)}  # no such processes: the scanner's copies are used
+    envs = {pids[r]: rank_env(r) for r in range(4)}
+    envs[pids[2]]["NCCL_P2P_DISABLE"] = "1"
+
+    class Node:
+        name = "fake"
+        scanner = Scanner(envs)
+        jobs = True
+
+        def sample(self) -> NodeSample:
+            procs = tuple(ProcessSample(pid, 1.0, 1, "sleeping", 1.0, 0, 1 << 20,
+                                        job=JobIdentity("jm", rank=r, local_rank=r, world_size=4), is_rank=True)
+                          for r, pid in pids.items()) if self.jobs else ()
+            return NodeSample(t=time.time(), hostname="n1", backend="fake", processes=procs)
+
+        def close(self) -> None:
+            pass
+
+    node, metrics = Node(), AgentMetrics()
+    d = Daemon(Config(), DaemonSettings(socket_group=""), tmp_path, backend=node,  # type: ignore[arg-type]
+               metrics=metrics, notifier=Notifier(None))
+    for _ in range(5):
+        d.tick()
+    d._pool.shutdown(wait=True)
+    [inc] = d.incidents.list()
+    assert (inc["kind"], inc["job_id"], inc["ranks"]) == ("config_mismatch", "jm", [0, 1, 2, 3])
+    assert "NCCL_P2P_DISABLE: ranks 0,1,3=(unset), rank 2=1" in inc["reason"], inc
+    assert inc["outcome"] and d.store.unfinished_incidents() == []
+    assert metrics.job_configs()["jm"] == check_ranks({r: envs[pids[r]] for r in range(4)}).digest
+    node.jobs = False  # the job ended: its digest is no longer exported
+    d.tick()
+    assert "jm" not in metrics.job_configs()
 
 
 # == real jobs under launch ==================================================================================

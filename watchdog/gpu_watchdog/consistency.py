@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from gpu_watchdog.detector import Finding, JobStatus
 
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 ENV_KEYS = ("NPROC_PER_NODE", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+CONSISTENCY_ENV = ENV_PREFIXES + ENV_KEYS  # what the process scanner keeps of each rank's environment
+CONFIG_CHECK_WAIT_S = 10.0  # compare the ranks seen so far when the rest of LOCAL_WORLD_SIZE never shows up
 # Set per restart by gpu-watchdog itself: they differ by design, not by mistake.
 _IGNORED = ("NCCL_DEBUG_FILE",)
 
@@ -70,3 +75,65 @@ def check_ranks(envs: Mapping[int, Mapping[str, str]]) -> ConfigReport:
         return ConfigReport(_digest(merged), False, tuple(differences), tuple(mismatch))
     first = next(iter(per_rank.values()), {})
     return ConfigReport(_digest(first), True, ())
+
+
+def launch_env(pid: int, scanner: Any) -> Mapping[str, str]:
+    """A rank's environment as it is now (after any exec; the scanner caches the one it first saw), limited
+    to the keys the consistency check compares; the scanner's copy when /proc cannot be read."""
+    import psutil
+
+    try:
+        env = psutil.Process(pid).environ()
+    except psutil.Error:
+        return scanner.env_of(pid)  # type: ignore[no-any-return]
+    return {k: v for k, v in env.items() if k.startswith(CONSISTENCY_ENV)}
+
+
+class ConfigWatch:
+    """One job's consistency check: when to compare its ranks (``due``) and whether a mismatch is news.
+
+    Due once the same rank processes were seen two ticks in a row (a wrapper that sets variables and then
+    execs, ``export NCCL_…; exec python …``, has exec'd by then) and every local rank is there, or no more
+    came for ``wait_s``: one report names them all. The same disagreement seen again (another rank, a
+    restarted run) is not news; a different one is.
+    """
+
+    def __init__(self, wait_s: float = CONFIG_CHECK_WAIT_S) -> None:
+        self.wait_s = wait_s
+        self._seen: dict[int, int] = {}
+        self._checked: dict[int, int] = {}
+        self._since = 0.0
+        self._reported: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def new_run(self) -> None:
+        """The job was restarted: its new ranks are checked again (a known mismatch stays known)."""
+        self._seen, self._checked = {}, {}
+
+    def due(self, rank_pids: Mapping[int, int], env_of: Callable[[int], Mapping[str, str]], t: float) -> bool:
+        ranks = dict(rank_pids)
+        if not ranks or ranks == self._checked:
+            return False
+        stable = ranks == self._seen
+        if not stable:
+            self._seen, self._since = ranks, t
+            return False
+        expected = local_world_size(env_of(pid) for pid in ranks.values())
+        if expected is None or len(ranks) >= expected or t - self._since >= self.wait_s:
+            self._checked = ranks
+            return True
+        return False
+
+    def check(self, status: JobStatus, scanner: Any, t: float) -> tuple[ConfigReport, Finding | None]:
+        """Compare the job's ranks now; the finding is None unless the mismatch is news."""
+        report = check_ranks({r: launch_env(pid, scanner) for r, pid in status.rank_pids.items()})
+        if not self.news(report):
+            return report, None
+        return report, Finding("config_mismatch", "env_mismatch", status.job_id, status.ranks, (), t, t,
+                               detail=f"ranks were launched with different settings: {report.summary}",
+                               evidence="process")
+
+    def news(self, report: ConfigReport) -> bool:
+        if report.consistent or report.mismatch == self._reported:
+            return False
+        self._reported = report.mismatch
+        return True

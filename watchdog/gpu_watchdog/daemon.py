@@ -36,6 +36,7 @@ import psutil
 from gpu_watchdog.analyze import write_rank_stacks
 from gpu_watchdog.backends import Backend, choose_backend
 from gpu_watchdog.config import Config
+from gpu_watchdog.consistency import CONSISTENCY_ENV, ConfigWatch
 from gpu_watchdog.daemon_config import DaemonSettings, load_daemon_config
 from gpu_watchdog.detector import STALLED, DetectorState, Finding, JobStatus, step
 from gpu_watchdog.diagnosis import diagnose
@@ -181,6 +182,7 @@ class Daemon:
         self._busy: set[str] = set()  # jobs being recovered
         self._drained: set[str] = set()  # "gpu/kind" faults whose drain hook already ran
         self._budgets: dict[str, RestartBudget] = {}
+        self._config_watches: dict[str, ConfigWatch] = {}  # job → its launch-settings check (tick thread only)
         self._dumps: dict[str, Future[list[StackEvidence]]] = {}
         self._observed: set[tuple[str | None, float]] = set()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="watchdog-work")
@@ -327,6 +329,7 @@ class Daemon:
                                                                    sample.t)
             for f in findings:
                 self._on_finding(f, sample)
+            self._check_configs(sample.t)
             if self.metrics is not None:
                 self.metrics.sample_duration(time.process_time() - t0)
                 self.metrics.nvml_errors(sample.errors)
@@ -363,6 +366,33 @@ class Daemon:
         elif line != self._status:
             self.notifier.status(line)
         self._status = line
+
+    def _check_configs(self, t: float) -> None:
+        """Every job's ranks on this node must share their launch settings (consistency.ConfigWatch): the
+        digest goes to the metrics (an alert compares nodes), a new mismatch becomes an incident."""
+        scanner = getattr(self.backend, "scanner", None)
+        if scanner is None:
+            return
+        for job_id in set(self._config_watches) - set(self.state.jobs):  # the job ended
+            del self._config_watches[job_id]
+            if self.metrics is not None:
+                self.metrics.forget_job(job_id)
+        for js in self.state.jobs.values():
+            watch = self._config_watches.setdefault(js.job_id, ConfigWatch())
+            if not watch.due(js.rank_pids, scanner.env_of, t):
+                continue
+            report, finding = watch.check(js, scanner, t)
+            if self.metrics is not None:
+                self.metrics.job_config(js.job_id, report.digest)
+            if finding is not None:
+                self._pool.submit(self._guarded, None, self._report_config, finding)
+
+    def _report_config(self, finding: Finding) -> None:
+        inc = self.incidents.create(finding, self.host)
+        if self.metrics is not None:
+            self.metrics.incident(finding.kind)
+        log.warning("job %s: %s: incident %s", finding.job_id, finding.detail, inc.id)
+        self._finish(inc, "reported (ranks launched with different settings)")
 
     def _on_finding(self, f: Finding, sample: NodeSample) -> None:
         job_id = f.job_id
@@ -660,7 +690,8 @@ class Daemon:
         if self.backend is None:
             self.backend, self.backend_why = choose_backend(
                 self.cfg.agent.backend, root_pid=None, hostname=self.host,
-                extra_pids=lambda: tuple(self._registered_pids()), faults=self.cfg.faults,
+                extra_pids=lambda: tuple(self._registered_pids()), env_filter=CONSISTENCY_ENV,
+                faults=self.cfg.faults,
                 min_window_s=self.cfg.detect.progress_min_window_s)
         log.info("gpu-watchdog daemon: sampling with the %s every %gs; state in %s", self.backend_why,
                  self.cfg.agent.interval_s, self.state_dir)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from gpu_watchdog.backends import Backend, choose_backend
 from gpu_watchdog.config import Config, resolve_state_dir
-from gpu_watchdog.consistency import ENV_KEYS, ENV_PREFIXES, check_ranks, local_world_size
+from gpu_watchdog.consistency import CONSISTENCY_ENV, ConfigWatch
 from gpu_watchdog.detector import DetectorState, Finding, JobStatus, step
 from gpu_watchdog.evidence import collect_stack_evidence
 from gpu_watchdog.fallback import FallbackStore, validate_job_id
@@ -40,8 +40,6 @@ from gpu_watchdog.recovery import EXIT_BUDGET_SPENT, Recovery, RestartBudget
 from gpu_watchdog.stopper import JobProcess, stop_processes
 
 log = logging.getLogger("gpu_watchdog.launcher")
-CONSISTENCY_ENV = ENV_PREFIXES + ENV_KEYS
-CONFIG_CHECK_WAIT_S = 10.0  # compare the ranks seen so far when the rest of LOCAL_WORLD_SIZE never shows up
 
 
 class Launcher:
@@ -64,7 +62,7 @@ class Launcher:
         self.budget = RestartBudget(cfg.recovery)
         self.fault_policy = FaultPolicy(self, hooks)  # hooks: the config's [hooks.NAME] (faults.drain_hook)
         self._stop_signal: int | None = None
-        self._reported_mismatch: tuple[tuple[str, tuple[str, ...]], ...] = ()
+        self.config_watch = ConfigWatch()
         self._wake = threading.Event()  # set when a stack dump finishes: feed it to the detector at once
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stacks")
         self.backend: Backend | None = None
@@ -125,9 +123,7 @@ class Launcher:
         dump: Future[list[StackEvidence]] | None = None
         healthy_since = time.time()
         next_tick = time.monotonic()
-        checked_ranks: dict[int, int] = {}
-        seen_ranks: dict[int, int] = {}
-        ranks_since = time.time()  # when the set of rank processes last changed
+        self.config_watch.new_run()
         seen: dict[int, JobProcess] = {}  # every job process sampled in this run (pid + create time)
         while True:
             rc = child.poll()
@@ -151,17 +147,9 @@ class Launcher:
             pending = []
             self._export(sample, state.jobs, time.process_time() - t0)
             ours = state.jobs.get(self.job_id)
-            if ours is not None and ours.rank_pids != checked_ranks:
-                # Compare once the same rank processes were seen two ticks in a row (a wrapper that sets
-                # variables and then execs, `export NCCL_…; exec python …`, has exec'd by then) and every
-                # local rank is there, or no more came for CONFIG_CHECK_WAIT_S: one report names them all.
-                if ours.rank_pids == seen_ranks and (self._all_local_ranks(backend, ours)
-                                                     or sample.t - ranks_since >= CONFIG_CHECK_WAIT_S):
-                    checked_ranks = dict(ours.rank_pids)
-                    self._check_config(backend, ours, sample.t)
-                if ours.rank_pids != seen_ranks:
-                    ranks_since = sample.t
-                seen_ranks = dict(ours.rank_pids)
+            scanner = backend.scanner  # type: ignore[attr-defined]
+            if ours is not None and self.config_watch.due(ours.rank_pids, scanner.env_of, sample.t):
+                self._check_config(backend, ours, sample.t)
             if ours is not None and ours.needs_stacks and dump is None and cfg.stacks.enabled:
                 dump = self._pool.submit(collect_stack_evidence, ours, cfg.stacks, sample.t)
                 dump.add_done_callback(lambda _f: self._wake.set())
@@ -195,24 +183,13 @@ class Launcher:
             res = stop_processes(left, self.cfg.recovery.stop_grace_s)
             self.say(f"stopped {len(left)} job process(es) left behind by the launched command: {res.detail}")
 
-    @staticmethod
-    def _all_local_ranks(backend: Backend, status: JobStatus) -> bool:
-        scanner = backend.scanner  # type: ignore[attr-defined]
-        expected = local_world_size(scanner.env_of(pid) for pid in status.rank_pids.values())
-        return expected is None or len(status.rank_pids) >= expected
-
     def _check_config(self, backend: Backend, status: JobStatus, t: float) -> None:
         """Compare the ranks' launch settings as soon as they are seen: a mismatch hangs later."""
-        scanner = backend.scanner  # type: ignore[attr-defined]
-        report = check_ranks({r: _launch_env(pid, scanner) for r, pid in status.rank_pids.items()})
+        report, finding = self.config_watch.check(status, backend.scanner, t)  # type: ignore[attr-defined]
         if self.metrics is not None:
             self.metrics.job_config(self.job_id, report.digest)
-        if report.consistent or report.mismatch == self._reported_mismatch:
+        if finding is None:
             return
-        self._reported_mismatch = report.mismatch
-        finding = Finding("config_mismatch", "env_mismatch", self.job_id, status.ranks, (), t, t,
-                          detail=f"ranks were launched with different settings: {report.summary}",
-                          evidence="process")
         inc = self.incidents.create(finding, self.host)
         if self.metrics is not None:
             self.metrics.incident(finding.kind)
@@ -248,18 +225,6 @@ class _Outcome:
     def __init__(self, exit_code: int | None = None, restart_env: dict[str, str] | None = None) -> None:
         self.exit_code = exit_code
         self.restart_env = restart_env or {}
-
-
-def _launch_env(pid: int, scanner: Any) -> Mapping[str, str]:
-    """A rank's environment as it is now (after any exec; the scanner caches the one it first saw), limited
-    to the keys the consistency check compares; the scanner's copy when /proc cannot be read."""
-    import psutil
-
-    try:
-        env = psutil.Process(pid).environ()
-    except psutil.Error:
-        return scanner.env_of(pid)  # type: ignore[no-any-return]
-    return {k: v for k, v in env.items() if k.startswith(CONSISTENCY_ENV)}
 
 
 def _future_result(f: Future[list[StackEvidence]]) -> list[StackEvidence]:
