@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import waiting
+
 REPO = Path(__file__).resolve().parent.parent
 GW = str(Path(sys.executable).parent / "gpu-watchdog")
 HOOK = REPO / "tests" / "hookbin" / "record_hook.py"
@@ -103,14 +105,8 @@ class DaemonProc:
 
 
 def wait_for(pred: Any, timeout: float, what: str, log: Any = None, poll: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout}s\n{log() if log else ''}")
-        time.sleep(poll)
+    """waiting.wait_for, polling less often: the daemon tests' conditions often run the CLI."""
+    return waiting.wait_for(pred, timeout, what, log=log, poll=poll)
 
 
 def records(base: Path) -> list[dict[str, Any]]:

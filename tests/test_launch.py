@@ -36,6 +36,7 @@ from gpu_watchdog.job import Client
 from gpu_watchdog.jobproto import EXIT_ABORTED, EXIT_CHECKPOINTED, ControlDir
 from gpu_watchdog.recovery import EXIT_BUDGET_SPENT, RestartBudget
 from gpu_watchdog.stopper import JobProcess, job_tree, send_signal, stop_processes
+from waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "jobs" / "train.py"
@@ -54,17 +55,6 @@ interval_s = 0.5
 client_boundary_s = 2.0
 stop_grace_s = 10.0
 """
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, poll_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(poll_s)
 
 
 def _gone(pid: int) -> bool:
@@ -388,7 +378,7 @@ def test_client_from_env_outside_the_watchdog_is_a_no_op(monkeypatch: pytest.Mon
 def test_client_announces_heartbeats_and_saves_at_the_step_boundary(tmp_path: Path) -> None:
     ctl = ControlDir(tmp_path / "ctl")
     ctl.create()
-    c = Client(ctl.path, rank=3, poll_s=0.02)
+    c = Client(ctl.path, rank=3, poll=0.02)
     saved: list[int | None] = []
     c.on_checkpoint(saved.append)
     announce = ctl.clients()
@@ -417,7 +407,7 @@ def test_client_exits_only_after_every_announced_peer_acked(tmp_path: Path) -> N
 
     ctl = ControlDir(tmp_path / "ctl")
     ctl.create()
-    c = Client(ctl.path, rank=1, poll_s=0.02)
+    c = Client(ctl.path, rank=1, poll=0.02)
     c.on_checkpoint(lambda step: None)
     (ctl.path / "client-0.json").write_text(json.dumps({"pid": 1, "rank": 0, "t": 0}))  # a peer, still saving
     ctl.request_checkpoint("inc-2", 5.0, grace_s=30.0)
@@ -444,7 +434,7 @@ def test_client_exits_only_after_every_announced_peer_acked(tmp_path: Path) -> N
 def test_client_exit_wait_is_bounded_by_the_request_grace(tmp_path: Path) -> None:
     ctl = ControlDir(tmp_path / "ctl")
     ctl.create()
-    c = Client(ctl.path, rank=1, poll_s=0.02)
+    c = Client(ctl.path, rank=1, poll=0.02)
     c.on_checkpoint(lambda step: None)
     (ctl.path / "client-0.json").write_text(json.dumps({"pid": 1, "rank": 0, "t": 0}))  # never answers
     ctl.request_checkpoint("inc-3", 5.0, grace_s=0.5)
@@ -470,7 +460,7 @@ CLIENT_ABORT_JOB = textwrap.dedent("""\
         for _ in range(3):
             dist.all_reduce(t)
         time.sleep(300)
-    client = Client(ctl, rank, poll_s=0.05)
+    client = Client(ctl, rank, poll=0.05)
 
     def save(step):
         with open(out, "w") as f:
@@ -507,7 +497,7 @@ def test_client_aborts_a_blocked_gloo_collective_and_saves_the_last_step(tmp_pat
         main = [th for th in res.threads if th.get("thread_name") == "MainThread"]
         return bool(main) and main[0]["frames"][0]["name"] == "all_reduce"
 
-    wait_for(in_all_reduce, 20, "rank 1's main thread to block in all_reduce", poll_s=0.3)
+    wait_for(in_all_reduce, 20, "rank 1's main thread to block in all_reduce", poll=0.3)
     t0 = time.monotonic()
     ctl.request_checkpoint("inc-abort", 0.5)
     assert ranks[1].wait(30) == EXIT_ABORTED == 86
@@ -829,14 +819,14 @@ def test_a_signal_to_the_launcher_stops_the_job_and_exits_128_plus_signum(
         cmd = demo_cmd(tmp_path, "--client", hang_at=3, steps=100_000)
     lc = launch(f"sig-{signame.lower()}", cmd)
     events_path = tmp_path / "events.jsonl"
-    wait_for(lambda: len(_starts(read_events(events_path), "0")) == 4, 120, "all ranks to start", poll_s=0.2)
+    wait_for(lambda: len(_starts(read_events(events_path), "0")) == 4, 120, "all ranks to start", poll=0.2)
     ranks = {e["rank"]: e["pid"] for e in _starts(read_events(events_path), "0")}
     torchrun_pids = sorted({psutil.Process(pid).ppid() for pid in ranks.values()})
     assert len(torchrun_pids) == 1 and psutil.Process(torchrun_pids[0]).ppid() == lc.proc.pid
     if when == "running":
         wait_for(lambda: sum(e["event"] == "step" for e in read_events(events_path)) >= 8, 60, "some steps")
     else:
-        wait_for(lambda: "STALL confirmed" in lc.output(), 60, "the stall to be confirmed", poll_s=0.1)
+        wait_for(lambda: "STALL confirmed" in lc.output(), 60, "the stall to be confirmed", poll=0.1)
     lc.proc.send_signal(signum)
     rc = lc.wait(90)
     out = lc.output()
@@ -862,7 +852,7 @@ def test_ranks_orphaned_by_a_killed_torchrun_are_stopped(tmp_path: Path, launch:
     launcher stops them too and exits 128+9 like a shell. 2 ranks: this is about process bookkeeping."""
     lc = launch("orphans", demo_cmd(tmp_path, nproc=2, hang_at=0, steps=100_000))
     events_path = tmp_path / "events.jsonl"
-    wait_for(lambda: len(_starts(read_events(events_path), "0")) == 2, 120, "both ranks to start", poll_s=0.2)
+    wait_for(lambda: len(_starts(read_events(events_path), "0")) == 2, 120, "both ranks to start", poll=0.2)
     wait_for(lambda: sum(e["event"] == "step" for e in read_events(events_path)) >= 6, 60, "some steps")
     ranks = [e["pid"] for e in _starts(read_events(events_path), "0")]
     (torchrun_pid,) = {psutil.Process(pid).ppid() for pid in ranks}

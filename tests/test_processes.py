@@ -6,8 +6,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 
 import psutil
@@ -15,6 +14,7 @@ import pytest
 from gpu_watchdog import processes as processes_mod
 from gpu_watchdog.model import JobIdentity, ProcessSample
 from gpu_watchdog.processes import ProcessScanner, identity_from_env
+from waiting import wait_for
 
 ID_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID",
            "SLURM_LOCALID", "SLURM_NTASKS", "GPU_WATCHDOG_JOB_ID")
@@ -38,7 +38,7 @@ class Procs:
     def start(self, code: str, **env: str) -> subprocess.Popen[bytes]:
         p = subprocess.Popen([sys.executable, "-c", code], env=clean_env(**env), start_new_session=True)
         self.started.append(p)
-        wait_for(lambda: _env_ready(p.pid, env), what=f"pid {p.pid} to exec")
+        wait_for(lambda: _env_ready(p.pid, env), 15.0, f"pid {p.pid} to exec", poll=0.02)
         return p
 
     def kill(self, p: subprocess.Popen[bytes], reap: bool = True) -> None:
@@ -60,15 +60,6 @@ def _env_ready(pid: int, env: dict[str, str]) -> bool:
         return proc.cmdline()[:1] == [sys.executable] and all(proc.environ().get(k) == v for k, v in env.items())
     except psutil.Error:
         return False
-
-
-def wait_for(cond: Callable[[], object], what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -152,9 +143,10 @@ def _children(pid: int) -> list[psutil.Process]:
 
 def test_a_child_that_inherits_rank_is_not_a_rank_but_its_cpu_counts(procs: Procs) -> None:
     rank = procs.start(RANK_WITH_WORKER, RANK="0", WORLD_SIZE="1", GPU_WATCHDOG_JOB_ID="tree")
-    wait_for(lambda: _children(rank.pid), what="the worker")
+    wait_for(lambda: _children(rank.pid), 15.0, "the worker", poll=0.02)
     worker = _children(rank.pid)[0]
-    wait_for(lambda: worker.cpu_times().user + worker.cpu_times().system >= 0.45, what="the worker to burn CPU")
+    wait_for(lambda: worker.cpu_times().user + worker.cpu_times().system >= 0.45, 15.0, "the worker to burn CPU",
+             poll=0.02)
     assert worker.environ().get("RANK") == "0"  # inherited
     samples, _ = ProcessScanner(root_pid=os.getpid()).sample()
     assert worker.pid not in {s.pid for s in samples}
@@ -175,7 +167,7 @@ def test_cpu_of_reaped_children_still_counts(procs: Procs) -> None:
         ct = psutil.Process(rank.pid).cpu_times()
         return ct.children_user + ct.children_system >= 0.45
 
-    wait_for(reaped, what="the worker to be reaped")
+    wait_for(reaped, 15.0, "the worker to be reaped", poll=0.02)
     samples, _ = ProcessScanner(root_pid=os.getpid()).sample()
     assert mine(samples, rank)[rank.pid].cpu_time_s >= 0.45
 
@@ -193,7 +185,7 @@ def test_root_pid_scoping_excludes_a_decoy(procs: Procs) -> None:
         return len(_children(job_root.pid)) == 2 and all(
             _env_ready(c.pid, {"RANK": c.environ().get("RANK", "?")}) for c in _children(job_root.pid))
 
-    wait_for(two_ranks, what="the job's ranks")
+    wait_for(two_ranks, 15.0, "the job's ranks", poll=0.02)
     ranks = {c.pid for c in _children(job_root.pid)}
     samples, _ = ProcessScanner(root_pid=job_root.pid).sample()
     assert {s.pid for s in samples} == ranks
@@ -224,7 +216,7 @@ def test_a_zombie_child_of_a_rank(procs: Procs) -> None:
     def has_zombie() -> bool:
         return any(c.status() == psutil.STATUS_ZOMBIE for c in _children(rank.pid))
 
-    wait_for(has_zombie, what="an unreaped child")
+    wait_for(has_zombie, 15.0, "an unreaped child", poll=0.02)
     samples, errors = ProcessScanner(root_pid=os.getpid()).sample()
     got = mine(samples, rank)
     assert got[rank.pid].is_rank and got[rank.pid].status != psutil.STATUS_ZOMBIE
@@ -236,7 +228,7 @@ def test_a_rank_that_becomes_a_zombie(procs: Procs) -> None:
     scanner = ProcessScanner(root_pid=os.getpid())
     assert mine(scanner.sample()[0], rank)[rank.pid].status != psutil.STATUS_ZOMBIE
     procs.kill(rank, reap=False)  # exited, not reaped: a zombie until we wait()
-    wait_for(lambda: psutil.Process(rank.pid).status() == psutil.STATUS_ZOMBIE, what="the zombie")
+    wait_for(lambda: psutil.Process(rank.pid).status() == psutil.STATUS_ZOMBIE, 15.0, "the zombie", poll=0.02)
     samples, errors = scanner.sample()
     got = mine(samples, rank)
     assert got[rank.pid].status == psutil.STATUS_ZOMBIE and got[rank.pid].job == JobIdentity("zombie", 0)
@@ -303,7 +295,7 @@ def test_process_table_matches_psutil() -> None:
     assert again[os.getpid()][1] == table[os.getpid()][1]  # the start token is stable for a live process
     with subprocess.Popen([sys.executable, "-c", SLEEP]) as child:
         try:
-            wait_for(lambda: child.pid in processes_mod._process_table(), what="the child in /proc")
+            wait_for(lambda: child.pid in processes_mod._process_table(), 15.0, "the child in /proc", poll=0.02)
             assert processes_mod._process_table()[child.pid][0] == os.getpid()
         finally:
             child.kill()
@@ -329,7 +321,7 @@ def test_a_process_that_execs_into_a_rank_is_found(procs: Procs) -> None:
     scanner = ProcessScanner()
     first, _ = scanner.sample()
     assert p.pid not in mine(first, p)  # no identity yet
-    wait_for(lambda: _env_ready(p.pid, {"RANK": "0"}), what="the wrapper to exec")
+    wait_for(lambda: _env_ready(p.pid, {"RANK": "0"}), 15.0, "the wrapper to exec", poll=0.02)
     later, _ = scanner.sample()
     s = mine(later, p)[p.pid]
     assert s.is_rank and s.job == JobIdentity("exec-job", 0)

@@ -19,7 +19,7 @@ import threading
 import time
 import types
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,21 +43,11 @@ from nvml_standin import NvmlStandin
 from nvml_standin.fixtures import nvml_standin as _nvml_standin_fixture  # noqa: F401
 from nvml_standin.fixtures import nvml_standin_lib as _nvml_standin_lib_fixture  # noqa: F401
 from test_nvml_layer import FakeNvml, started
+from waiting import wait_for
 
 GIB = 1 << 30
 CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
 XID_EVENT = pynvml.nvmlEventTypeXidCriticalError
-
-
-def wait_until(cond: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 def _addr(h: Any) -> int | None:
@@ -156,7 +146,7 @@ def collect(w: XidWatcher, n: int, timeout: float = 5.0) -> list[tuple[str, GpuF
         got.extend(w.drain()[0])
         return len(got) >= n
 
-    wait_until(enough, timeout, f"{n} fault(s)")
+    wait_for(enough, timeout, f"{n} fault(s)", poll=0.01)
     return got
 
 
@@ -220,7 +210,7 @@ def test_gpu_lost_from_the_wait_names_the_gpu_that_fails_a_probe_once(ev: EventN
     assert (uuid, fault.kind) == ("GPU-ev-1", "gpu_lost")
     assert "GPU 1 is lost" in fault.detail and "Xid event wait" in fault.detail
     waits = ev.waits
-    wait_until(lambda: ev.waits >= waits + 3, what="more failing waits")
+    wait_for(lambda: ev.waits >= waits + 3, 5.0, "more failing waits", poll=0.01)
     assert watcher.drain() == ([], [])  # reported once, and the thread does not spin (it pauses per error)
     assert ev.waits < waits + 3 + 20
 
@@ -236,7 +226,7 @@ def test_reset_required_from_the_wait_without_a_culprit_blames_every_gpu(ev: Eve
 def test_other_wait_errors_are_sample_errors_not_faults(ev: EventNvml, watcher: XidWatcher) -> None:
     watcher.start()
     ev.push(pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN))
-    errors = wait_until(lambda: watcher.drain()[1], what="a sample error")
+    errors = wait_for(lambda: watcher.drain()[1], 5.0, "a sample error", poll=0.01)
     assert [(e.error_class, e.where) for e in errors] == [("NVMLError_Unknown", "nvmlEventSetWait")]
     ev.push(ev.xid(0, 79))  # and the watcher goes on
     assert collect(watcher, 1)[0][1].xid == 79
@@ -245,7 +235,7 @@ def test_other_wait_errors_are_sample_errors_not_faults(ev: EventNvml, watcher: 
 def test_stop_returns_within_the_wait_timeout_and_frees_the_set(ev: EventNvml) -> None:
     w = XidWatcher(ev.devices(), ev, wait_ms=300)
     w.start()
-    wait_until(lambda: ev.waits >= 1, what="the first wait")
+    wait_for(lambda: ev.waits >= 1, 5.0, "the first wait", poll=0.01)
     t0 = time.monotonic()
     assert w.stop() is True
     took = time.monotonic() - t0
@@ -323,7 +313,7 @@ class StubWatcher:
 def job_proc() -> Iterator[subprocess.Popen[bytes]]:
     env = {**base_env(), JOB_ID_ENV: "job-x", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env, start_new_session=True)
-    wait_until(lambda: _env_ready(p.pid), 10, "the job's environment")
+    wait_for(lambda: _env_ready(p.pid), 10, "the job's environment", poll=0.01)
     yield p
     if p.poll() is None:
         p.kill()
@@ -607,7 +597,7 @@ def test_standin_queued_xid_79_reaches_the_watcher(nvml_standin: NvmlStandin) ->
             got: list[list[Any]] = child.eval("got")
             return got if len(got) >= 2 else []
 
-        got = wait_until(faults, 10, "two Xid faults")
+        got = wait_for(faults, 10, "two Xid faults", poll=0.01)
         assert sorted(got, key=lambda g: g[2]) == [[state.gpu(0)["uuid"], "xid_application", 13],
                                                     [uuid1, "xid", 79]]
         child.exec("t0 = time.monotonic(); ok = w.stop(); took = time.monotonic() - t0; r.shutdown()")
@@ -648,6 +638,19 @@ def _launch_on_standin(nvml_standin: NvmlStandin, tmp_path: Path, job_id: str, *
     return run, pid_file, done_file, uuids
 
 
+def _xid_on_the_jobs_gpu(nvml_standin: NvmlStandin, run: Any, pid_file: Path, gpu: int, xid: int,
+                         pids: list[int]) -> None:
+    """Once the job wrote its pid (appended to ``pids``, for the cleanup): put it on GPU ``gpu``, let the agent
+    watch it there for a tick or two, then queue Xid ``xid`` on that GPU."""
+    state = nvml_standin.state
+    assert state is not None
+    pids.append(int(run.wait_for("the job's pid", lambda: pid_file.exists() and pid_file.read_text(), 30)))
+    state.place_process(gpu, pids[0], 8 * GIB)
+    run.wait_for("Xid watching", lambda: "Xid events on 2 GPU(s)" in run.output(), 30)
+    time.sleep(1.0)
+    state.queue_xid(gpu, xid)
+
+
 def test_standin_launch_xid_79_stops_drains_and_exits_74(nvml_standin: NvmlStandin, tmp_path: Path) -> None:
     """The whole path on the agent's real pynvml: an Xid 79 event on the job's GPU → gpu_fault incident →
     job stopped → drain hook (a [hooks.NAME] named by faults.drain_hook) → exit 74, no NCCL fallback."""
@@ -656,18 +659,13 @@ def test_standin_launch_xid_79_stops_drains_and_exits_74(nvml_standin: NvmlStand
             '"nodename={node}", "{incident}"]\ntimeout_s = 20.0\n')
     run, pid_file, _done, uuids = _launch_on_standin(nvml_standin, tmp_path, "xid79",
                                                      faults={"drain_hook": "node-drain"}, extra_toml=hook)
-    state = nvml_standin.state
-    assert state is not None
-    pid = -1
+    pids: list[int] = []
     try:
-        pid = int(run.wait_for("the job's pid", lambda: pid_file.exists() and pid_file.read_text(), 30))
-        state.place_process(1, pid, 8 * GIB)
-        run.wait_for("Xid watching", lambda: "Xid events on 2 GPU(s)" in run.output(), 30)
-        time.sleep(1.0)  # a tick or two with the job on GPU 1
-        state.queue_xid(1, 79)
+        _xid_on_the_jobs_gpu(nvml_standin, run, pid_file, 1, 79, pids)
         rc = run.wait(timeout=60)
     finally:
-        run.kill([pid] if pid > 0 else [])
+        run.kill(pids)
+    pid = pids[0]
     out_text = run.output()
     assert rc == EXIT_GPU_FAULT, out_text[-3000:]
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -690,22 +688,16 @@ def test_standin_launch_application_xid_only_records(nvml_standin: NvmlStandin, 
     argv = [sys.executable, str(script), str(out), "{node}"]
     run, pid_file, done_file, uuids = _launch_on_standin(nvml_standin, tmp_path, "xid13",
                                                          faults={"drain_command": argv})
-    state = nvml_standin.state
-    assert state is not None
-    pid = -1
+    pids: list[int] = []
     try:
-        pid = int(run.wait_for("the job's pid", lambda: pid_file.exists() and pid_file.read_text(), 30))
-        state.place_process(0, pid, 8 * GIB)
-        run.wait_for("Xid watching", lambda: "Xid events on 2 GPU(s)" in run.output(), 30)
-        time.sleep(1.0)
-        state.queue_xid(0, 13)
+        _xid_on_the_jobs_gpu(nvml_standin, run, pid_file, 0, 13, pids)
         run.wait_for("an incident", lambda: run.incidents()[:1], 30)
         time.sleep(1.5)  # the job keeps running under the watchdog
-        assert run.poll() is None and psutil.pid_exists(pid)
+        assert run.poll() is None and psutil.pid_exists(pids[0])
         done_file.write_text("")
         rc = run.wait(timeout=30)
     finally:
-        run.kill([pid] if pid > 0 else [])
+        run.kill(pids)
     assert rc == 0, run.output()[-3000:]
     [inc] = run.incidents()
     assert (inc["kind"], inc["signature"], inc["xid"], inc["drain"]) == ("gpu_fault", "xid_application", 13, False)
