@@ -110,16 +110,14 @@ class ConfigWatch:
         self._seen, self._checked = {}, {}
 
     def due(self, rank_pids: Mapping[int, int], env_of: Callable[[int], Mapping[str, str]], t: float) -> bool:
-        ranks = dict(rank_pids)
-        if not ranks or ranks == self._checked:
+        if not rank_pids or rank_pids == self._checked:  # every tick: compare, copy only on a change
             return False
-        stable = ranks == self._seen
-        if not stable:
-            self._seen, self._since = ranks, t
+        if rank_pids != self._seen:
+            self._seen, self._since = dict(rank_pids), t
             return False
-        expected = local_world_size(env_of(pid) for pid in ranks.values())
-        if expected is None or len(ranks) >= expected or t - self._since >= self.wait_s:
-            self._checked = ranks
+        expected = local_world_size(env_of(pid) for pid in rank_pids.values())
+        if expected is None or len(rank_pids) >= expected or t - self._since >= self.wait_s:
+            self._checked = dict(rank_pids)
             return True
         return False
 
