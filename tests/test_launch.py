@@ -378,7 +378,7 @@ def test_client_from_env_outside_the_watchdog_is_a_no_op(monkeypatch: pytest.Mon
 def test_client_announces_heartbeats_and_saves_at_the_step_boundary(tmp_path: Path) -> None:
     ctl = ControlDir(tmp_path / "ctl")
     ctl.create()
-    c = Client(ctl.path, rank=3, poll=0.02)
+    c = Client(ctl.path, rank=3, poll_s=0.02)
     saved: list[int | None] = []
     c.on_checkpoint(saved.append)
     announce = ctl.clients()
@@ -407,7 +407,7 @@ def test_client_exits_only_after_every_announced_peer_acked(tmp_path: Path) -> N
 
     ctl = ControlDir(tmp_path / "ctl")
     ctl.create()
-    c = Client(ctl.path, rank=1, poll=0.02)
+    c = Client(ctl.path, rank=1, poll_s=0.02)
     c.on_checkpoint(lambda step: None)
     (ctl.path / "client-0.json").write_text(json.dumps({"pid": 1, "rank": 0, "t": 0}))  # a peer, still saving
     ctl.request_checkpoint("inc-2", 5.0, grace_s=30.0)
@@ -434,7 +434,7 @@ def test_client_exits_only_after_every_announced_peer_acked(tmp_path: Path) -> N
 def test_client_exit_wait_is_bounded_by_the_request_grace(tmp_path: Path) -> None:
     ctl = ControlDir(tmp_path / "ctl")
     ctl.create()
-    c = Client(ctl.path, rank=1, poll=0.02)
+    c = Client(ctl.path, rank=1, poll_s=0.02)
     c.on_checkpoint(lambda step: None)
     (ctl.path / "client-0.json").write_text(json.dumps({"pid": 1, "rank": 0, "t": 0}))  # never answers
     ctl.request_checkpoint("inc-3", 5.0, grace_s=0.5)
@@ -460,7 +460,7 @@ CLIENT_ABORT_JOB = textwrap.dedent("""\
         for _ in range(3):
             dist.all_reduce(t)
         time.sleep(300)
-    client = Client(ctl, rank, poll=0.05)
+    client = Client(ctl, rank, poll_s=0.05)
 
     def save(step):
         with open(out, "w") as f:
