@@ -239,7 +239,7 @@ def test_stop_returns_within_the_wait_timeout_and_frees_the_set(ev: EventNvml) -
     t0 = time.monotonic()
     assert w.stop() is True
     took = time.monotonic() - t0
-    assert took < 0.3 + 0.5, took
+    assert took < 0.3 + 1.0, took  # one wait timeout plus scheduling slack, not the 600 s default
     assert not w.running and ev.freed == [ev._set]
     assert not any(t.name == "xid-events" and t.is_alive() for t in threading.enumerate())
 
@@ -601,7 +601,7 @@ def test_standin_queued_xid_79_reaches_the_watcher(nvml_standin: NvmlStandin) ->
         assert sorted(got, key=lambda g: g[2]) == [[state.gpu(0)["uuid"], "xid_application", 13],
                                                     [uuid1, "xid", 79]]
         child.exec("t0 = time.monotonic(); ok = w.stop(); took = time.monotonic() - t0; r.shutdown()")
-        assert child.eval("ok") is True and child.eval("took") < 1.0
+        assert child.eval("ok") is True and child.eval("took") < 2.0
 
 
 JOB = """\
