@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -22,6 +21,7 @@ from gpu_watchdog.daemon import Daemon
 from gpu_watchdog.daemon_config import DaemonSettings, HookSpec
 from gpu_watchdog.errors import UsageError
 from gpu_watchdog.sdnotify import Notifier
+from waiting import wait_for
 
 ROOT = PeerCred(1, 0, 0)
 ALICE = PeerCred(1, 4242, 4242)
@@ -140,7 +140,7 @@ def test_signals_only_reach_registered_job_processes(daemon: Daemon, sleeper) ->
                             "time.sleep(60)"])
     try:
         handle_request(daemon, {"op": "job-start", "job_id": "j", "pids": [job.pid]}, ROOT)
-        time.sleep(0.3)
+        wait_for(lambda: psutil.Process(job.pid).children(), 15, "the job's child")
         pids = {p.pid for p in daemon.job_processes("j")}
         assert job.pid in pids and victim not in pids and os.getpid() not in pids
         assert len(pids) == 2  # the job and its child
@@ -171,10 +171,13 @@ def test_preempt_with_signal_opt_in(base: Path) -> None:
     cfg = Config()
     cfg = replace(cfg, recovery=replace(cfg.recovery, checkpoint_signal="SIGUSR1"))
     d = Daemon(cfg, DaemonSettings(socket_group=""), base / "state", notifier=Notifier(None))
-    job = subprocess.Popen([sys.executable, "-c", "import signal,sys,time; "
-                            "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(0)); time.sleep(60)"])
+    ready = base / "handler-installed"
+    job = subprocess.Popen([sys.executable, "-c", "import pathlib,signal,sys,time; "
+                            "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(0)); "
+                            "pathlib.Path(sys.argv[1]).touch(); time.sleep(60)", str(ready)])
     try:
-        time.sleep(0.3)
+        # SIGUSR1 before the handler is installed would kill the job (the default action), not preempt it.
+        wait_for(ready.exists, 15, "the job's SIGUSR1 handler")
         handle_request(d, {"op": "job-start", "job_id": "j", "pids": [job.pid], "checkpoint_opt_in": True}, ROOT)
         from gpu_watchdog.detector import DetectorState, JobStatus
 
@@ -193,9 +196,7 @@ def test_hook_cli_against_real_daemon(base: Path) -> None:
     d = subprocess.Popen([GW, "run", "--config", str(base / "c.toml")], stderr=subprocess.PIPE)
     sl = subprocess.Popen(["sleep", "60"])
     try:
-        deadline = time.time() + 20
-        while not (base / "c.sock").exists() and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for((base / "c.sock").exists, 20, "the daemon's control socket")
         run = lambda *a: subprocess.run([GW, "hook", *a, "--config", str(base / "c.toml")],  # noqa: E731
                                         capture_output=True, text=True, timeout=30)
         r = run("job-start", "--job-id", "../etc", "--pid", str(sl.pid))
@@ -230,9 +231,7 @@ def test_slurm_prolog_epilog_with_standin_scontrol(base: Path) -> None:
            "GPU_WATCHDOG_CGROUP_ROOT": str(base / "nocgroup")}
     d = subprocess.Popen([GW, "run", "--config", str(base / "c.toml")], stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 20
-        while not (base / "c.sock").exists() and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for((base / "c.sock").exists, 20, "the daemon's control socket")
         pro = subprocess.run([str(repo / "scheduler/slurm/prolog.sh")], env=env, capture_output=True, text=True,
                              timeout=30)
         assert pro.returncode == 0, pro.stderr

@@ -1,7 +1,7 @@
 """Live: `gpu-watchdog record --backend proc` beside a real 4-rank gloo job, then `gpu-watchdog replay --json`.
 
-A hang (rank 1 stops joining all_reduce) is reported as exactly one stall whose onset is within one sampling
-interval of the job's own ``hang_onset`` event; a checkpoint save longer than the confirmation time is not
+A hang (rank 1 stops joining all_reduce) is reported as exactly one stall whose onset is within two sampling
+intervals of the job's own ``hang_onset`` event; a checkpoint save longer than the confirmation time is not
 reported at all. The job carries a unique GPU_WATCHDOG_JOB_ID: `record` samples every rank process on the
 node, and other jobs running on the same machine must not disturb the assertions.
 """
@@ -112,7 +112,9 @@ def test_live_hang_is_one_stall_with_the_true_onset(tmp_path: Path, job_factory:
     assert len(onset) == 1, "the job did not hang during the recording"
     assert [(f["kind"], f["signature"]) for f in findings] == [("stall", "idle_held")], findings
     f = findings[0]
-    assert abs(f["onset"] - onset[0]) <= 1.0, (f["onset"], onset[0])
+    # The onset is the last tick that saw progress: the tick after the hang when the ranks still computed in
+    # that window (a rank finishing its step), so up to one interval plus the ranks' wind-down after it.
+    assert abs(f["onset"] - onset[0]) <= 2.0, (f["onset"], onset[0])
     assert f["ranks"] == [0, 1, 2, 3]
     # Confirmed by time (no stacks in a trace): the first tick at least CONFIRM_S after the onset, give or
     # take the detector's allowance for clock jitter.

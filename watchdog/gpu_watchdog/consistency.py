@@ -20,6 +20,9 @@ ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 ENV_KEYS = ("NPROC_PER_NODE", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 CONSISTENCY_ENV = ENV_PREFIXES + ENV_KEYS  # what the process scanner keeps of each rank's environment
 CONFIG_CHECK_WAIT_S = 10.0  # compare the ranks seen so far when the rest of LOCAL_WORLD_SIZE never shows up
+# Keep comparing this long after the first comparison: a wrapper that sets variables and then execs
+# (``export NCCL_…; exec python …``) carries the old environment until it execs, however long that takes.
+CONFIG_SETTLE_S = 30.0
 # Set per restart by gpu-watchdog itself: they differ by design, not by mistake.
 _IGNORED = ("NCCL_DEBUG_FILE",)
 
@@ -92,32 +95,36 @@ def launch_env(pid: int, scanner: Any) -> Mapping[str, str]:
 class ConfigWatch:
     """One job's consistency check: when to compare its ranks (``due``) and whether a mismatch is news.
 
-    Due once the same rank processes were seen two ticks in a row (a wrapper that sets variables and then
-    execs, ``export NCCL_…; exec python …``, has exec'd by then) and every local rank is there, or no more
-    came for ``wait_s``: one report names them all. The same disagreement seen again (another rank, a
-    restarted run) is not news; a different one is.
+    Due once the same rank processes were seen two ticks in a row and every local rank is there, or no more
+    came for ``wait_s``; then every tick for ``settle_s`` more, so a rank that execs late is compared as the
+    program it became and the exported digest ends on the final settings. A mismatch is reported when two
+    comparisons in a row show it (one read before an exec is not a mismatch), and then once: the same
+    disagreement seen again (another rank, a restarted run) is not news; a different one is.
     """
 
-    def __init__(self, wait_s: float = CONFIG_CHECK_WAIT_S) -> None:
-        self.wait_s = wait_s
+    def __init__(self, wait_s: float = CONFIG_CHECK_WAIT_S, settle_s: float = CONFIG_SETTLE_S) -> None:
+        self.wait_s, self.settle_s = wait_s, settle_s
         self._seen: dict[int, int] = {}
-        self._checked: dict[int, int] = {}
         self._since = 0.0
+        self._first_compared: float | None = None  # when these ranks were first compared
+        self._last: tuple[tuple[str, tuple[str, ...]], ...] = ()  # what the previous comparison disagreed on
         self._reported: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def new_run(self) -> None:
         """The job was restarted: its new ranks are checked again (a known mismatch stays known)."""
-        self._seen, self._checked = {}, {}
+        self._seen, self._first_compared, self._last = {}, None, ()
 
     def due(self, rank_pids: Mapping[int, int], env_of: Callable[[int], Mapping[str, str]], t: float) -> bool:
-        if not rank_pids or rank_pids == self._checked:  # every tick: compare, copy only on a change
+        if not rank_pids:
             return False
-        if rank_pids != self._seen:
-            self._seen, self._since = dict(rank_pids), t
+        if rank_pids != self._seen:  # every tick: compare, copy only on a change
+            self._seen, self._since, self._first_compared = dict(rank_pids), t, None
             return False
+        if self._first_compared is not None:
+            return t - self._first_compared < self.settle_s
         expected = local_world_size(env_of(pid) for pid in rank_pids.values())
         if expected is None or len(rank_pids) >= expected or t - self._since >= self.wait_s:
-            self._checked = dict(rank_pids)
+            self._first_compared = t
             return True
         return False
 
@@ -131,7 +138,8 @@ class ConfigWatch:
                                evidence="process")
 
     def news(self, report: ConfigReport) -> bool:
-        if report.consistent or report.mismatch == self._reported:
+        previous, self._last = self._last, report.mismatch
+        if report.consistent or report.mismatch != previous or report.mismatch == self._reported:
             return False
         self._reported = report.mismatch
         return True
