@@ -17,6 +17,7 @@ import pytest
 from gpu_watchdog import classify
 from gpu_watchdog.classify import STATES, classify_thread, classify_threads, main_thread, signature
 from gpu_watchdog.stacks import dump_stacks
+from waiting import wait_blocked
 
 C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 
@@ -52,12 +53,15 @@ MODULE = fr("<module>", "/job/train.py", 115)
 def proc_dump(tmp_path: Path) -> Iterator[Any]:
     started: list[subprocess.Popen[str]] = []
 
-    def run(code: str) -> dict[str, Any]:
+    def run(code: str, *, busy: bool = False) -> dict[str, Any]:
         p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True,
                              cwd=tmp_path, start_new_session=True)
         started.append(p)
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        time.sleep(0.1)
+        if busy:
+            time.sleep(0.1)  # into the loop after the print
+        else:
+            wait_blocked(p.pid)  # in the blocking call after the print
         (r,) = dump_stacks([p.pid])
         assert r.ok, r.raw
         mt = main_thread(r.threads, p.pid)
@@ -100,7 +104,7 @@ def test_real_compute(proc_dump: Any) -> None:
                 x = (x * 31 + 7) % 1000003
         print('ready', flush=True)
         spin()
-    """)
+    """, busy=True)
     for _ in range(5):  # on a busy 2-core box the spinner may be descheduled at the sampled instant
         if th["active"]:
             break
@@ -122,7 +126,7 @@ def test_real_io_in_save_checkpoint(proc_dump: Any) -> None:
                     f.write(os.urandom(1 << 16)); f.flush(); f.seek(0)
         print('ready', flush=True)
         save_checkpoint("ckpt.bin")
-    """)
+    """, busy=True)
     rs = classify_thread(th, rank=0, pid=th["_pid"])
     assert rs.state == "io" and rs.where.startswith("save_checkpoint (<string>:")
 

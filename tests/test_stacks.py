@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 from gpu_watchdog.stacks import PERMISSION_HINT, dump_stacks, find_py_spy, main_dump_stacks
+from waiting import wait_blocked
 
 # py-spy 0.4.3's real messages (captured on this machine, RUST_BACKTRACE=1).
 ROOT_DENIED = """Error: Failed to get process executable name. Check that the process is running.
@@ -38,7 +39,7 @@ def _spawn(code: str) -> subprocess.Popen[str]:
                          start_new_session=True)
     assert p.stdout is not None
     assert p.stdout.readline().strip() == "ready"
-    time.sleep(0.05)  # let it reach the blocking call after the print
+    wait_blocked(p.pid)  # in the blocking call after the print
     return p
 
 
@@ -123,7 +124,7 @@ def test_invalid_pid() -> None:
 def test_not_a_python_process() -> None:
     p = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        time.sleep(0.05)
+        wait_blocked(p.pid)  # exec'd into sleep (before, it is still the forked Python)
         (r,) = dump_stacks([p.pid])
         assert r.outcome == "error"
         assert "not a Python process" in r.detail

@@ -19,3 +19,18 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, *, log: Callabl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f"\n{log()}" if log else ""))
         time.sleep(poll)
+
+
+def wait_blocked(pid: int, timeout: float = 10.0) -> None:
+    """Wait until ``pid`` sleeps in the kernel (state S) on three reads in a row: a child that printed
+    "ready" has then reached the blocking call after the print, however slowly it was scheduled."""
+    in_a_row = 0
+
+    def blocked() -> bool:
+        nonlocal in_a_row
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        in_a_row = in_a_row + 1 if state == "S" else 0
+        return in_a_row >= 3
+
+    wait_for(blocked, timeout, f"pid {pid} to block", poll=0.01)

@@ -1,6 +1,7 @@
 """Process state through psutil: rank discovery, job identity from the environment, tree CPU and I/O.
 
-A process's environment is read once per (pid, create_time) and cached; a reused pid gets a fresh read.
+A process's environment is read once per (pid, create_time) and cached; a reused pid gets a fresh read, and a
+process without a rank is read again each tick for its first 30 s (it may still exec into one).
 Vanished, zombie and access-denied processes are recorded or skipped, never raised out of a tick.
 """
 
@@ -110,8 +111,10 @@ class ProcessScanner:
             # tell that this pid now belongs to another process.
             same = start is None or known.start == start
             # A fork reads as "not a rank" until it execs the real program with its own environment
-            # (torchrun's workers, wrapper scripts): keep re-reading young processes without an identity.
-            if same and (known.identity is not None or time.time() - known.create_time > _REREAD_YOUNG_S):
+            # (torchrun's workers, wrapper scripts): keep re-reading young processes without a rank. Under
+            # `launch` the fork already carries the job id (torchrun's environment), just not RANK yet.
+            settled = known.identity is not None and known.identity.rank is not None
+            if same and (settled or time.time() - known.create_time > _REREAD_YOUNG_S):
                 return known
         elif pid in self._known:
             return None
