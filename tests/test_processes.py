@@ -329,21 +329,33 @@ def test_a_process_that_execs_into_a_rank_is_found(procs: Procs) -> None:
     assert s.is_rank and s.job == JobIdentity("exec-job", 0)
 
 
-def test_a_fork_that_already_carries_the_job_id_is_found_once_it_execs_with_rank(procs: Procs) -> None:
-    """Under `launch` torchrun's environment holds GPU_WATCHDOG_JOB_ID, so a worker caught between fork and
-    exec has the job id but no RANK. Seen in CI: such a rank stayed invisible for the whole run (its stacks
-    undumped, its GPU left out of the incident) because a process with any identity was never read again."""
-    wrapper = ("import os, sys, time; time.sleep(1.5); "
-               "os.execve(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)'], "
-               "{**os.environ, 'RANK': '3'})")
-    p = procs.start(wrapper, GPU_WATCHDOG_JOB_ID="fork-job")
+@pytest.mark.parametrize(("launcher_env", "worker"), [
+    # Under `launch` torchrun's environment holds GPU_WATCHDOG_JOB_ID: the fork has the job id, no RANK.
+    ({"GPU_WATCHDOG_JOB_ID": "fork-job"}, JobIdentity("fork-job", 3)),
+    # torchrun under Slurm: the fork carries torchrun's own identity (the srun task's SLURM_PROCID).
+    ({"SLURM_JOB_ID": "77", "SLURM_PROCID": "0"}, JobIdentity("77", 3)),
+])
+def test_a_worker_caught_before_it_execs_is_read_again(procs: Procs, launcher_env: dict[str, str],
+                                                       worker: JobIdentity) -> None:
+    """A torchrun-like parent forks a worker that execs with RANK=3 a little later. Caught between fork and
+    exec, the worker shows its parent's environment. Seen in CI under `launch`: such a rank stayed invisible
+    for the whole run (stacks undumped, its GPU left out of the incident) because a process that had any
+    identity was never read again."""
+    launcher = ("import os, sys, time\n"
+                "if os.fork() == 0:\n"
+                "    time.sleep(1.5)\n"
+                "    os.execve(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)'],\n"
+                "              {**os.environ, 'RANK': '3'})\n"
+                "time.sleep(60)\n")
+    parent = procs.start(launcher, **launcher_env)
+    child = wait_for(lambda: psutil.Process(parent.pid).children(), 15.0, "the fork")[0]
     scanner = ProcessScanner()
     first, _ = scanner.sample()
-    assert p.pid not in mine(first, p)  # the job's, but not a rank yet
-    wait_for(lambda: _env_ready(p.pid, {"RANK": "3"}), 15.0, "the fork to exec", poll=0.02)
+    assert child.pid not in {s.pid for s in first}  # its parent's identity: not a rank of its own yet
+    wait_for(lambda: _env_ready(child.pid, {"RANK": "3"}), 15.0, "the fork to exec", poll=0.02)
     later, _ = scanner.sample()
-    s = mine(later, p)[p.pid]
-    assert s.is_rank and s.job == JobIdentity("fork-job", 3)
+    s = {s.pid: s for s in later}[child.pid]
+    assert s.is_rank and s.job == worker
 
 
 class _ScriptedScanner:

@@ -1,7 +1,7 @@
 """Process state through psutil: rank discovery, job identity from the environment, tree CPU and I/O.
 
 A process's environment is read once per (pid, create_time) and cached; a reused pid gets a fresh read, and a
-process without a rank is read again each tick for its first 30 s (it may still exec into one).
+process without a rank of its own is read again each tick for its first 30 s (it may still exec into one).
 Vanished, zombie and access-denied processes are recorded or skipped, never raised out of a tick.
 """
 
@@ -21,7 +21,7 @@ from gpu_watchdog.model import JobIdentity, ProcessSample, SampleError
 JOB_ID_ENV = "GPU_WATCHDOG_JOB_ID"
 _JOB_ID_SOURCES = (JOB_ID_ENV, "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 _RANK_SOURCES = ("RANK", "SLURM_PROCID")
-_REREAD_YOUNG_S = 30.0  # how long after its start a process without a job identity is looked at again
+_REREAD_YOUNG_S = 30.0  # how long after its start a process without a rank of its own is read again (exec)
 
 
 def _int_or_none(value: str | None) -> int | None:
@@ -104,35 +104,45 @@ class ProcessScanner:
         k = self._known.get(pid)
         return k.env if k else {}
 
-    def _lookup(self, pid: int, start: float | None, errors: list[SampleError]) -> _Known | None:
+    def _lookup(self, pid: int, start: float | None, ppid: int, errors: list[SampleError]) -> _Known | None:
         known = self._known.get(pid)
         if known is not None:
             # psutil caches create_time() in the Process object, so only the table's fresh start token can
             # tell that this pid now belongs to another process.
-            same = start is None or known.start == start
-            # A fork reads as "not a rank" until it execs the real program with its own environment
-            # (torchrun's workers, wrapper scripts): keep re-reading young processes without a rank. Under
-            # `launch` the fork already carries the job id (torchrun's environment), just not RANK yet.
-            settled = known.identity is not None and known.identity.rank is not None
-            if same and (settled or time.time() - known.create_time > _REREAD_YOUNG_S):
+            if start is not None and known.start != start:
+                known = None
+            elif self._settled(known, ppid) or time.time() - known.create_time > _REREAD_YOUNG_S:
                 return known
         elif pid in self._known:
             return None
         try:
-            proc = psutil.Process(pid)
-            ctime = proc.create_time()
+            proc = known.proc if known is not None else psutil.Process(pid)
+            ctime = known.create_time if known is not None else proc.create_time()
             env = proc.environ()
         except psutil.AccessDenied:
+            if known is not None:
+                return known
             errors.append(SampleError("AccessDenied", f"environ of pid {pid}"))
             self._known[pid] = None
             return None
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
-            return None
+            return known  # one that exited young keeps what it showed alive (a zombie rank is still a rank)
         ident = identity_from_env(env)
         kept = {k: v for k, v in env.items() if k.startswith(self._keep_env)} if self._keep_env else {}
         known = _Known(proc, ctime, ident, kept, start if start is not None else 0.0)
         self._known[pid] = known
         return known
+
+    def _settled(self, known: _Known, ppid: int) -> bool:
+        """Has this process shown its own rank? A fork carries its parent's environment until it execs the
+        real program (torchrun's workers, wrapper scripts): no RANK, or only the job id (under `launch`),
+        or the parent's very identity (torchrun under Slurm: the srun task's SLURM_PROCID). Until it shows
+        a rank of its own, a young process is read again every tick."""
+        ident = known.identity
+        if ident is None or ident.rank is None:
+            return False
+        parent = self._known.get(ppid)
+        return parent is None or parent.identity != ident
 
     def _tree(self, ppids: Mapping[int, int]) -> dict[int, list[int]]:
         children: dict[int, list[int]] = {}
@@ -167,7 +177,7 @@ class ProcessScanner:
         extra = {p for p in extra_pids if p in ppids}
         idents: dict[int, _Known] = {}
         for pid in scope | extra:
-            known = self._lookup(pid, starts.get(pid), errors)
+            known = self._lookup(pid, starts.get(pid), ppids.get(pid, 0), errors)
             if known is not None and (known.identity is not None or pid in extra):
                 idents[pid] = known
         children = self._tree(ppids)
