@@ -147,13 +147,18 @@ def test_record_one_job_keeps_its_processes_and_devices(tmp_path: Path) -> None:
 
 
 def test_events_and_stacks_do_not_disturb_replay(tmp_path: Path) -> None:
-    path = tmp_path / "t.trace"
-    with path.open("w") as f:
-        w = TraceWriter(f, "nvml", "node-7", 1.0, T0)
+    """The same samples with events and a stack record between them replay to the same findings."""
+    plain, mixed = tmp_path / "plain.trace", tmp_path / "mixed.trace"
+    with plain.open("w") as fp, mixed.open("w") as fm:
+        wp, wm = TraceWriter(fp, "nvml", "node-7", 1.0, T0), TraceWriter(fm, "nvml", "node-7", 1.0, T0)
         for i in range(3):
-            w.event(T0 + i, "note")
-            w.sample(full_sample(T0 + i))
-    assert replay_trace(path, DetectConfig())[0].kind == "gpu_fault"
+            wm.event(T0 + i, "note")
+            wm.stacks(stack_ev(T0 + i + 0.5))
+            for w in (wp, wm):
+                w.sample(full_sample(T0 + i))
+    found = [f.to_json() for f in replay_trace(plain, DetectConfig())]
+    assert [(f["kind"], f["devices"]) for f in found] == [("gpu_fault", ["GPU-bbb"])]
+    assert [f.to_json() for f in replay_trace(mixed, DetectConfig())] == found
 
 
 # -- bad input: one TraceError naming line and field ----------------------------------------------------
