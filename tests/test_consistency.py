@@ -100,13 +100,21 @@ class Scanner:
         return self.envs.get(pid, {})
 
 
-def test_launcher_check_exports_the_digest_and_records_one_incident_per_mismatch(tmp_path: Path) -> None:
+PIDS = {r: 4_000_000 + r for r in range(4)}  # no such processes: the scanner's copies are used
+
+
+def launcher_with(tmp_path: Path, job_id: str, envs: dict[int, dict[str, str]]) -> tuple[Launcher, Any, Metrics]:
+    """A Launcher that never starts its job, and a stand-in backend whose scanner holds ``envs``."""
     metrics = Metrics()
-    lc = Launcher(Config(agent=AgentConfig(hostname="n1")), ["true"], state_dir=tmp_path, job_id="job-c",
+    lc = Launcher(Config(agent=AgentConfig(hostname="n1")), ["true"], state_dir=tmp_path, job_id=job_id,
                   out=io.StringIO(), metrics=metrics)
-    pids = {r: 4_000_000 + r for r in range(4)}  # no such processes: the scanner's copies are used
+    return lc, type("B", (), {"scanner": Scanner(envs)})(), metrics
+
+
+def test_launcher_check_exports_the_digest_and_records_one_incident_per_mismatch(tmp_path: Path) -> None:
+    pids = PIDS
     envs = {pids[r]: rank_env(r) for r in range(4)}
-    backend: Any = type("B", (), {"scanner": Scanner(envs)})()
+    lc, backend, metrics = launcher_with(tmp_path, "job-c", envs)
     status = JobStatus("job-c", ranks=(0, 1, 2, 3), rank_pids=pids)
     lc._check_config(backend, status, 100.0)
     assert lc.incidents.list() == [] and metrics.configs[-1] == ("job-c", check_ranks(
@@ -131,12 +139,10 @@ def test_one_more_rank_with_the_same_mismatch_is_not_a_second_incident(tmp_path:
     three = check_ranks({r: {**rank_env(r), **({"NCCL_P2P_DISABLE": "1"} if r == 3 else {})} for r in (0, 1, 3)})
     four = check_ranks({r: {**rank_env(r), **({"NCCL_P2P_DISABLE": "1"} if r == 3 else {})} for r in range(4)})
     assert three.digest != four.digest and three.mismatch == four.mismatch == (("NCCL_P2P_DISABLE", ("(unset)", "1")),)
-    lc = Launcher(Config(agent=AgentConfig(hostname="n1")), ["true"], state_dir=tmp_path, job_id="job-d",
-                  out=io.StringIO(), metrics=Metrics())
-    pids = {r: 4_000_000 + r for r in range(4)}
+    pids = PIDS
     envs = {pids[r]: rank_env(r) for r in range(4)}
     envs[pids[3]]["NCCL_P2P_DISABLE"] = "1"
-    backend: Any = type("B", (), {"scanner": Scanner(envs)})()
+    lc, backend, _ = launcher_with(tmp_path, "job-d", envs)
     partial = JobStatus("job-d", ranks=(0, 1, 3), rank_pids={r: pids[r] for r in (0, 1, 3)})
     full = JobStatus("job-d", ranks=(0, 1, 2, 3), rank_pids=pids)
     watch = ConfigWatch()
@@ -161,13 +167,10 @@ def test_a_rank_read_before_its_wrapper_execd_is_not_a_mismatch(tmp_path: Path) 
     """``export NCCL_IB_HCA=…; exec python train.py`` in a wrapper: until the exec, /proc shows the wrapper's
     inherited environment. One comparison that catches rank 2 there is no incident, and the digest the
     node exports ends on the settings the ranks really run with."""
-    metrics = Metrics()
-    lc = Launcher(Config(agent=AgentConfig(hostname="n1")), ["true"], state_dir=tmp_path, job_id="job-w",
-                  out=io.StringIO(), metrics=metrics)
-    pids = {r: 4_000_000 + r for r in range(4)}
+    pids = PIDS
     final = {pids[r]: {**rank_env(r), "NCCL_IB_HCA": "mlx5_0"} for r in range(4)}
     envs = {**final, pids[2]: rank_env(2)}  # rank 2 has not exec'd yet
-    backend: Any = type("B", (), {"scanner": Scanner(envs)})()
+    lc, backend, metrics = launcher_with(tmp_path, "job-w", envs)
     status = JobStatus("job-w", ranks=(0, 1, 2, 3), rank_pids=pids)
     watch, t = lc.config_watch, 10.0
     while not watch.due(pids, backend.scanner.env_of, t):

@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psutil
+
 
 def wait_for(cond: Callable[[], Any], timeout: float, what: str, *, log: Callable[[], str] | None = None,
              poll: float = 0.05) -> Any:
@@ -22,15 +24,14 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, *, log: Callabl
 
 
 def wait_blocked(pid: int, timeout: float = 10.0) -> None:
-    """Wait until ``pid`` sleeps in the kernel (state S) on three reads in a row: a child that printed
-    "ready" has then reached the blocking call after the print, however slowly it was scheduled."""
+    """Wait until ``pid`` sleeps in the kernel on three reads in a row: a child that printed "ready" has then
+    reached the blocking call after the print, however slowly it was scheduled."""
+    proc = psutil.Process(pid)
     in_a_row = 0
 
     def blocked() -> bool:
         nonlocal in_a_row
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        in_a_row = in_a_row + 1 if state == "S" else 0
+        in_a_row = in_a_row + 1 if proc.status() == psutil.STATUS_SLEEPING else 0
         return in_a_row >= 3
 
     wait_for(blocked, timeout, f"pid {pid} to block", poll=0.01)

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
+
 from gpu_watchdog.detector import Finding, JobStatus
 
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
@@ -83,8 +85,6 @@ def check_ranks(envs: Mapping[int, Mapping[str, str]]) -> ConfigReport:
 def launch_env(pid: int, scanner: Any) -> Mapping[str, str]:
     """A rank's environment as it is now (after any exec; the scanner caches the one it first saw), limited
     to the keys the consistency check compares; the scanner's copy when /proc cannot be read."""
-    import psutil
-
     try:
         env = psutil.Process(pid).environ()
     except psutil.Error:
