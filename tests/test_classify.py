@@ -154,6 +154,75 @@ def test_collective_ops(op: str) -> None:
     assert (rs.state, rs.op) == ("collective", op)
 
 
+def _installed_collectives() -> list[tuple[str, str]]:
+    """(file, function) of every collective the installed torch has: c10d functions that take ``async_op``
+    (every collective does, no getter does) and the public functional collectives."""
+    import inspect
+
+    import torch.distributed._functional_collectives as funcol
+    import torch.distributed.distributed_c10d as c10d
+
+    found = []
+    for mod, needs_async in ((c10d, True), (funcol, False)):
+        path = mod.__file__.replace(os.sep, "/")
+        for name, fn in vars(mod).items():
+            if not inspect.isfunction(fn) or fn.__module__ != mod.__name__:
+                continue
+            if needs_async and "async_op" not in inspect.signature(fn).parameters:
+                continue
+            if not needs_async and (name.startswith("_") or not classify.COLLECTIVE_WORDS.search(name)):
+                continue
+            found.append((path, name))
+    return found
+
+
+def test_every_collective_of_the_installed_torch_is_recognised() -> None:
+    """No hand-kept list: torch 2.13's all_gather_single / reduce_scatter_single (FSDP2) and whatever a later
+    torch adds are collectives because of where they live, each in a known family."""
+    found = _installed_collectives()
+    names = {n for _, n in found}
+    assert {"all_gather_single", "reduce_scatter_single", "_all_gather_base", "barrier", "all_reduce"} <= names
+    assert len(found) >= 25
+    for path, name in found:
+        rs = classify_thread(thread(fr(name, path), MAIN), 0, 100)
+        assert (rs.state, rs.op) == ("collective", name), (path, name)
+        assert classify.collective_family(name) in classify.COLLECTIVE_FAMILIES + ("wait",), name
+
+
+@pytest.mark.parametrize("name, file, family", [
+    ("foreach_all_gather", "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "all_gather"),
+    ("wait_for_unshard", "torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "all_gather"),
+    ("foreach_reduce", "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "reduce"),
+    ("redistribute", "torch/distributed/tensor/_redistribute.py", None),
+    ("all_reduce", "deepspeed/comm/comm.py", "all_reduce"),
+    ("wait_tensor", "torch/distributed/_functional_collectives.py", "wait"),
+])
+def test_library_collective_helpers(name: str, file: str, family: str | None) -> None:
+    rs = classify_thread(thread(fr(name, f"/venv/lib/python3.11/site-packages/{file}"), MAIN), 0, 100)
+    if family is None:  # a library frame whose name says nothing of communication is not a collective
+        assert rs.state != "collective"
+    else:
+        assert rs.state == "collective" and classify.collective_family(rs.op or "") == family
+
+
+@pytest.mark.parametrize("native_name", ["c10d::ProcessGroupNCCL::WorkNCCL::wait", "ncclAllReduce",
+                                         "gloo::AllreduceRing<float>::run", "c10d::ProcessGroupGloo::AsyncWork::wait"])
+def test_native_collective_frames(native_name: str) -> None:
+    rs = classify_thread(thread(native(native_name, "libtorch_cpu.so"), MAIN), 0, 100)
+    assert rs.state == "collective"
+
+
+@pytest.mark.parametrize("wchan, status, want", [("pipe_write", "sleeping", "io"), ("nfs_wait_bit_killable", "", "io"),
+                                                 ("balance_dirty_pages", "", "io"), ("0", "disk-sleep", "io"),
+                                                 ("pipe_read", "", "data_wait"), ("futex_wait_queue", "", None),
+                                                 ("hrtimer_nanosleep", "", None), ("", "", None)])
+def test_kernel_waits(wchan: str, status: str, want: str | None) -> None:
+    assert classify.kernel_wait(wchan, status) == want
+    if wchan not in ("", "0") and want is not None:  # the same wait seen in a dump's wait channel
+        rs = classify_thread(thread(fr("persist", "/job/ckpt.py"), MAIN, wchan=wchan), 0, 100)
+        assert rs.state == want and rs.where == "persist (ckpt.py:10)"
+
+
 def test_c10d_helper_frame_walks_out_to_the_collective() -> None:
     # Innermost frame is a c10d helper, not a collective: keep walking outward.
     rs = classify_thread(thread(fr("_check_single_tensor", C10D, 900, ), fr("broadcast", C10D, 2800), MAIN,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 from gloo_jobs import RunningJob, start_job
 from gpu_watchdog.analyze import analyze_dirs, write_rank_stacks
 from gpu_watchdog.classify import classify_threads
-from gpu_watchdog.diagnosis import diagnose, format_ranks, stacks_progressed
+from gpu_watchdog.diagnosis import RankContext, diagnose, format_ranks, stacks_progressed
 from gpu_watchdog.model import RankStack, StackEvidence
 from gpu_watchdog.stacks import DumpResult, dump_stacks
 
@@ -45,10 +46,27 @@ def test_straggler_not_in_collective() -> None:
     assert d.groups[1] == ("data_wait@Queue.get (queue.py:171)", (3,))
 
 
+def test_a_rank_in_recv_is_a_transport_hang_not_a_desync() -> None:
+    """A rank blocked in a point-to-point recv waits for its partner's bytes (a broken P2P path): culprit, no
+    desync, so the NCCL fallback ladder still applies."""
+    d = diagnose([coll(0), coll(1), coll(2, "recv", "recv (torch/distributed/distributed_c10d.py:2799)"), coll(3)])
+    assert d.culprit_ranks == (2,) and not d.desync and d.collective == "all_reduce"
+    assert d.reason == "rank 2 in recv while ranks 0,1,3 wait in all_reduce"
+
+
+def test_the_same_collective_through_another_entry_point_is_not_a_desync() -> None:
+    """FSDP's all_gather_single and a plain all_gather_into_tensor are one all_gather; a bare wait() takes no side."""
+    d = diagnose([coll(0, "all_gather_single"), coll(1, "all_gather_into_tensor"), coll(2, "wait")])
+    assert not d.desync and d.culprit_ranks == ()
+    fsdp = diagnose([coll(0, "barrier", BAR), coll(1, "all_gather_single"), coll(2, "all_gather_single")])
+    assert fsdp.desync and fsdp.culprit_ranks == (0,) and fsdp.collective == "all_gather_single"
+
+
 def test_desync_names_both_ops() -> None:
     d = diagnose([coll(0), coll(1), coll(2, "barrier", BAR), coll(3)])
     assert d.culprit_ranks == (2,) and d.desync and d.collective == "all_reduce"
-    assert d.reason == "rank 2 in barrier while ranks 0,1,3 wait in all_reduce"
+    assert d.reason == ("desync: rank 2 in barrier while ranks 0,1,3 wait in all_reduce "
+                        "(rank 2 ran ahead or fell behind)")
 
 
 def test_busy_rank_is_named_busy() -> None:
@@ -115,7 +133,37 @@ def test_stacks_progressed() -> None:
                           op="all_reduce", where=AR)
     b = _ev(coll(0), other(1, "compute", "f (a.py:1)", True), other(2, "io", "w (a.py:2)", False), moved,
             restarted, coll(5))
-    assert stacks_progressed(a, b) == {0: False, 1: True, 2: False, 3: True, 4: True}
+    # io counts as moving even when idle in both dumps: slow is not stuck (an NFS write can sit in one call)
+    assert stacks_progressed(a, b) == {0: False, 1: True, 2: True, 3: True, 4: True}
+
+
+def _woke(rs: RankStack, before: int, after: int) -> RankStack:
+    return dataclasses.replace(rs, wakeups_before=before, wakeups_after=after)
+
+
+def test_equal_stacks_are_not_proof_when_the_thread_keeps_waking() -> None:
+    """A loop that sleeps at one line shows the same frame in every dump, but its main thread blocks and wakes
+    between the dumps; a thread blocked for good only shows py-spy's own wakeups (inside each dump)."""
+    sleeper = other(0, "sleep", "main (loop.py:9)")
+    a, b = _ev(_woke(sleeper, 10, 12)), _ev(_woke(sleeper, 27, 29))
+    assert stacks_progressed(a, b) == {0: True}
+    blocked_a, blocked_b = _ev(_woke(sleeper, 10, 12)), _ev(_woke(sleeper, 12, 14))
+    assert stacks_progressed(blocked_a, blocked_b) == {0: False}
+    # A rank whose GPU spins waits on the device whatever its host does: no wakeup or CPU counts.
+    busy = other(1, "compute", "step (train.py:55)", True)
+    spin = {0: RankContext(device="spin"), 1: RankContext(device="spin")}
+    assert stacks_progressed(_ev(_woke(sleeper, 10, 12), busy), _ev(_woke(sleeper, 27, 29), busy), spin) == \
+        {0: False, 1: False}
+    # ... unless its stack moves or its in-job client reports a step.
+    assert stacks_progressed(_ev(busy), _ev(busy), {1: RankContext(device="spin", stepped=True)}) == {1: True}
+
+
+def test_a_data_wait_moves_while_its_producer_works() -> None:
+    waiting = other(0, "data_wait", "Queue.get (queue.py:171)")
+    assert stacks_progressed(_ev(waiting), _ev(waiting)) == {0: False}
+    assert stacks_progressed(_ev(waiting), _ev(waiting), {0: RankContext(host_busy=True)}) == {0: True}
+    # host CPU of a sleeping or collective rank proves nothing (an NCCL host busy-waits)
+    assert stacks_progressed(_ev(coll(0)), _ev(coll(0)), {0: RankContext(host_busy=True)}) == {0: False}
 
 
 # ---- real jobs ----------------------------------------------------------------------------------------
@@ -183,7 +231,8 @@ def test_real_desync(hung_jobs: dict) -> None:
     stacks, _ = _dump(pids)
     d = diagnose(stacks, world_size=4)
     assert d.culprit_ranks == (2,) and d.desync and d.collective == "all_reduce"
-    assert d.reason == "rank 2 in barrier while ranks 0,1,3 wait in all_reduce"
+    assert d.reason == ("desync: rank 2 in barrier while ranks 0,1,3 wait in all_reduce "
+                        "(rank 2 ran ahead or fell behind)")
 
 
 @pytest.mark.slow

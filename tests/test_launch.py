@@ -30,7 +30,7 @@ from gpu_watchdog.config import FallbackConfig, FallbackLevel, RecoveryConfig
 from gpu_watchdog.demo import read_events
 from gpu_watchdog.detector import Finding
 from gpu_watchdog.errors import UsageError
-from gpu_watchdog.fallback import FallbackDecision, FallbackStore, decide, validate_job_id
+from gpu_watchdog.fallback import FallbackDecision, FallbackStore, decide, hang_place, validate_job_id
 from gpu_watchdog.incidents import IncidentStore
 from gpu_watchdog.job import Client
 from gpu_watchdog.jobproto import EXIT_ABORTED, EXIT_CHECKPOINTED, ControlDir
@@ -151,6 +151,36 @@ def test_decide_application_culprit_gets_advice_not_a_new_level(big_shm: None, s
     assert d.level == level and not d.changed
     assert d.env == (LEVEL1_ENV if level == 1 else {})  # the current settings are kept as they are
     assert words in d.advice
+
+
+def test_decide_escalates_a_data_wait_that_comes_back_at_the_same_place(big_shm: None) -> None:
+    """A data wait gets a plain restart first; the same hang again means the wait hides a collective behind a
+    process boundary (vLLM generate() on H20s, cured by NCCL_P2P_DISABLE=1): the next restart climbs."""
+    cfg = FallbackConfig()
+    place = hang_place("data_wait", "Queue.get (queue.py:171)")
+    first = decide(cfg, 0, "stall", "data_wait", place=place)
+    assert (first.level, first.changed) == (0, False) and first.reason.startswith("advice only: data wait")
+    again = decide(cfg, 0, "stall", "data_wait", place=place, last_place=first.hang_place)
+    assert (again.level, again.changed, again.env) == (1, True, LEVEL1_ENV)
+    assert again.reason.startswith("escalated: the same hang (data_wait@Queue.get (queue.py:171))")
+    # a data wait somewhere else is a new hang: advice again
+    other = decide(cfg, 1, "stall", "data_wait", place=hang_place("data_wait", "get (loader.py:9)"),
+                   last_place=again.hang_place)
+    assert (other.level, other.changed) == (1, False)
+
+
+@pytest.mark.parametrize("state", ["io", "stopped"])
+def test_decide_never_escalates_slow_io_or_a_stopped_rank(big_shm: None, state: str) -> None:
+    place = hang_place(state, "write (ckpt.py:3)")
+    d = decide(FallbackConfig(), 0, "stall", state, place=place, last_place=place)
+    assert (d.level, d.changed) == (0, False) and d.reason.startswith("advice only")
+
+
+def test_decide_desync_gets_the_cause_and_no_nccl_change(big_shm: None) -> None:
+    d = decide(FallbackConfig(), 1, "stall", "collective", desync=True)
+    assert (d.level, d.changed, d.env) == (1, False, LEVEL1_ENV)
+    assert "synced_gpus=True" in d.advice and "No NCCL setting helps" in d.advice
+    assert d.reason == "advice only: desync (the ranks issued different collectives)"
 
 
 @pytest.mark.parametrize("level", [0, 2])
@@ -757,7 +787,8 @@ def test_client_job_checkpoints_at_the_last_completed_step(tmp_path: Path, launc
     assert {e["step"] for e in second} == {7}  # resumed exactly at the ack step == hang_at - 1
     assert all(e["nccl_p2p_disable"] == "1" for e in second)
     assert sorted(e["rank"] for e in events if e["event"] == "done") == [0, 1, 2, 3]
-    assert inc["fallback"] == {"level": 1, "name": "p2p-nvls-off", "env": LEVEL1_ENV}
+    assert inc["fallback"] == {"level": 1, "name": "p2p-nvls-off", "env": LEVEL1_ENV,
+                               "reason": "climbed: communication hang (culprit in collective)"}
 
 
 @pytest.mark.slow

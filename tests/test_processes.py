@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import psutil
 import pytest
+from gloo_jobs import TRAIN, RunningJob, _torchrun
 from gpu_watchdog import processes as processes_mod
+from gpu_watchdog.fallback import validate_job_id
 from gpu_watchdog.model import JobIdentity, ProcessSample
 from gpu_watchdog.processes import ProcessScanner, identity_from_env
 from waiting import wait_for
@@ -396,3 +400,186 @@ def test_proc_backend_rates_need_a_minimum_window() -> None:
     now[0], scanner.cpu_time_s = 103.04, 5.52
     (dev,) = short.sample().devices
     assert dev.util_percent == pytest.approx(25.0)  # what the unguarded rate said
+
+
+# -- job identity without a run id (torchrun's `none`) and duplicate ranks ----------------------------
+def test_identity_without_a_torchrun_run_id() -> None:
+    """torchrun without --rdzv-id gives every job TORCHELASTIC_RUN_ID=none: no job id. Its rendezvous endpoint
+    (MASTER_ADDR:MASTER_PORT, shared by every node of the job) names the job instead."""
+    from gpu_watchdog.fallback import JOB_ID_RE
+
+    ep = {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+    for none in ("none", "None", "NONE", ""):
+        assert identity_from_env({"RANK": "1", "TORCHELASTIC_RUN_ID": none, **ep}) == JobIdentity(
+            "torchrun-10.1.2.3:29500", 1, 1, 4), none
+    # A real run id, a Slurm job id, the launcher's id: as before, whatever the endpoint.
+    for extra, want in (({"TORCHELASTIC_RUN_ID": "te-9"}, "te-9"),
+                        ({"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "77"}, "77"),
+                        ({"TORCHELASTIC_RUN_ID": "none", "GPU_WATCHDOG_JOB_ID": "wd"}, "wd")):
+        assert identity_from_env({"RANK": "1", **extra, **ep}) == JobIdentity(want, 1, 1, 4), extra
+    # Not from torchrun: no endpoint-derived id (unchanged: "unknown"; duplicate ranks are split by launcher).
+    assert identity_from_env({"RANK": "1", **ep}) == JobIdentity("unknown", 1, 1, 4)
+    # torchrun's agent or a helper without a rank: `none` makes it no job member.
+    assert identity_from_env({"TORCHELASTIC_RUN_ID": "none", **ep}) is None
+    # No usable endpoint (--master-port 0 leaves MASTER_PORT=0): the scanner names the job after its agent.
+    for bad in ({}, {"MASTER_ADDR": "127.0.0.1"}, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"},
+                {"MASTER_ADDR": "", "MASTER_PORT": "29500"}, {"MASTER_ADDR": "h", "MASTER_PORT": "x"},
+                {"MASTER_ADDR": "h", "MASTER_PORT": "70000"}):
+        assert identity_from_env({"RANK": "0", "TORCHELASTIC_RUN_ID": "none", **bad}) == JobIdentity("unknown", 0)
+    # IPv6 and odd host names still make valid job ids (no '/', no '..', at most 128 characters).
+    cases: list[tuple[str, str | None]] = [
+        ("::1", "torchrun-::1:29500"), ("[fd00::1]", "torchrun-fd00::1:29500"),
+        ("fe80::1%eth0", "torchrun-fe80::1_eth0:29500"), ("node-3.cluster", "torchrun-node-3.cluster:29500"),
+        ("a/../b", "torchrun-a_.__b:29500"), ("h" * 200, None)]
+    for addr, expect in cases:
+        got = identity_from_env({"RANK": "0", "TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": addr,
+                                 "MASTER_PORT": "29500"})
+        assert got is not None and JOB_ID_RE.fullmatch(got.job_id) and validate_job_id(got.job_id), (addr, got)
+        assert expect is None or got.job_id == expect, (addr, got)
+    long1, long2 = (identity_from_env({"RANK": "0", "TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": h * 200,
+                                       "MASTER_PORT": "29500"}) for h in "hk")
+    assert long1 and long2 and long1.job_id != long2.job_id and long1.job_id.endswith(":29500")
+
+
+def _launcher(ranks: dict[int, dict[str, str]]) -> str:
+    """A process that starts one child per rank with these extra environment variables, then sleeps."""
+    return ("import os, subprocess, sys, time\n"
+            f"for env in {list(ranks.values())!r}:\n"
+            "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], env={**os.environ, **env})\n"
+            "time.sleep(120)\n")
+
+
+def _ranks_of(parent: int, n: int) -> list[psutil.Process]:
+    def ready() -> list[psutil.Process] | None:
+        kids = _children(parent)
+        return kids if len(kids) == n and all(_env_ready(c.pid, {"RANK": c.environ().get("RANK", "?")})
+                                              for c in kids) else None
+
+    return wait_for(ready, 15.0, f"{n} ranks under pid {parent}", poll=0.02)
+
+
+def _start_token(pid: int) -> int:
+    return int(processes_mod._process_table()[pid][1])
+
+
+def test_a_torchrun_rank_without_run_id_or_endpoint_is_named_after_its_agent(procs: Procs) -> None:
+    """TORCHELASTIC_RUN_ID=none and no usable MASTER_ADDR/PORT: the agent (the ranks' parent) names the job, so
+    two such jobs stay two; the name survives the agent's exit (the ranks are reparented)."""
+    env = {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    agents = [procs.start(_launcher({r: {**env, "RANK": str(r)} for r in range(2)})) for _ in range(2)]
+    ranks = {a.pid: _ranks_of(a.pid, 2) for a in agents}
+    scanner = ProcessScanner()
+    samples, errors = scanner.sample()
+    by_pid = {s.pid: s for s in samples}
+    want = {a.pid: f"torchrun-pid{a.pid}-{_start_token(a.pid)}" for a in agents}
+    for agent, kids in ranks.items():
+        got = sorted((by_pid[k.pid].job.job_id, by_pid[k.pid].job.rank) for k in kids)  # type: ignore[union-attr]
+        assert got == [(want[agent], 0), (want[agent], 1)]
+        assert all(by_pid[k.pid].is_rank for k in kids)
+    assert not [e for e in errors if e.error_class == "DuplicateRank" and any(w in e.where for w in want.values())]
+    first = agents[0]
+    os.kill(first.pid, signal.SIGKILL)  # the agent dies; its ranks live on (reparented)
+    first.wait()
+    wait_for(lambda: all(psutil.Process(k.pid).ppid() != first.pid for k in ranks[first.pid]), 15.0, "reparenting",
+             poll=0.02)
+    by_pid = {s.pid: s for s in scanner.sample()[0]}
+    assert {by_pid[k.pid].job.job_id for k in ranks[first.pid]} == {want[first.pid]}  # type: ignore[union-attr]
+
+
+def test_two_processes_claiming_one_rank_are_two_jobs(procs: Procs, caplog: pytest.LogCaptureFixture) -> None:
+    """Two launchers start ranks of the same job id: rank 0 is claimed twice. They are never merged into one
+    job: the daemon-wide scanner splits the job by launcher (JOB@LAUNCHER_PID, stable tick after tick and after
+    the other claimant ends) and reports DuplicateRank every tick (logged once)."""
+    job = f"dup-{os.getpid()}"
+    env = {"GPU_WATCHDOG_JOB_ID": job, "WORLD_SIZE": "2"}
+    a = procs.start(_launcher({r: {**env, "RANK": str(r)} for r in range(2)}))
+    b = procs.start(_launcher({0: {**env, "RANK": "0"}}))
+    ranks_a, (rank_b,) = _ranks_of(a.pid, 2), _ranks_of(b.pid, 1)
+    rank_a0 = next(k for k in ranks_a if k.environ()["RANK"] == "0")
+    scanner = ProcessScanner()
+    with caplog.at_level("WARNING", logger="gpu_watchdog.processes"):
+        for _ in range(3):
+            samples, errors = scanner.sample()
+            got = sorted((s.job.job_id, s.job.rank) for s in samples if s.job and s.job.job_id.startswith(job))
+            assert got == [(f"{job}@{a.pid}", 0), (f"{job}@{a.pid}", 1), (f"{job}@{b.pid}", 0)]
+            dups = [e for e in errors if e.error_class == "DuplicateRank" and job in e.where]
+            lo, hi = sorted((rank_a0.pid, rank_b.pid))
+            la, lb = sorted((a.pid, b.pid))
+            assert [e.where for e in dups] == [
+                f"job {job} rank 0 claimed by pids {lo}, {hi} (launchers {la}, {lb}): watched as separate jobs"]
+    assert [r.getMessage() for r in caplog.records if job in r.getMessage()] == [dups[0].where]
+    for s in samples:
+        if s.job and s.job.job_id.startswith(job):
+            assert validate_job_id(s.job.job_id)
+    # The other claimant ends: the split job keeps its id, and nothing is reported any more.
+    procs.kill(b)
+    wait_for(lambda: not psutil.pid_exists(rank_b.pid), 15.0, "the orphaned rank to be reaped", poll=0.02)
+    samples, errors = scanner.sample()
+    got = sorted((s.job.job_id, s.job.rank) for s in samples if s.job and s.job.job_id.startswith(job))
+    assert got == [(f"{job}@{a.pid}", 0), (f"{job}@{a.pid}", 1)]
+    assert not [e for e in errors if e.error_class == "DuplicateRank" and job in e.where]
+    # A fresh scanner that never saw the duplicate: the job is just the job.
+    samples, _ = ProcessScanner().sample()
+    assert sorted((s.job.job_id, s.job.rank) for s in samples if s.job and s.job.job_id.startswith(job)) == [
+        (job, 0), (job, 1)]
+
+
+def test_a_duplicate_rank_under_one_launched_root_is_reported_not_split(procs: Procs) -> None:
+    """Under `launch` (a root pid) everything below the root is the launched job: a duplicate is reported, the
+    ranks keep the job's id (the launcher follows that id)."""
+    job = f"dup-root-{os.getpid()}"
+    env = {"GPU_WATCHDOG_JOB_ID": job, "RANK": "0"}
+    a, b = procs.start(_launcher({0: env})), procs.start(_launcher({0: env}))
+    (ra,), (rb,) = _ranks_of(a.pid, 1), _ranks_of(b.pid, 1)
+    samples, errors = ProcessScanner(root_pid=os.getpid()).sample()
+    assert {s.pid: s.job.job_id for s in samples if s.job and s.job.job_id.startswith(job)} == {ra.pid: job,
+                                                                                                rb.pid: job}
+    dups = [e.where for e in errors if e.error_class == "DuplicateRank" and job in e.where]
+    assert len(dups) == 1 and dups[0].endswith("one launched job, not split"), dups
+
+
+# -- two real torchrun jobs without --rdzv-id on one node ---------------------------------------------
+def _start_unnamed_torchrun(tmp_path: Path) -> RunningJob:
+    """``torchrun --rdzv-backend c10d --rdzv-endpoint localhost:0`` without ``--rdzv-id``: what ``--standalone``
+    does (a free rendezvous port per job) but with torchrun's default run id ``none`` (``--standalone`` itself
+    draws a uuid). 2 ranks of tests/jobs/train.py, healthy, running until stopped (or 60 s)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    events, log = tmp_path / "events.jsonl", tmp_path / "job.log"
+    argv = [_torchrun(), "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            "localhost:0", str(TRAIN), "--scenario", "healthy", "--steps", "100000", "--step-s", "0.02",
+            "--events", str(events), "--workdir", str(tmp_path)]
+    timeout_bin = shutil.which("timeout")
+    if timeout_bin:
+        argv = [timeout_bin, "-s", "KILL", "60", *argv]
+    env = {**clean_env(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                cwd=tmp_path, start_new_session=True)
+    return RunningJob(proc, 2, events, log, tmp_path)
+
+
+@pytest.mark.slow
+def test_two_torchrun_jobs_without_run_id_are_two_jobs(tmp_path: Path) -> None:
+    """The issue: every torchrun job without --rdzv-id says TORCHELASTIC_RUN_ID=none, and the daemon merged
+    them into one job "none" (ranks [0,0,1,1]). Each is its own job, named after its rendezvous endpoint."""
+    jobs = [_start_unnamed_torchrun(tmp_path / f"job{i}") for i in range(2)]
+    try:
+        pids = [j.wait_ranks(45.0) for j in jobs]
+        samples, errors = ProcessScanner().sample()  # the daemon's view: every process on the node
+        by_pid = {s.pid: s for s in samples}
+        ids = []
+        for ranks in pids:
+            envs = {r: psutil.Process(pid).environ() for r, pid in ranks.items()}
+            assert {e["TORCHELASTIC_RUN_ID"] for e in envs.values()} == {"none"}
+            (port,) = {e["MASTER_PORT"] for e in envs.values()}
+            got = {by_pid[pid].job.job_id for pid in ranks.values()}  # type: ignore[union-attr]
+            assert len(got) == 1, got
+            (job_id,) = got
+            assert job_id == processes_mod.endpoint_job_id(envs[0]) and job_id.endswith(f":{port}"), (job_id, port)
+            assert sorted(s.job.rank or 0 for s in samples if s.is_rank and s.job and s.job.job_id == job_id) == [0, 1]
+            ids.append(job_id)
+        assert ids[0] != ids[1]
+        assert not [e for e in errors if e.error_class == "DuplicateRank" and any(i in e.where for i in ids)]
+    finally:
+        for j in jobs:
+            j.stop()

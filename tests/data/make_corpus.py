@@ -7,8 +7,25 @@ Two kinds of traces:
   jobs on the machine are not recorded). The job's own ``--events`` file gives the truth: its
   ``hang_onset`` event becomes an ``event`` record in the trace (name ``hang_onset`` for a hang,
   ``pause_start``/``pause_end`` for a legitimate pause) and the label's ``true_onset``.
-* **hand-made** (``nvml-*``): 8 GPUs × 8 ranks, 1 s interval, 60 s, written from code below — the GPU
-  signatures a CPU machine cannot produce (0 % util with memory held, the NCCL spin, a lost GPU, ...).
+* **hand-made** (``nvml-*``): 8 GPUs × 8 ranks, 1 s interval, 60 s (90-120 s for long pauses), written from
+  code below — the GPU signatures a CPU machine cannot produce (0 % util with memory held, the NCCL spin, a lost
+  GPU, ...).
+
+What a blocked NCCL rank's host does (and why the ``*-busy`` traces exist): NCCL collectives are asynchronous.
+The rank's Python thread returns from ``all_reduce`` at once and blocks later, in a device sync
+(``cudaStreamSynchronize``/``cudaEventSynchronize`` behind ``.item()``, ``.cpu()``, ``synchronize()``). CUDA's
+default scheduling (``cudaDeviceScheduleAuto``) *spins* on the CPU in that sync when the process has fewer
+contexts than the machine has cores — the usual case — so the process burns about one core while its GPU spins
+in the collective kernel at ~100 % utilization and idle power; NCCL's proxy and watchdog threads add a little.
+Its main thread never blocks in the kernel, so it shows no voluntary context switches (``wakeups``) either. A
+gloo rank is the opposite (it sleeps in a futex), which is what the ``proc-*`` traces record. A healthy slow
+input pipeline looks like a third thing: GPUs starved (idle, memory held), main threads waiting on a queue and
+dataloader workers burning several cores.
+
+Traces named ``*-stacks`` carry the stack dumps the live agent would have taken: the generator runs the detector
+tick by tick and, whenever it asks for stacks (``JobStatus.needs_stacks``), writes a ``stacks`` record stamped
+with that tick (what ``collect_stack_evidence`` does live), so ``replay`` reaches the live agent's verdict. A
+dump wakes each dumped thread twice (py-spy's attach): the records and the wakeup counters include that.
 
 Traces are plain JSONL (``read_trace`` reads no gzip). To stay small, fields equal to their default are left
 out (the format allows it: docs/trace-format.md), command lines and sampling errors are dropped, and a
@@ -44,7 +61,17 @@ from typing import Any
 
 from gpu_watchdog.backends import ProcBackend
 from gpu_watchdog.config import DetectConfig
-from gpu_watchdog.model import DeviceSample, GpuFault, GpuProcess, JobIdentity, NodeSample, ProcessSample
+from gpu_watchdog.detector import DetectorState, step
+from gpu_watchdog.model import (
+    DeviceSample,
+    GpuFault,
+    GpuProcess,
+    JobIdentity,
+    NodeSample,
+    ProcessSample,
+    RankStack,
+    StackEvidence,
+)
 from gpu_watchdog.processes import ProcessScanner
 from gpu_watchdog.record import record
 from gpu_watchdog.replay import replay_trace
@@ -83,15 +110,20 @@ def compact(obj: Any) -> Any:
     return obj
 
 
-def write_trace(path: Path, backend: str, interval_s: float, samples: list[NodeSample],
-                events: list[dict[str, Any]]) -> None:
-    """Header, then samples and events merged in time order (an event goes before the first later sample)."""
+def write_trace(path: Path, backend: str, interval_s: float, records: list[NodeSample] | list[NodeSample |
+                StackEvidence], events: list[dict[str, Any]]) -> None:
+    """Header, then samples (and stack dumps, after the sample that asked for them) with the events merged in
+    time order (an event goes before the first later sample)."""
+    samples = [r for r in records if isinstance(r, NodeSample)]
     lines = [json.dumps(header(backend, HOST, interval_s, samples[0].t), separators=(",", ":"))]
     pending = sorted(events, key=lambda e: e["t"])
-    for s in samples:
-        while pending and pending[0]["t"] <= s.t:
+    for rec in records:
+        if isinstance(rec, StackEvidence):
+            lines.append(json.dumps({"type": "stacks", **compact(rec)}, separators=(",", ":")))
+            continue
+        while pending and pending[0]["t"] <= rec.t:
             lines.append(json.dumps({"type": "event", **pending.pop(0)}, separators=(",", ":")))
-        lines.append(json.dumps({"type": "sample", **compact(s)}, separators=(",", ":")))
+        lines.append(json.dumps({"type": "sample", **compact(rec)}, separators=(",", ":")))
     lines += [json.dumps({"type": "event", **e}, separators=(",", ":")) for e in pending]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("\n".join(lines) + "\n")
@@ -196,13 +228,18 @@ class Gpus:
         self.nvlink = [1 << 40] * self.N
         self.pcie = [1 << 36] * self.N
         self.alive = set(range(self.N))
+        self.wakeups = [1000] * self.N  # main threads' voluntary context switches
         self.samples: list[NodeSample] = []
+        self.records: list[NodeSample | StackEvidence] = []  # samples and stack dumps, in order
 
     def pid(self, r: int) -> int:
         return 48_100 + r
 
     def tick(self, mode: Callable[[int], str], faults: dict[int, GpuFault] | None = None) -> None:
-        """``mode(rank)``: train | idle (0 % util, memory held) | spin (NCCL spin) | eval | save | gone."""
+        """``mode(rank)``: train | idle (0 % util, memory held) | spin (NCCL spin) | eval | save | gone, and
+        spin_busy (the spin with the host busy-waiting in a device sync: ~1 core, no wakeups) | comm (a
+        communication-bound phase: 100 % util at ~25 % power, heavy NVLink traffic) | starved (a slow input
+        pipeline: GPU idle with memory held, main thread waiting on a queue, dataloader workers burning cores)."""
         rnd = self.rng.uniform
         devices, procs = [], []
         for r in range(self.N):
@@ -210,12 +247,19 @@ class Gpus:
             if m == "gone":
                 self.alive.discard(r)
             util, power = {"train": (rnd(93, 99), rnd(540, 660)), "idle": (0.0, rnd(68, 80)),
-                           "spin": (100.0, rnd(88, 110)), "eval": (rnd(85, 95), rnd(380, 450)),
+                           "spin": (100.0, rnd(88, 110)), "spin_busy": (100.0, rnd(88, 110)),
+                           "comm": (100.0, rnd(160, 190)), "starved": (rnd(0, 4), rnd(70, 85)),
+                           "eval": (rnd(85, 95), rnd(380, 450)),
                            "save": (rnd(0, 3), rnd(75, 90)), "gone": (0.0, rnd(60, 66))}[m]
-            cores = {"train": rnd(0.9, 1.2), "eval": rnd(0.9, 1.1), "save": rnd(1.0, 1.3)}.get(m, rnd(0.0, 0.04))
+            cores = {"train": rnd(0.9, 1.2), "eval": rnd(0.9, 1.1), "save": rnd(1.0, 1.3),
+                     "spin_busy": rnd(1.0, 1.15), "comm": rnd(1.0, 1.1), "starved": rnd(2.0, 4.0)}.get(
+                m, rnd(0.0, 0.04))
             self.cpu[r] += cores
-            self.io[r] += int(rnd(8e8, 1.2e9)) if m == "save" else int(rnd(0, 2e4))
-            if m == "train":
+            self.io[r] += int(rnd(8e8, 1.2e9)) if m == "save" else int(rnd(2e6, 4e6)) if m == "starved" else \
+                int(rnd(0, 2e4))
+            # A healthy loop blocks and wakes all the time; a thread spinning or blocked for good does not.
+            self.wakeups[r] += {"train": 60, "eval": 40, "comm": 30, "save": 20, "starved": 8}.get(m, 0)
+            if m in ("train", "comm"):
                 self.nvlink[r] += int(rnd(1.8e10, 2.2e10))
                 self.pcie[r] += int(rnd(2e8, 4e8))
             elif m != "gone":
@@ -237,10 +281,24 @@ class Gpus:
                 procs.append(ProcessSample(
                     pid=self.pid(r), create_time=self.T0 - 3600.0, ppid=48_000, status="sleeping",
                     cpu_time_s=round(self.cpu[r], 3), io_bytes=self.io[r], rss_bytes=int(7.5 * GIB),
-                    job=JobIdentity(self.JOB, r, r, self.N), is_rank=True))
-        self.samples.append(NodeSample(t=self.t, hostname=HOST, backend="nvml", devices=tuple(devices),
-                                       processes=tuple(procs)))
+                    job=JobIdentity(self.JOB, r, r, self.N), is_rank=True, wakeups=self.wakeups[r]))
+        sample = NodeSample(t=self.t, hostname=HOST, backend="nvml", devices=tuple(devices), processes=tuple(procs))
+        self.samples.append(sample)
+        self.records.append(sample)
         self.t += 1.0
+
+    def dump(self, t: float, stack: Callable[[int], RankStack | None]) -> None:
+        """The live agent's dump of every live rank, stamped with the tick ``t`` that asked for it."""
+        ranks = []
+        for r in sorted(self.alive):
+            rs = stack(r)
+            if rs is None:
+                continue
+            before = self.wakeups[r]
+            self.wakeups[r] += 2  # py-spy's attach wakes the thread
+            ranks.append(dataclasses.replace(rs, rank=r, pid=self.pid(r), wakeups_before=before,
+                                             wakeups_after=self.wakeups[r]))
+        self.records.append(StackEvidence(self.JOB, t, tuple(ranks)))
 
 
 def _synthetic(name: str, description: str, build: Callable[[Gpus], list[dict[str, Any]]],
@@ -248,7 +306,7 @@ def _synthetic(name: str, description: str, build: Callable[[Gpus], list[dict[st
     g = Gpus(seed)
     events = build(g)
     path = DATA / f"{name}.trace"
-    write_trace(path, "nvml", 1.0, g.samples, events)
+    write_trace(path, "nvml", 1.0, g.records, events)
     onset = next((e["t"] for e in events if e["name"] in ("hang_onset", "gpu_lost", "rank_died")), None)
     pause = next((e["t"] for e in events if e["name"] == "pause_start"), None)
     return {"name": name, "file": path.name, "source": "hand-made", "backend": "nvml", "description": description,
@@ -262,6 +320,40 @@ def _phases(g: Gpus, *phases: tuple[int, Callable[[int], str]], faults_from: int
         for _ in range(n):
             g.tick(mode, faults if faults_from is not None and k >= faults_from else None)
             k += 1
+
+
+StackOf = Callable[[int], "RankStack | None"]
+
+
+def _live(g: Gpus, *phases: tuple[int, Callable[[int], str], StackOf]) -> None:
+    """Phases of (ticks, mode, stack of a rank) with the live agent's stack dumps: after each tick the detector
+    (default config) runs, and when it asks for stacks the dump is recorded, to be fed in with the next tick."""
+    state, pending, cfg = DetectorState(), [], DetectConfig()
+    for n, mode, stack in phases:
+        for _ in range(n):
+            g.tick(mode)
+            state, _ = step(state, g.samples[-1], cfg, pending)
+            job = state.jobs.get(g.JOB)
+            pending = []
+            if job is not None and job.needs_stacks:
+                g.dump(g.samples[-1].t, stack)
+                pending = [g.records[-1]]
+
+
+def _rs(state: str, where: str, *outer: str, active: bool = False, op: str | None = None) -> RankStack:
+    """A rank's classified main thread as gpu_watchdog.classify makes it (rank and pid are filled in later)."""
+    return RankStack(0, 0, state, " <- ".join((where, *outer)), active, op, where)
+
+
+_MAIN = ("main (train.py:90)", "<module> (train.py:99)")
+# A host busy-waiting in .item() behind a spinning NCCL kernel: py-spy (no --native) shows the calling line,
+# on CPU; the classifier calls that compute. It never moves.
+ITEM_SYNC = _rs("compute", "train_step (train.py:55)", *_MAIN, active=True)
+NCCL_BARRIER = _rs("collective", "barrier (torch/distributed/distributed_c10d.py:4811)", *_MAIN, active=True,
+                   op="barrier")
+SAVING = _rs("io", "_save (torch/serialization.py:1208)", "save (torch/serialization.py:966)",
+             "save_checkpoint (train.py:40)", *_MAIN, active=True)
+QUEUE_STUCK = _rs("data_wait", "Queue.get (queue.py:171)", "next_batch (train.py:30)", *_MAIN)
 
 
 def build_idle_held(g: Gpus) -> list[dict[str, Any]]:
@@ -308,6 +400,55 @@ def build_gpu_lost(g: Gpus) -> list[dict[str, Any]]:
     return [{"t": g.T0 + 29.5, "name": "gpu_lost", "gpu": 3, "note": "Xid 79: GPU 3 fell off the bus"}]
 
 
+def build_spin_busy(g: Gpus) -> list[dict[str, Any]]:
+    _phases(g, (21, lambda r: "train"), (39, lambda r: "spin_busy"))
+    return [{"t": g.T0 + 20.5, "name": "hang_onset", "note": "NCCL spin; every host busy-waits in a device sync"}]
+
+
+def build_spin_busy_stacks(g: Gpus) -> list[dict[str, Any]]:
+    _live(g, (21, lambda r: "train", lambda r: None), (39, lambda r: "spin_busy", lambda r: ITEM_SYNC))
+    return [{"t": g.T0 + 20.5, "name": "hang_onset", "note": "NCCL spin; every rank frozen at one .item() sync"}]
+
+
+def _host_stuck(r: int) -> str:
+    return "idle" if r == 3 else "spin_busy"
+
+
+def build_host_stuck(g: Gpus) -> list[dict[str, Any]]:
+    _phases(g, (21, lambda r: "train"), (39, _host_stuck))
+    return [{"t": g.T0 + 20.5, "name": "hang_onset", "rank": 3,
+             "note": "rank 3 blocks host-side (GPU idle, memory held); ranks 0-2, 4-7 spin and busy-wait"}]
+
+
+def build_host_stuck_stacks(g: Gpus) -> list[dict[str, Any]]:
+    _live(g, (21, lambda r: "train", lambda r: None),
+          (39, _host_stuck, lambda r: QUEUE_STUCK if r == 3 else ITEM_SYNC))
+    return [{"t": g.T0 + 20.5, "name": "hang_onset", "rank": 3,
+             "note": "rank 3 blocks in Queue.get (dead producer); the others spin at one .item() sync"}]
+
+
+def build_comm_bound(g: Gpus) -> list[dict[str, Any]]:
+    _live(g, (20, lambda r: "train", lambda r: None), (30, lambda r: "comm", lambda r: ITEM_SYNC),
+          (10, lambda r: "train", lambda r: None))
+    return [{"t": g.T0 + 19.5, "name": "pause_start", "note": "all-to-all heavy phase: NVLink saturated"},
+            {"t": g.T0 + 49.5, "name": "pause_end"}]
+
+
+def build_save_90s(g: Gpus) -> list[dict[str, Any]]:
+    _live(g, (16, lambda r: "train", lambda r: None),
+          (90, lambda r: "save" if r == 0 else "spin_busy", lambda r: SAVING if r == 0 else NCCL_BARRIER),
+          (14, lambda r: "train", lambda r: None))
+    return [{"t": g.T0 + 15.5, "name": "pause_start", "rank": 0, "note": "torch.save on rank 0; NCCL barrier"},
+            {"t": g.T0 + 105.5, "name": "pause_end", "rank": 0}]
+
+
+def build_slow_input(g: Gpus) -> list[dict[str, Any]]:
+    _live(g, (15, lambda r: "train", lambda r: None), (40, lambda r: "starved", lambda r: QUEUE_STUCK),
+          (5, lambda r: "train", lambda r: None))
+    return [{"t": g.T0 + 14.5, "name": "pause_start", "note": "input pipeline too slow: GPUs starved"},
+            {"t": g.T0 + 54.5, "name": "pause_end"}]
+
+
 SYNTHETIC = [
     ("nvml-idle-held", "8 GPUs: every rank blocks host-side at t+20.5 s; 0 % util with 62 GiB held per GPU",
      build_idle_held, [{"kind": "stall", "signature": "idle_held"}], 1),
@@ -322,6 +463,22 @@ SYNTHETIC = [
     ("nvml-gpu-lost", "8 GPUs: GPU 3 falls off the bus at t+29.5 s; rank 3 dies, torchrun stops the job",
      build_gpu_lost, [{"kind": "gpu_fault", "signature": "gpu_lost", "devices": [
          "GPU-c0ffee03-0000-4000-8000-000000000003"]}], 6),
+    ("nvml-spin-busy", "8 GPUs: NCCL spin from t+20.5 s while every host busy-waits in a device sync (~1 core "
+     "each, no wakeups); no stack dumps", build_spin_busy, [{"kind": "stall", "signature": "spin"}], 7),
+    ("nvml-spin-busy-stacks", "as nvml-spin-busy, with the live agent's stack dumps: every rank frozen on CPU at "
+     "one .item() line", build_spin_busy_stacks, [{"kind": "stall", "signature": "spin", "stacks": True}], 8),
+    ("nvml-host-stuck", "8 GPUs: rank 3 blocks host-side at t+20.5 s (GPU idle, memory held, no CPU) while the "
+     "other 7 spin with busy-waiting hosts; no stack dumps", build_host_stuck,
+     [{"kind": "stall", "signature": "spin"}], 9),
+    ("nvml-host-stuck-stacks", "as nvml-host-stuck, with the live agent's stack dumps (rank 3 in Queue.get, the "
+     "others at one .item() line)", build_host_stuck_stacks,
+     [{"kind": "stall", "signature": "spin", "stacks": True}], 10),
+    ("nvml-comm-bound", "8 GPUs: a 30 s communication-bound phase (100 % util at ~25 % power, heavy NVLink "
+     "traffic); healthy", build_comm_bound, [], 11),
+    ("nvml-save-90s", "8 GPUs: rank 0 saves for 90 s (GPU idle, CPU + writes) while GPUs 1-7 spin in an NCCL "
+     "barrier with busy-waiting hosts; with the live agent's stack dumps; healthy", build_save_90s, [], 12),
+    ("nvml-slow-input", "8 GPUs: a 40 s input-pipeline stall: GPUs starved (idle, memory held), main threads in "
+     "Queue.get, dataloader workers burning 2-4 cores per rank; healthy", build_slow_input, [], 13),
 ]
 
 

@@ -9,6 +9,14 @@ Scenarios (``--scenario``):
   queue       rank ``--rank-at``'s producer thread dies at step ``--step-at``; its main thread blocks in Queue.get
   save        rank 0 writes a checkpoint for ``--pause-s`` seconds at step ``--step-at``; peers wait in barrier
   eval        rank 0 computes an "evaluation" for ``--pause-s`` seconds at step ``--step-at``; peers wait in barrier
+  stop        rank ``--rank-at`` stops itself with SIGSTOP at step ``--step-at`` (a debugger, job control)
+  worker      rank ``--rank-at`` hands step ``--step-at`` to a multiprocessing worker (as vLLM's generate() hands
+              work to its workers) and waits on a result queue; the worker blocks in an all_reduce of a private
+              2-process gloo group whose other member never joins
+  exit        rank ``--rank-at`` exits with code 3 at step ``--step-at``
+
+``--cured-by NAME=VALUE`` arms the scenario's fault only while the environment variable NAME is not VALUE: a
+stand-in for a hang that a fallback setting cures (e.g. ``NCCL_P2P_DISABLE=1``) on a CPU box.
 
 ``--fr-pipe`` emulates ProcessGroupNCCL's Flight Recorder dump pipe for gloo (which has none): with
 TORCH_FR_BUFFER_SIZE, TORCH_FR_DUMP_TEMP_FILE and TORCH_NCCL_DEBUG_INFO_PIPE_FILE set, rank r creates the FIFO
@@ -24,6 +32,7 @@ import argparse
 import json
 import os
 import queue
+import signal
 import threading
 import time
 
@@ -58,6 +67,36 @@ def save_checkpoint(path: str, seconds: float) -> None:
             f.seek(0)  # keep the file small; the writes still count as I/O
 
 
+def _worker_in_collective(port: int, wrank: int, results: object) -> None:
+    """A worker process of a rank: joins a private 2-process gloo group; member 0 blocks in all_reduce because
+    member 1 never calls it (a collective hang behind a process boundary)."""
+    for var in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"):  # not torchrun's group: a private one
+        os.environ.pop(var, None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=wrank, world_size=2)
+    if wrank == 0:
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        results.put(float(t[0]))  # type: ignore[attr-defined]
+    while True:
+        time.sleep(3600)
+
+
+def hand_to_workers(events: str | None, rank: int, step: int) -> None:
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")  # a fork would inherit the rank's default process group
+    results = ctx.Queue()
+    workers = [ctx.Process(target=_worker_in_collective, args=(port, w, results), daemon=True) for w in (0, 1)]
+    for w in workers:
+        w.start()
+    log_event(events, rank=rank, step=step, event="hang_onset", worker_pids=[w.pid for w in workers])
+    results.get()  # the rank's main thread waits on its workers: a queue wait, the collective is elsewhere
+
+
 def start_fr_pipe(rank: int) -> None:
     """Serve dump requests from a helper thread: the main thread may be blocked in a collective."""
     pipe_prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
@@ -89,16 +128,25 @@ def start_fr_pipe(rank: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scenario", default="healthy",
-                    choices=["healthy", "hang", "desync", "queue", "save", "eval"])
+                    choices=["healthy", "hang", "desync", "queue", "save", "eval", "stop", "worker", "exit"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--step-at", type=int, default=5)
     ap.add_argument("--rank-at", type=int, default=1)
     ap.add_argument("--pause-s", type=float, default=45.0)
     ap.add_argument("--step-s", type=float, default=0.3, help="compute time per step")
+    ap.add_argument("--sleep-step", action="store_true",
+                    help="sleep --step-s per step instead of computing (a healthy loop that uses almost no CPU and "
+                         "shows the same line in every stack dump)")
     ap.add_argument("--events", default=None)
     ap.add_argument("--workdir", default=".")
     ap.add_argument("--fr-pipe", action="store_true", help="serve Flight Recorder dumps on a FIFO")
+    ap.add_argument("--cured-by", default=None, metavar="NAME=VALUE",
+                    help="arm the fault only while env NAME is not VALUE")
     args = ap.parse_args()
+    if args.cured_by:
+        name, _, value = args.cured_by.partition("=")
+        if os.environ.get(name) == value:
+            args.scenario = "healthy"
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -122,11 +170,22 @@ def main() -> None:
         if at and args.scenario == "queue" and rank == args.rank_at:
             log_event(args.events, rank=rank, step=step, event="hang_onset")
         batches.get()
-        compute(args.step_s)
+        if args.sleep_step:
+            time.sleep(args.step_s)
+        else:
+            compute(args.step_s)
         if at and args.scenario == "hang" and rank == args.rank_at:
             log_event(args.events, rank=rank, step=step, event="hang_onset")
             while True:
                 time.sleep(3600)
+        if at and args.scenario == "stop" and rank == args.rank_at:
+            log_event(args.events, rank=rank, step=step, event="hang_onset")
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if at and args.scenario == "worker" and rank == args.rank_at:
+            hand_to_workers(args.events, rank, step)
+        if at and args.scenario == "exit" and rank == args.rank_at:
+            log_event(args.events, rank=rank, step=step, event="hang_onset")
+            os._exit(3)
         if at and args.scenario == "desync" and rank == args.rank_at:
             log_event(args.events, rank=rank, step=step, event="hang_onset")
             dist.barrier()

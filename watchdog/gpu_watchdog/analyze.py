@@ -72,17 +72,18 @@ def stacks_dir(incident_dir: str | os.PathLike[str]) -> Path:
 
 def write_rank_stacks(
     incident_dir: str | os.PathLike[str], rank: int, host: str, result: DumpResult, *,
-    world_size: int | None = None, job_id: str | None = None,
+    world_size: int | None = None, job_id: str | None = None, worker: bool = False,
 ) -> Path:
-    """Store one rank's dump as ``<incident_dir>/stacks/rank-<rank>.json`` (atomically); return the path."""
-    d = stacks_dir(incident_dir)
+    """Store one rank's dump as ``<incident_dir>/stacks/rank-<rank>.json`` (atomically); return the path. A dump
+    of one of the rank's worker processes (``worker``) goes to ``stacks/workers/rank-<rank>-pid-<pid>.json``."""
+    d = stacks_dir(incident_dir) / ("workers" if worker else "")
     d.mkdir(parents=True, exist_ok=True)
     doc = {
         "version": FORMAT_VERSION, "rank": rank, "pid": result.pid, "host": host, "outcome": result.outcome,
         "detail": result.detail, "elapsed_s": result.elapsed_s, "t": time.time(), "world_size": world_size,
         "job_id": job_id, "threads": list(result.threads), "raw": result.raw,
     }
-    path = d / f"rank-{rank}.json"
+    path = d / (f"rank-{rank}-pid-{result.pid}.json" if worker else f"rank-{rank}.json")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         json.dump(doc, f)

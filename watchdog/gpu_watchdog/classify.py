@@ -24,17 +24,46 @@ from typing import Any
 
 from .model import RankStack
 
-STATES = ("collective", "device_sync", "io", "data_wait", "sleep", "compute", "unknown")
+STATES = ("collective", "device_sync", "io", "data_wait", "sleep", "compute", "stopped", "unknown")
 
-# c10d entry points that block until peers arrive (plus the init-time waits that hang the same way).
-COLLECTIVE_OPS = frozenset({
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "_all_gather_base",
-    "all_gather_coalesced", "all_gather_object", "reduce_scatter", "reduce_scatter_tensor",
-    "_reduce_scatter_base", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier",
-    "send", "recv", "send_object_list", "recv_object_list", "batch_isend_irecv", "all_to_all",
-    "all_to_all_single", "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
-    "init_process_group", "new_group", "_store_based_barrier", "_new_group_with_tag",
-})
+# Collectives are recognised by where the frame lives, not by a hand-kept list of names (torch keeps adding
+# entry points: all_gather_single and reduce_scatter_single in 2.13, FSDP2's helpers, ...):
+#   * any function of torch.distributed's c10d Python API (distributed_c10d.py) or of functional collectives,
+#     except the non-blocking getters and argument checks below;
+#   * in libraries built on them (FSDP, DTensor, composable APIs, DeepSpeed's comm layer), a function whose
+#     name says it communicates or waits for communication (COLLECTIVE_WORDS);
+#   * native frames of c10d work objects, ProcessGroup{NCCL,Gloo}, NCCL's API and gloo's algorithms.
+C10D_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives.py",
+              "torch/distributed/_functional_collectives_impl.py")
+COLLECTIVE_LIBRARY_FILES = ("torch/distributed/fsdp/", "torch/distributed/tensor/", "torch/distributed/_tensor/",
+                            "torch/distributed/_composable/", "deepspeed/comm/")
+COLLECTIVE_WORDS = re.compile(r"all_?gather|reduce_?scatter|all_?reduce|broadcast|all_?to_?all|barrier|unshard|"
+                              r"(^|_)(wait|reduce|gather|scatter)(_|$)|isend|irecv|p2p")
+_C10D_NOT_BLOCKING = re.compile(r"^_*(get_|is_|check|warn|canonicalize|validate|rank_not_in_group|coalescing_manager$)")
+_NATIVE_COLLECTIVE = re.compile(r"c10d::\w*Work\w*::wait|c10d::ProcessGroup(NCCL|Gloo)|^nccl[A-Z]\w*|gloo::")
+# Families, for telling "the same collective through another entry point" from a desync.
+COLLECTIVE_FAMILIES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "barrier", "gather",
+                       "scatter", "reduce", "send", "recv", "p2p", "init", "new_group")
+_FAMILY_ALIASES = {"allgather": "all_gather", "reducescatter": "reduce_scatter", "allreduce": "all_reduce",
+                   "alltoall": "all_to_all", "batch_isend_irecv": "p2p", "batch_p2p": "p2p", "isend": "send",
+                   "irecv": "recv", "monitored_barrier": "barrier",
+                   "store_based_barrier": "barrier", "init_process_group": "init", "unshard": "all_gather"}
+P2P_FAMILIES = frozenset({"send", "recv", "p2p"})
+WAIT_FAMILY = "wait"  # Work.wait()/wait_tensor: which collective it waits for is not in the frame
+
+
+def collective_family(op: str) -> str:
+    """``all_gather_single`` → ``all_gather``; ``_reduce_scatter_base`` → ``reduce_scatter``; ``wait_tensor`` →
+    ``wait``. Unknown names come back without their leading underscores."""
+    name = op.lstrip("_")
+    for alias, family in _FAMILY_ALIASES.items():
+        if name.startswith(alias) or alias in name:
+            return family
+    if re.search(r"(^|_)wait(_|$)", name):
+        return WAIT_FAMILY
+    return next((f for f in COLLECTIVE_FAMILIES if f in name), name)
+
+
 IO_NAMES = frozenset({
     "write", "writelines", "read", "readinto", "readline", "readlines", "flush", "fsync", "fdatasync",
     "save_checkpoint", "load_checkpoint", "save_pretrained", "save_model", "save_state_dict",
@@ -48,6 +77,29 @@ SLEEP_NAMES = frozenset({"sleep", "time_sleep", "pysleep", "clock_nanosleep", "n
 _DEVICE_SYNC_NATIVE = re.compile(
     r"(cuda|cu)(Device|Stream|Event|Ctx)Synchronize|_local_scalar_dense_cuda|cudaMemcpy(?!Async)"
 )
+
+# Kernel wait channels (/proc/PID/wchan) of a thread waiting on storage — block devices, page-cache writeback,
+# NFS/RPC, FUSE, Lustre, Ceph, journaling — or writing into a pipe: slow I/O, which ends on its own.
+_KERNEL_IO = re.compile(
+    r"pipe_write|pipe_wait_writable|nfs|rpc_|io_schedule|folio_wait|wait_on_page|__lock_page|balance_dirty_pages|"
+    r"jbd2|blk_|wait_for_completion_io|ext4|xfs|btrfs|fuse|request_wait_answer|ceph|cl_sync_io|lustre|filemap|"
+    r"fsync|writeback|wb_wait"
+)
+# ... and of a thread waiting for bytes from a pipe or a socket: a consumer waiting on its producer.
+_KERNEL_DATA = re.compile(r"^pipe_read$|^pipe_wait_readable$|unix_stream_read|sk_wait_data")
+
+
+def kernel_wait(wchan: str | None, status: str = "") -> str | None:
+    """"io" or "data_wait" for a thread the kernel shows waiting on I/O or on a producer, else None.
+    ``status`` is psutil's process status: ``disk-sleep`` (D) is an uninterruptible I/O wait."""
+    if status == "disk-sleep":
+        return "io"
+    if not wchan or wchan == "0":
+        return None
+    if _KERNEL_IO.search(wchan):
+        return "io"
+    return "data_wait" if _KERNEL_DATA.search(wchan) else None
+
 
 Frame = Mapping[str, Any]
 Matcher = Callable[[Frame], "str | None"]
@@ -72,12 +124,13 @@ def _in(fr: Frame, *parts: str) -> bool:
 
 
 def _collective(fr: Frame) -> str | None:
-    if _file(fr).endswith("torch/distributed/distributed_c10d.py") and _last(fr) in COLLECTIVE_OPS:
-        return _last(fr)
-    if _in(fr, "torch/distributed/_functional_collectives.py") and _last(fr) in ("wait", "wait_tensor"):
-        return "wait"
-    if re.match(r"c10d::\w*Work\w*::wait", _name(fr)):
-        return "wait"  # Work.wait() of isend/irecv/async ops: a C++ call, visible only with --native
+    name = _last(fr)
+    if _in(fr, *C10D_FILES):
+        return None if _C10D_NOT_BLOCKING.match(name) else name
+    if _in(fr, *COLLECTIVE_LIBRARY_FILES) and COLLECTIVE_WORDS.search(name):
+        return name
+    if is_native(fr) and _NATIVE_COLLECTIVE.search(_name(fr)):
+        return "wait" if "::wait" in _name(fr) else _name(fr).rsplit("::", 1)[-1]
     return None
 
 
@@ -89,6 +142,8 @@ def _device_sync(fr: Frame) -> str | None:
 
 def _data_wait(fr: Frame) -> str | None:
     f = _file(fr)
+    if f == "[kernel]":
+        return "" if kernel_wait(_name(fr)) == "data_wait" else None
     if (f == "queue.py" or f.endswith("/queue.py")) and _last(fr) == "get":
         return ""
     if _in(fr, *DATA_FILES):
@@ -99,6 +154,8 @@ def _data_wait(fr: Frame) -> str | None:
 
 
 def _io(fr: Frame) -> str | None:
+    if _file(fr) == "[kernel]":
+        return "" if kernel_wait(_name(fr)) == "io" else None
     if _in(fr, *IO_FILES) or _last(fr) in IO_NAMES:
         return ""
     return None

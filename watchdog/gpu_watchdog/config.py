@@ -47,6 +47,7 @@ class DetectConfig:
     spin_traffic_max_bytes_per_s: float = 10.0 * MIB  # ... and PCIe+NVLink traffic below this
     progress_cpu_min_cores: float = 0.1  # a rank tree using this much CPU is making progress
     progress_io_min_bytes_per_s: float = 256.0 * 1024  # or doing this much I/O
+    progress_wakeups_min_per_s: float = 3.0  # or whose main thread blocks and wakes this often (a sleep/poll loop)
     progress_min_window_s: float = 0.5  # rates need a window this long (CPU time moves in 10 ms ticks)
     suspect_after_s: float = 2.0  # no progress anywhere in the job for this long → suspect
     confirm_after_s: float = 30.0  # suspect this long → confirmed, when stack proof is unavailable
@@ -103,6 +104,7 @@ class RecoveryConfig:
     restart_window_s: float = 3600.0
     max_no_progress_restarts: int = 2  # consecutive restarts that hang again without passing the last hang step
     client_boundary_s: float = 5.0  # the in-job client saves at a step boundary within this, else aborts
+    restart_on_crash: bool = False  # launch: restart (within the budget) after a rank exits non-zero / on a signal
 
 
 # Xids that NVIDIA's Xid catalogue files under "restart the application": the fault is confined to the

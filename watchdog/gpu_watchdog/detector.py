@@ -23,8 +23,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from gpu_watchdog.classify import kernel_wait
 from gpu_watchdog.config import DetectConfig
-from gpu_watchdog.diagnosis import stacks_progressed
+from gpu_watchdog.diagnosis import RankContext, stacks_progressed
 from gpu_watchdog.model import DeviceSample, NodeSample, ProcessSample, StackEvidence
 
 RUNNING, SUSPECT, STALLED, WAITING = "running", "suspect", "stalled", "waiting"
@@ -59,7 +60,13 @@ class _RankObs:
     cpu_time_s: float
     io_bytes: int | None
     heartbeat_step: int | None
+    wakeups: int | None = None
     progressing: bool = True  # the verdict for the window that ended at ``t``
+    host_busy_t: float | None = None  # the last time its tree used CPU or did I/O (a data wait's producer)
+    step_t: float | None = None  # the last time its step heartbeat moved
+    device: str | None = None  # its GPU's signature this tick (None: no GPU, proc backend)
+    doing: str = ""  # what the kernel shows it waiting on: "io wait (pipe_write)"
+    stopped: bool = False  # SIGSTOP / job-control stop (T): it cannot make progress until continued
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class JobStatus:
     evidence: tuple[StackEvidence, ...] = ()  # stack dumps taken during the current streak
     progress_since: float | None = None  # for clearing a confirmed stall
     needs_stacks: bool = False
+    stopped: tuple[int, ...] = ()  # ranks in the stopped state (SIGSTOP): culprits from process state alone
 
 
 @dataclass(frozen=True)
@@ -123,39 +131,72 @@ def device_signature(d: DeviceSample, cfg: DetectConfig, traffic_bps: float | No
     return "busy"
 
 
-def _observe_rank(p: ProcessSample, prev: _RankObs | None, t: float, cfg: DetectConfig) -> _RankObs:
+def _observe_rank(p: ProcessSample, prev: _RankObs | None, t: float, device: str | None,
+                  cfg: DetectConfig) -> _RankObs:
     """The rank's progress verdict and the baseline for the next one.
 
     CPU time moves in 10 ms clock ticks, so a window much shorter than a tick interval (an early tick right
     after a stack dump) turns noise into a "busy" rate: such a window keeps the previous baseline and verdict.
     """
     same = prev is not None and prev.pid == p.pid and prev.create_time == p.create_time
+    wait = kernel_wait(p.wchan, p.status)
+    doing = f"{wait} ({p.wchan or p.status})" if wait else ""
+    stopped = p.status == "stopped"
     if same and prev is not None and p.status != "zombie" and t - prev.t < cfg.progress_min_window_s \
             and p.heartbeat_step == prev.heartbeat_step:
-        return prev
-    return _RankObs(p.pid, p.create_time, t, p.cpu_time_s, p.io_bytes, p.heartbeat_step,
-                    _rank_progress(p, prev, t, cfg))
+        return replace(prev, device=device, doing=doing, stopped=stopped)
+    progressing, host_busy = _rank_progress(p, prev if same else None, t, device, wait, cfg)
+    old = prev if same else None
+    host_busy_t = t if host_busy else (old.host_busy_t if old is not None else None)
+    stepped = old is not None and p.heartbeat_step is not None and p.heartbeat_step != old.heartbeat_step
+    step_t = t if stepped else (old.step_t if old is not None else None)
+    return _RankObs(p.pid, p.create_time, t, p.cpu_time_s, p.io_bytes, p.heartbeat_step, p.wakeups, progressing,
+                    host_busy_t, step_t, device, doing, stopped)
 
 
-def _rank_progress(p: ProcessSample, prev: _RankObs | None, t: float, cfg: DetectConfig) -> bool:
-    if p.status == "zombie":
-        return False
-    if prev is None or prev.pid != p.pid or prev.create_time != p.create_time or t <= prev.t:
-        return True  # nothing to compare with yet: assume it works
+# py-spy's attach wakes a thread twice: fewer wakeups than this in one window prove nothing.
+_MIN_WAKEUPS = 3
+
+
+def _rank_progress(p: ProcessSample, prev: _RankObs | None, t: float, device: str | None, wait: str | None,
+                   cfg: DetectConfig) -> tuple[bool, bool]:
+    """(progressing, host busy) for one rank over the window since ``prev``.
+
+    Host counters mean different things by GPU: a rank whose GPU spins (the NCCL signature) busy-waits in a
+    device sync, so its CPU time rises at about a core while it makes no progress at all; only its step
+    heartbeat (or moving stacks, judged between dumps) counts. A rank waiting in a file-system or pipe write
+    is being waited on, whatever its byte counters show."""
+    if p.status == "zombie" or p.status == "stopped":
+        return False, False
+    if prev is None or t <= prev.t:
+        return True, False  # nothing to compare with yet: assume it works
     dt = t - prev.t
-    if (p.cpu_time_s - prev.cpu_time_s) / dt >= cfg.progress_cpu_min_cores:
-        return True
-    if p.io_bytes is not None and prev.io_bytes is not None and \
-            (p.io_bytes - prev.io_bytes) / dt >= cfg.progress_io_min_bytes_per_s:
-        return True
-    return p.heartbeat_step is not None and p.heartbeat_step != prev.heartbeat_step
+    busy = (p.cpu_time_s - prev.cpu_time_s) / dt >= cfg.progress_cpu_min_cores or (
+        p.io_bytes is not None and prev.io_bytes is not None
+        and (p.io_bytes - prev.io_bytes) / dt >= cfg.progress_io_min_bytes_per_s)
+    if p.heartbeat_step is not None and p.heartbeat_step != prev.heartbeat_step:
+        return True, busy
+    if wait == "io":
+        return True, busy
+    if device == "spin":
+        return False, busy
+    woke = p.wakeups is not None and prev.wakeups is not None and p.wakeups - prev.wakeups >= _MIN_WAKEUPS \
+        and (p.wakeups - prev.wakeups) / dt >= cfg.progress_wakeups_min_per_s
+    return busy or woke, busy
 
 
-def stacks_show_progress(a: StackEvidence, b: StackEvidence) -> dict[int, str]:
+def stacks_show_progress(a: StackEvidence, b: StackEvidence,
+                         context: Mapping[int, RankContext] | None = None) -> dict[int, str]:
     """Ranks whose stacks moved between two dumps (diagnosis.stacks_progressed), with what they are doing."""
     now = {r.rank: r for r in b.ranks}
     return {rank: f"{now[rank].state} at {now[rank].where}" if now[rank].where else now[rank].state
-            for rank, moved in stacks_progressed(a, b).items() if moved}
+            for rank, moved in stacks_progressed(a, b, context).items() if moved}
+
+
+def _rank_device(pid: int, devs: Sequence[DeviceSample], sigs: Sequence[str | None]) -> str | None:
+    """The signature of the real GPU(s) a rank process is on: busy wins (it works somewhere), then spin."""
+    mine = {s for d, s in zip(devs, sigs, strict=True) if not d.virtual and s is not None and pid in d.pids}
+    return next((s for s in ("busy", "spin", "idle_held") if s in mine), None)
 
 
 # Ticks come from a wall clock that jitters by milliseconds: a tick 1 ms short of "suspect for 2 s" must not
@@ -217,17 +258,15 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
     ranks_obs: dict[tuple[str, int], _RankObs] = {}
     jobs: dict[str, JobStatus] = {}
     for job_id, ranked in by_job.items():
-        progressing = []
-        for rank, p in ranked:
-            obs = _observe_rank(p, state.ranks.get((job_id, rank)), t, cfg)
-            ranks_obs[(job_id, rank)] = obs
-            if obs.progressing:
-                progressing.append(rank)
         pids = frozenset(p.pid for _, p in ranked)
         devs = [d for d in sample.devices if d.pids & pids and d.fault is None]
         sigs = [device_signature(d, cfg, traffic_bps.get(d.uuid), pids) for d in devs]
+        obs_of: dict[int, _RankObs] = {}
+        for rank, p in ranked:
+            obs = _observe_rank(p, state.ranks.get((job_id, rank)), t, _rank_device(p.pid, devs, sigs), cfg)
+            ranks_obs[(job_id, rank)] = obs_of[rank] = obs
         prev = state.jobs.get(job_id) or JobStatus(job_id, since=t)
-        js = _advance_job(prev, t, prev_t, ranked, progressing, devs, sigs, ev_by_job.get(job_id, []), cfg)
+        js = _advance_job(prev, t, prev_t, ranked, obs_of, devs, sigs, ev_by_job.get(job_id, []), cfg)
         jobs[job_id] = js
         if js.state == STALLED and prev.state != STALLED:
             findings.append(_stall_finding(js, t))
@@ -236,15 +275,17 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
 
 
 def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tuple[int, ProcessSample]],
-                 progressing: list[int], devs: Sequence[DeviceSample], sigs: Sequence[str | None],
+                 obs: Mapping[int, _RankObs], devs: Sequence[DeviceSample], sigs: Sequence[str | None],
                  evidence_in: Sequence[StackEvidence], cfg: DetectConfig) -> JobStatus:
     ranks = tuple(sorted(rank for rank, _ in ranked))
+    progressing = [r for r in ranks if obs[r].progressing]
     seen = prev.ranks_seen | frozenset(ranks)
     missing = seen - frozenset(ranks)
     devices_busy = any(s == "busy" for s in sigs)
     device_sig = "spin" if "spin" in sigs else "idle_held"
     base = replace(prev, ranks=ranks, ranks_seen=seen, devices=tuple(d.uuid for d in devs),
-                   rank_pids={rank: p.pid for rank, p in ranked})
+                   rank_pids={rank: p.pid for rank, p in ranked},
+                   stopped=tuple(r for r in ranks if obs[r].stopped))
 
     streak_start = prev.onset if prev.onset is not None else prev.waiting_since
     evidence = tuple(e for e in (*prev.evidence, *evidence_in) if streak_start is not None and
@@ -252,7 +293,10 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
     moving: dict[int, str] = {}
     stack_quiet = False
     if len(evidence) == 2 and _lasted(evidence[1].t - evidence[0].t, cfg.stack_confirm_gap_s) and evidence[1].ranks:
-        moving = stacks_show_progress(evidence[0], evidence[1])
+        since = evidence[0].t
+        context = {r: RankContext(o.device, o.host_busy_t is not None and o.host_busy_t > since,
+                                  o.step_t is not None and o.step_t > since) for r, o in obs.items()}
+        moving = stacks_show_progress(evidence[0], evidence[1], context)
         stack_quiet = not moving
 
     quiet = not progressing and not devices_busy
@@ -292,7 +336,9 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
     if (idle and progressing and len(ranks) > 1) or (devices_busy and any(s != "busy" for s in sigs)):
         waiting_since = prev.waiting_since if prev.waiting_since is not None else (
             onset if slow_movers else prev_t)
-        doing = ", ".join(f"rank {r}: {moving[r]}" for r in sorted(moving)) if moving else prev.waiting_doing
+        kernel = {r: obs[r].doing for r in progressing if obs[r].doing}
+        doing = ", ".join(f"rank {r}: {moving[r]}" for r in sorted(moving)) if moving else (
+            ", ".join(f"rank {r}: {d}" for r, d in sorted(kernel.items())) or prev.waiting_doing)
         # No rank's process progresses but some GPUs work: the job waits on the ranks on those GPUs.
         busy_pids = {pid for d, s in zip(devs, sigs, strict=True) if s == "busy" for pid in d.pids}
         gpu_busy = tuple(r for r, pid in sorted(base.rank_pids.items()) if pid in busy_pids)
@@ -321,9 +367,11 @@ def _stall_finding(js: JobStatus, t: float) -> Finding:
         if js.waiting_doing:
             detail += f" ({js.waiting_doing})"
     else:
-        culprits = ()
+        culprits = js.stopped
         detail = ("GPUs spin at idle power with no traffic" if js.signature == "spin"
                   else "no rank makes progress while memory is held")
+        if js.stopped:
+            detail += f"; rank(s) {_fmt_ranks(js.stopped)} stopped (SIGSTOP or job control: state T)"
     evidence = "stacks" if len(js.evidence) == 2 else "time"
     assert js.onset is not None
     return Finding("stall", js.signature, js.job_id, tuple(sorted(js.ranks_seen)), culprits, js.onset, t,

@@ -125,12 +125,19 @@ class Launcher:
         next_tick = time.monotonic()
         self.config_watch.new_run()
         seen: dict[int, JobProcess] = {}  # every job process sampled in this run (pid + create time)
+        exits: dict[int, tuple[float, int | None]] = {}  # rank → (first seen gone, its exit status if caught)
+        ours: JobStatus | None = None
         while True:
             rc = child.poll()
             if rc is not None:
                 self.say(f"job exited with code {rc}")
                 self._stop_leftovers(seen.values())
-                return _Outcome(exit_code=128 - rc if rc < 0 else rc)  # killed by signal N: 128+N, as a shell
+                code = 128 - rc if rc < 0 else rc  # killed by signal N: 128+N, as a shell
+                if code != 0 and self._stop_signal is None:
+                    crashed = self._crashed(code, exits, ours, attempt)
+                    if crashed is not None:
+                        return crashed
+                return _Outcome(exit_code=code)
             if self._stop_signal is not None:
                 signum = self._stop_signal
                 self.say(f"received {signal.Signals(signum).name}: stopping the job")
@@ -140,6 +147,7 @@ class Launcher:
             sample = _with_heartbeats(backend.sample(), control.steps(), self.job_id)
             seen.update((p.pid, JobProcess(p.pid, p.create_time)) for p in sample.processes
                         if p.job is not None and p.job.job_id == self.job_id)
+            _note_exits(exits, sample, self.job_id, state.jobs.get(self.job_id))
             if dump is not None and dump.done():
                 pending.extend(_future_result(dump))
                 dump = None
@@ -155,9 +163,9 @@ class Launcher:
                 dump.add_done_callback(lambda _f: self._wake.set())
             for f in findings:
                 if f.kind == "gpu_fault":
-                    code = self.fault_policy.handle(f, child, sample)
-                    if code is not None:
-                        return _Outcome(exit_code=code)
+                    fault_code = self.fault_policy.handle(f, child, sample)
+                    if fault_code is not None:
+                        return _Outcome(exit_code=fault_code)
                 elif f.job_id == self.job_id:
                     outcome = self._recover(f, child, sample, ours, control, attempt)
                     if outcome is not None:
@@ -172,6 +180,43 @@ class Launcher:
             if self._wake.wait(max(0.0, next_tick - time.monotonic())):
                 self._wake.clear()  # an early tick; the regular schedule resumes after it
                 next_tick -= cfg.agent.interval_s
+
+    def _crashed(self, code: int, exits: dict[int, tuple[float, int | None]], status: JobStatus | None,
+                 attempt: int) -> _Outcome | None:
+        """A rank died and took the job down (torchrun tears every rank down within a second): an incident naming
+        the rank, how it ended, its last stack if one was taken and the peers' state; then a restart within the
+        budget when ``recovery.restart_on_crash``, else None (``launch`` exits with the job's code)."""
+        from gpu_watchdog.processes import describe_exit
+
+        now = time.time()
+        first_t = min((t for t, _ in exits.values()), default=now)
+        first = tuple(sorted(r for r, (t, _) in exits.items() if t == first_t))
+        ranks = tuple(sorted(status.ranks_seen)) if status else ()
+        how = "; ".join(f"rank {r}: {describe_exit(exits[r][1])}" for r in first) or \
+            "no rank was seen exiting first (torchrun reaps and tears down within its monitor interval)"
+        finding = Finding("rank_exited", "rank_exited", self.job_id, ranks, first, first_t, now, status.devices
+                          if status else (), f"{how}; the launched command exited {code}", "process")
+        inc = self.incidents.create(finding, self.host)
+        last = status.evidence[-1] if status and status.evidence else None
+        inc.update(exits={str(r): describe_exit(st) for r, (_, st) in sorted(exits.items())},
+                   peers={str(r): status.state for r in ranks if r not in first} if status else {},
+                   last_stacks=[{"rank": rs.rank, "state": rs.state, "where": rs.where, "stack": rs.signature}
+                                for rs in last.ranks] if last else [])
+        if self.metrics is not None:
+            self.metrics.incident(finding.kind)
+        self.say(f"RANK EXITED in job {self.job_id}: {finding.detail}; incident {inc.id}")
+        if not self.cfg.recovery.restart_on_crash:
+            inc.record_action("restart", False, "not restarted: recovery.restart_on_crash is false (a crash usually "
+                                                f"comes back); launch exits {code}")
+            return None
+        allowed, why_not = self.budget.allow(now, None)
+        if not allowed:
+            inc.record_action("give_up", True, f"restart budget spent: {why_not}")
+            return _Outcome(exit_code=code)
+        env = dict(self.fallback.load(self.job_id).get("env") or {})
+        inc.record_action("restart", True, f"run {attempt + 1} (recovery.restart_on_crash), fallback level unchanged")
+        self.say(f"restarting (run {attempt + 1}) after the crash (recovery.restart_on_crash)")
+        return _Outcome(restart_env=env)
 
     def _stop_leftovers(self, procs: Any) -> None:
         """Ranks that outlived the launched process (torchrun killed, or crashed): orphans re-parented away from
@@ -233,6 +278,20 @@ def _future_result(f: Future[list[StackEvidence]]) -> list[StackEvidence]:
     except Exception as e:  # a failed dump is missing evidence, not a crash
         log.warning("stack dump failed: %s", e)
         return []
+
+
+def _note_exits(exits: dict[int, tuple[float, int | None]], sample: NodeSample, job_id: str,
+                status: JobStatus | None) -> None:
+    """Remember when each rank of the job was first seen exited (a zombie, with its exit status, or gone)."""
+    present = set()
+    for p in sample.processes:
+        if p.is_rank and p.job is not None and p.job.job_id == job_id and p.job.rank is not None:
+            present.add(p.job.rank)
+            if p.status == "zombie":
+                exits.setdefault(p.job.rank, (sample.t, p.exit_status))
+    if status is not None:
+        for rank in status.ranks_seen - present:
+            exits.setdefault(rank, (sample.t, None))
 
 
 def _with_heartbeats(sample: NodeSample, steps: dict[int, int], job_id: str) -> NodeSample:

@@ -57,6 +57,7 @@ from gpu_watchdog import __version__
 from gpu_watchdog.detector import JOB_STATES, STALLED, SUSPECT, WAITING, JobStatus
 from gpu_watchdog.errors import EXIT_UNAVAILABLE, UsageError, WatchdogError
 from gpu_watchdog.model import NodeSample, SampleError
+from gpu_watchdog.stacks import OUTCOMES
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +65,8 @@ DEFAULT_PORT = 9408
 DEFAULT_ADDR = f"0.0.0.0:{DEFAULT_PORT}"
 
 # Label sets that read 0 from the first scrape, so increase() sees the first event.
-INCIDENT_KINDS = ("stall", "gpu_fault", "config_mismatch")
-# gpu_watchdog.stacks.OUTCOMES (kept in step by a test); anything else counts as "other".
-PYSPY_OUTCOMES = ("ok", "py_spy_missing", "permission_denied", "exited", "timeout", "error")
+INCIDENT_KINDS = ("stall", "gpu_fault", "config_mismatch", "rank_exited")
+PYSPY_OUTCOMES = OUTCOMES  # py-spy dump outcomes; anything else counts as "other"
 OVERFLOW = "other"  # label value for values past a cap
 
 SAMPLE_DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -33,6 +33,11 @@ class ProcessSample:
     job: JobIdentity | None = None
     is_rank: bool = False  # topmost process of its (job, rank): the rank itself, not a dataloader worker
     heartbeat_step: int | None = None  # last step reported by the in-job client, when it runs
+    # The main thread's voluntary context switches (cumulative): how often it blocked and woke again. A rank
+    # blocked for good in a collective or a lock does not wake; a loop that sleeps or polls at one line does.
+    wakeups: int | None = None
+    wchan: str = ""  # the main thread's kernel wait channel ("" unknown, "0" running), e.g. "pipe_write"
+    exit_status: int | None = None  # a zombie's wait status (waitpid form) while its parent has not reaped it
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,10 @@ class RankStack:
     active: bool  # py-spy's flag: the thread was on CPU
     op: str | None = None  # collective name when state == "collective"
     where: str = ""  # "Queue.get (data.py:88)"
+    # The main thread's voluntary context switches just before and just after the dump (py-spy's own attach
+    # wakes the thread, so "did it wake between two dumps" compares one dump's after with the next's before).
+    wakeups_before: int | None = None
+    wakeups_after: int | None = None
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,16 @@ from typing import TYPE_CHECKING, Any
 from gpu_watchdog.analyze import write_rank_stacks
 from gpu_watchdog.config import RecoveryConfig
 from gpu_watchdog.detector import Finding, JobStatus
-from gpu_watchdog.diagnosis import Diagnosis, diagnose
-from gpu_watchdog.evidence import classify_results, dump_job
-from gpu_watchdog.fallback import decide, diagnostics_env
+from gpu_watchdog.diagnosis import Diagnosis, diagnose, format_ranks
+from gpu_watchdog.evidence import (
+    WAITS_ON_WORKERS,
+    blocked_workers,
+    classify_results,
+    dump_job,
+    dump_workers,
+    rank_workers,
+)
+from gpu_watchdog.fallback import decide, diagnostics_env, hang_place
 from gpu_watchdog.jobproto import ControlDir
 from gpu_watchdog.model import NodeSample, RankStack
 from gpu_watchdog.report import render_report
@@ -142,13 +149,18 @@ class Recovery:
             culprit = _culprit_stack(diag, stacks)
             if culprit is not None:
                 lc.say(f"culprit rank {culprit.rank} stack: {culprit.signature}")
+        behind = self._workers(inc, diag, stacks, rank_pids) if diag else None
         self._flight_recorder(inc, sample, rank_pids)
         inc.write_report(render_report(inc.summary, stacks))
 
-        # The next run's settings, from the evidence.
-        culprit = _culprit_stack(diag, stacks) if diag else None
-        current = lc.fallback.level(lc.job_id)
-        decision = decide(cfg.fallback, current, finding.kind, culprit.state if culprit else None)
+        # The next run's settings, from the evidence: a worker blocked in a collective is the real culprit.
+        culprit = behind or (_culprit_stack(diag, stacks) if diag else None)
+        previous = lc.fallback.load(lc.job_id)
+        decision = decide(cfg.fallback, int(previous.get("level", 0)), finding.kind,
+                          culprit.state if culprit else None, desync=bool(diag and diag.desync),
+                          place=hang_place(culprit.state if culprit else None, culprit.where if culprit else "",
+                                           finding.signature),
+                          last_place=str(previous.get("hang_place") or ""))
         hang_step = max((p.heartbeat_step for p in sample.processes
                          if p.job and p.job.job_id == lc.job_id and p.heartbeat_step is not None), default=None)
         allowed, why_not = lc.budget.allow(time.time(), hang_step)
@@ -164,8 +176,9 @@ class Recovery:
         restart_env = dict(decision.env)
         restart_env.update(diagnostics_env(cfg.fallback, inc.dir, restart_env))
         lc.fallback.save(lc.job_id, decision, restart_env)
-        inc.update(fallback={"level": decision.level, "name": decision.name, "env": decision.env},
-                   advice=decision.advice or None)
+        inc.update(fallback={"level": decision.level, "name": decision.name, "env": decision.env,
+                             "reason": decision.reason}, advice=decision.advice or None)
+        lc.say(f"fallback level {decision.level}: {decision.reason}")
         if decision.advice:
             lc.say(f"advice: {decision.advice}")
         shown = " ".join(f"{k}={v}" for k, v in sorted(decision.env.items())) or "(no NCCL change)"
@@ -185,6 +198,36 @@ class Recovery:
         inc.write_report(render_report(inc.summary, stacks))
         lc.say(f"restarting (run {attempt + 1}) at fallback level {decision.level} ({decision.name}): {shown}")
         return RecoveryResult(give_up=False, restart_env=restart_env)
+
+    def _workers(self, inc: Any, diag: Diagnosis, stacks: list[RankStack],
+                 rank_pids: dict[int, int]) -> RankStack | None:
+        """A culprit whose main thread waits on a queue, a pipe or a poll may be waiting on its own workers (vLLM's
+        generate(), Ray, multiprocessing): dump them; one blocked in a collective or a device sync is the hang
+        behind the process boundary, named in the incident with its pid and stack. Returns its stack."""
+        lc = self.lc
+        waiting = {s.rank: rank_pids[s.rank] for s in stacks
+                   if s.rank in diag.culprit_ranks and s.state in WAITS_ON_WORKERS and s.rank in rank_pids}
+        owners = {rank: pid for rank, pid in waiting.items() if rank_workers(pid)}
+        if not owners:
+            return None
+        entry = inc.begin_action("dump_workers", f"worker processes of {format_ranks(owners)}")
+        workers = dump_workers(owners, self.cfg.stacks)
+        for w in workers:
+            write_rank_stacks(inc.dir, w.rank, lc.host, w.result, job_id=lc.job_id, worker=True)
+        blocked = blocked_workers(workers)
+        inc.end_action(entry, True, f"{len(workers)} worker(s) dumped, {len(blocked)} blocked in a collective "
+                                    "or device sync")
+        if not blocked:
+            return None
+        inc.update(workers=[{"rank": w.rank, "pid": w.pid, "state": w.stack.state, "op": w.stack.op,
+                             "where": w.stack.where, "stack": w.stack.signature} for w in blocked])
+        first = blocked[0]
+        what = first.stack.op or first.stack.state
+        reason = (f"{diag.reason}; rank {first.rank} waits on its worker pid {first.pid}, blocked in {what} at "
+                  f"{first.stack.where}")
+        inc.update(reason=reason, collective=diag.collective or first.stack.op)
+        lc.say(f"culprit: {reason}")
+        return first.stack
 
     def _flight_recorder(self, inc: Any, sample: NodeSample, rank_pids: dict[int, int]) -> None:
         from gpu_watchdog import flight_recorder as fr
@@ -220,9 +263,11 @@ class Recovery:
             control.request_checkpoint(inc.id, rc.client_boundary_s, rc.checkpoint_grace_s)
             deadline = time.monotonic() + rc.checkpoint_grace_s
             acks: dict[int, dict[str, Any]] = {}
+            stopped = {p.job.rank for p in sample.processes if p.status == "stopped" and p.is_rank and p.job
+                       and p.job.job_id == lc.job_id}  # cannot answer until continued: not waited for
             while time.monotonic() < deadline and child.poll() is None:
                 acks = control.acks(inc.id)
-                if set(acks) >= set(clients):
+                if set(acks) >= set(clients) - stopped:
                     break
                 time.sleep(0.2)
             acks = control.acks(inc.id)

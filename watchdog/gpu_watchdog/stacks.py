@@ -39,8 +39,9 @@ from typing import Any, TextIO
 import psutil
 
 from .errors import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE
+from .processes import read_wchan
 
-OUTCOMES = ("ok", "py_spy_missing", "permission_denied", "exited", "timeout", "error")
+OUTCOMES = ("ok", "py_spy_missing", "permission_denied", "exited", "stopped", "timeout", "error")
 
 PERMISSION_HINT = (
     "py-spy needs CAP_SYS_PTRACE (docker --cap-add SYS_PTRACE, Kubernetes securityContext "
@@ -64,6 +65,8 @@ class DumpResult:
     threads: tuple[dict[str, Any], ...] = ()
     raw: str = field(default="", repr=False)  # py-spy's stdout + stderr, kept for the incident record
     elapsed_s: float = 0.0
+    wakeups_before: int | None = None  # the main thread's voluntary context switches before the dump ...
+    wakeups_after: int | None = None  # ... and after it (py-spy's attach itself wakes the thread)
 
     @property
     def ok(self) -> bool:
@@ -112,11 +115,8 @@ def _read_wchans(pid: int) -> dict[int, str]:
     except OSError:
         return out
     for t in tids:
-        try:
-            with open(f"/proc/{pid}/task/{t}/wchan") as f:
-                out[int(t)] = f.read().strip()
-        except (OSError, ValueError):
-            pass
+        if t.isdigit() and (w := read_wchan(pid, int(t))):
+            out[int(t)] = w
     return out
 
 
@@ -134,6 +134,20 @@ def _add_wchan(threads: list[dict[str, Any]], before: dict[int, str], after: dic
             th["wchan"] = next((w for w in seen if w not in ("", "0")), seen[0])
 
 
+def _wakeups(pid: int) -> int | None:
+    try:
+        return int(psutil.Process(pid).num_ctx_switches().voluntary)  # /proc/PID/status: the main thread's
+    except psutil.Error:
+        return None
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
+
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     """Kill py-spy and anything it started; it runs in its own session for that reason."""
     try:
@@ -148,13 +162,18 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool) -> DumpResult:
     t0 = time.monotonic()
 
+    wakeups: list[int | None] = [None, None]
+
     def done(outcome: str, detail: str, raw: str = "", threads: tuple[dict[str, Any], ...] = ()) -> DumpResult:
-        return DumpResult(pid, outcome, detail, threads, raw, round(time.monotonic() - t0, 4))
+        return DumpResult(pid, outcome, detail, threads, raw, round(time.monotonic() - t0, 4), *wakeups)
 
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return done("error", f"invalid pid {pid!r}")
+    if _is_stopped(pid):  # py-spy would wait for a stopped process until its timeout: its state says enough
+        return done("stopped", f"process {pid} is stopped (SIGSTOP or job control, state T): not dumped")
     argv = [py_spy, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else [])
     wchans_before = _read_wchans(pid)
+    wakeups[0] = _wakeups(pid)
     try:
         proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
@@ -191,6 +210,7 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool) -> DumpResu
                 raise ValueError("not a JSON list")
         except ValueError as e:
             return done("error", f"py-spy printed unreadable JSON for pid {pid}: {e}", raw)
+        wakeups[1] = _wakeups(pid)
         _add_wchan(threads, wchans_before, _read_wchans(pid))
         return done("ok", f"{len(threads)} threads", raw, tuple(threads))
     # Failed: decide by the process's fate first (the text differs between versions), then by text.

@@ -1,4 +1,5 @@
 """The stop ladder: SIGTERM to every process of the job, a grace period, SIGKILL, then proof they are gone.
+A stopped process (SIGSTOP, a debugger's job-control stop) gets SIGCONT first, or SIGTERM would wait with it.
 
 Only processes that belong to the job are ever signalled, and each is checked against the create time it had
 when it was identified as part of the job, so a recycled pid is never hit.
@@ -54,6 +55,14 @@ def _alive(jp: JobProcess) -> bool:
         return False
 
 
+def _stopped(jp: JobProcess) -> bool:
+    try:
+        p = psutil.Process(jp.pid)
+        return p.create_time() == jp.create_time and p.status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
+
+
 def send_signal(jp: JobProcess, sig: int) -> bool:
     """Signal one job process if it is still the same process; False when it is gone or was replaced."""
     try:
@@ -75,6 +84,8 @@ def stop_processes(procs: Iterable[JobProcess], grace_s: float, poll_s: float = 
     """
     procs = [p for p in procs if p.pid != os.getpid()]
     for p in procs:
+        if _stopped(p):  # a stopped process (SIGSTOP, job control) acts on SIGTERM only once continued
+            send_signal(p, signal.SIGCONT)
         send_signal(p, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(_alive(p) for p in procs):
