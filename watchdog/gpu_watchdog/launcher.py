@@ -117,6 +117,14 @@ class Launcher:
 
     def _watch(self, child: subprocess.Popen[bytes], backend: Backend, control: ControlDir,
                attempt: int) -> _Outcome:
+        exits = ExitWatch()
+        try:
+            return self._watch_run(child, backend, control, attempt, exits)
+        finally:
+            exits.close()
+
+    def _watch_run(self, child: subprocess.Popen[bytes], backend: Backend, control: ControlDir,
+                   attempt: int, exits: ExitWatch) -> _Outcome:
         cfg = self.cfg
         state = DetectorState()
         pending: list[StackEvidence] = []
@@ -125,8 +133,7 @@ class Launcher:
         next_tick = time.monotonic()
         self.config_watch.new_run()
         seen: dict[int, JobProcess] = {}  # every job process sampled in this run (pid + create time)
-        exits: dict[int, tuple[float, int | None]] = {}  # rank → (first seen gone, its exit status if caught)
-        ours: JobStatus | None = None
+        last_seen: JobStatus | None = None  # the job as last seen with ranks (they are gone after a crash)
         while True:
             rc = child.poll()
             if rc is not None:
@@ -134,7 +141,8 @@ class Launcher:
                 self._stop_leftovers(seen.values())
                 code = 128 - rc if rc < 0 else rc  # killed by signal N: 128+N, as a shell
                 if code != 0 and self._stop_signal is None:
-                    crashed = self._crashed(code, exits, ours, attempt)
+                    exits.close()
+                    crashed = self._crashed(code, exits.exits, last_seen, attempt)
                     if crashed is not None:
                         return crashed
                 return _Outcome(exit_code=code)
@@ -147,7 +155,6 @@ class Launcher:
             sample = _with_heartbeats(backend.sample(), control.steps(), self.job_id)
             seen.update((p.pid, JobProcess(p.pid, p.create_time)) for p in sample.processes
                         if p.job is not None and p.job.job_id == self.job_id)
-            _note_exits(exits, sample, self.job_id, state.jobs.get(self.job_id))
             if dump is not None and dump.done():
                 pending.extend(_future_result(dump))
                 dump = None
@@ -155,6 +162,9 @@ class Launcher:
             pending = []
             self._export(sample, state.jobs, time.process_time() - t0)
             ours = state.jobs.get(self.job_id)
+            last_seen = ours or last_seen
+            if ours is not None:
+                exits.watch(dict(ours.rank_pids))
             scanner = backend.scanner  # type: ignore[attr-defined]
             if ours is not None and self.config_watch.due(ours.rank_pids, scanner.env_of, sample.t):
                 self._check_config(backend, ours, sample.t)
@@ -189,12 +199,14 @@ class Launcher:
         from gpu_watchdog.processes import describe_exit
 
         now = time.time()
-        first_t = min((t for t, _ in exits.values()), default=now)
-        first = tuple(sorted(r for r, (t, _) in exits.items() if t == first_t))
         ranks = tuple(sorted(status.ranks_seen)) if status else ()
+        first = _first_to_exit(exits)
+        if len(ranks) > 1 and set(first) >= set(ranks):
+            first = ()  # every rank went at once: which one failed is not known
         how = "; ".join(f"rank {r}: {describe_exit(exits[r][1])}" for r in first) or \
             "no rank was seen exiting first (torchrun reaps and tears down within its monitor interval)"
-        finding = Finding("rank_exited", "rank_exited", self.job_id, ranks, first, first_t, now, status.devices
+        onset = min((t for t, _ in exits.values()), default=now)
+        finding = Finding("rank_exited", "rank_exited", self.job_id, ranks, first, onset, now, status.devices
                           if status else (), f"{how}; the launched command exited {code}", "process")
         inc = self.incidents.create(finding, self.host)
         last = status.evidence[-1] if status and status.evidence else None
@@ -280,18 +292,57 @@ def _future_result(f: Future[list[StackEvidence]]) -> list[StackEvidence]:
         return []
 
 
-def _note_exits(exits: dict[int, tuple[float, int | None]], sample: NodeSample, job_id: str,
-                status: JobStatus | None) -> None:
-    """Remember when each rank of the job was first seen exited (a zombie, with its exit status, or gone)."""
-    present = set()
-    for p in sample.processes:
-        if p.is_rank and p.job is not None and p.job.job_id == job_id and p.job.rank is not None:
-            present.add(p.job.rank)
-            if p.status == "zombie":
-                exits.setdefault(p.job.rank, (sample.t, p.exit_status))
-    if status is not None:
-        for rank in status.ranks_seen - present:
-            exits.setdefault(rank, (sample.t, None))
+_TEARDOWN = (signal.SIGTERM, signal.SIGKILL)  # what torchrun sends the surviving workers
+
+
+def _first_to_exit(exits: dict[int, tuple[float, int | None]]) -> tuple[int, ...]:
+    """The rank(s) that failed: of the exits seen within a second of the first, those that did not end by
+    torchrun's teardown signals; else the earliest ones seen."""
+    if not exits:
+        return ()
+    first_t = min(t for t, _ in exits.values())
+    early = {r: st for r, (t, st) in exits.items() if t - first_t < 1.0}
+    own = tuple(sorted(r for r, st in early.items() if st is not None and (st & 0x7F) not in _TEARDOWN))
+    return own or tuple(sorted(r for r, (t, _) in exits.items() if t - first_t < 0.01))
+
+
+class ExitWatch:
+    """Which rank died first, and how. torchrun reaps a dead worker within its monitor interval (0.1 s) and then
+    tears the others down, all between two sampling ticks; this thread reads the ranks' /proc/PID/stat every
+    ``poll_s`` so the first exit (a zombie's exit status, or the pid gone) is seen while its peers still run."""
+
+    def __init__(self, poll_s: float = 0.02) -> None:
+        self.poll_s = poll_s
+        self.exits: dict[int, tuple[float, int | None]] = {}  # rank → (when seen exited, its exit status if caught)
+        self._ranks: dict[int, int] = {}  # rank → pid, set by the sampling loop
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="exit-watch", daemon=True)
+        self._thread.start()
+
+    def watch(self, rank_pids: dict[int, int]) -> None:
+        with self._lock:
+            self._ranks.update(rank_pids)
+
+    def _run(self) -> None:
+        from gpu_watchdog.processes import read_exit_status
+
+        while not self._stop.wait(self.poll_s):
+            with self._lock:
+                ranks = [(r, pid) for r, pid in self._ranks.items() if r not in self.exits]
+            for rank, pid in ranks:
+                try:
+                    with open(f"/proc/{pid}/stat", "rb") as f:
+                        zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+                except OSError:
+                    self.exits[rank] = (time.time(), None)
+                    continue
+                if zombie:
+                    self.exits[rank] = (time.time(), read_exit_status(pid))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
 
 
 def _with_heartbeats(sample: NodeSample, steps: dict[int, int], job_id: str) -> NodeSample:
