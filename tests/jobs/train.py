@@ -134,9 +134,6 @@ def main() -> None:
     ap.add_argument("--rank-at", type=int, default=1)
     ap.add_argument("--pause-s", type=float, default=45.0)
     ap.add_argument("--step-s", type=float, default=0.3, help="compute time per step")
-    ap.add_argument("--sleep-step", action="store_true",
-                    help="sleep --step-s per step instead of computing (a healthy loop that uses almost no CPU and "
-                         "shows the same line in every stack dump)")
     ap.add_argument("--events", default=None)
     ap.add_argument("--workdir", default=".")
     ap.add_argument("--fr-pipe", action="store_true", help="serve Flight Recorder dumps on a FIFO")
@@ -170,10 +167,7 @@ def main() -> None:
         if at and args.scenario == "queue" and rank == args.rank_at:
             log_event(args.events, rank=rank, step=step, event="hang_onset")
         batches.get()
-        if args.sleep_step:
-            time.sleep(args.step_s)
-        else:
-            compute(args.step_s)
+        compute(args.step_s)
         if at and args.scenario == "hang" and rank == args.rank_at:
             log_event(args.events, rank=rank, step=step, event="hang_onset")
             while True:

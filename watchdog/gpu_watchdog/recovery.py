@@ -168,6 +168,9 @@ class Recovery:
         self._checkpoint(inc, child, control, rank_pids, sample)
         self._stop(inc, child)
         if not allowed:
+            inc.update(advice=decision.advice or None)  # no next run, but the advice stands
+            if decision.advice:
+                lc.say(f"advice: {decision.advice}")
             inc.record_action("give_up", True, f"restart budget spent: {why_not}")
             inc.write_report(render_report(inc.summary, stacks))
             lc.say(f"giving up: restart budget spent: {why_not} (exit {EXIT_BUDGET_SPENT})")
