@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -163,16 +164,18 @@ def _installed_collectives() -> list[tuple[str, str]]:
     import torch.distributed.distributed_c10d as c10d
 
     found = []
-    for mod, needs_async in ((c10d, True), (funcol, False)):
-        path = mod.__file__.replace(os.sep, "/")
-        for name, fn in vars(mod).items():
-            if not inspect.isfunction(fn) or fn.__module__ != mod.__name__:
-                continue
-            if needs_async and "async_op" not in inspect.signature(fn).parameters:
-                continue
-            if not needs_async and (name.startswith("_") or not classify.COLLECTIVE_WORDS.search(name)):
-                continue
-            found.append((path, name))
+    with warnings.catch_warnings():  # looking at every member touches deprecated aliases (reduce_op)
+        warnings.simplefilter("ignore", FutureWarning)
+        for mod, needs_async in ((c10d, True), (funcol, False)):
+            path = str(mod.__file__).replace(os.sep, "/")
+            for name, fn in vars(mod).items():
+                if not inspect.isfunction(fn) or fn.__module__ != mod.__name__:
+                    continue
+                if needs_async and "async_op" not in inspect.signature(fn).parameters:
+                    continue
+                if not needs_async and (name.startswith("_") or not classify.COLLECTIVE_WORDS.search(name)):
+                    continue
+                found.append((path, name))
     return found
 
 

@@ -64,6 +64,10 @@ class StacksConfig:
     timeout_s: float = 5.0  # per-pid py-spy timeout
     concurrency: int = 16
     native: bool = False
+    # Read the stacks without pausing the process (py-spy --nonblocking). A paused process has its blocking
+    # system calls interrupted: a write(2) into a pipe or socket returns short, so every dump would change what
+    # the job does. A blocked rank's stack is static, so nothing is lost for it. Ignored with ``native``.
+    nonblocking: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,12 @@
 """The stall detector: a pure function of (previous state, new sample, stack evidence) → (state, findings).
 
 Per job, each tick:
-- every rank's progress is judged from its process tree's CPU time and I/O deltas (and the in-job client's
-  step heartbeat); a rank seen for the first time counts as progressing;
+- every rank's progress is judged from its process tree's CPU time and I/O deltas, its main thread's wakeups
+  (voluntary context switches: a loop that sleeps or polls at one line keeps waking, a thread blocked for good
+  does not) and the in-job client's step heartbeat; a rank seen for the first time counts as progressing;
+- device evidence overrides the host: a rank whose GPU spins busy-waits in a device sync, so only its heartbeat
+  (or a stack that moves between dumps) counts; a rank the kernel shows waiting on storage or a pipe write is
+  being waited on (slow is not stuck); a stopped rank (SIGSTOP) makes no progress and is the culprit;
 - every GPU the job uses shows signature A (utilization ~0 with memory held), signature B (the NCCL spin:
   utilization ~100 % at idle power with no PCIe/NVLink traffic), or real work;
 - no progress anywhere → the no-progress streak starts at the previous tick (the last time progress was

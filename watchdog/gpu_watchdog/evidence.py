@@ -21,7 +21,7 @@ def dump_job(rank_pids: dict[int, int], cfg: StacksConfig) -> dict[int, DumpResu
     """py-spy dumps of every rank, in parallel; rank → result (failures included, never raised)."""
     ranks = sorted(rank_pids)
     results = dump_stacks([rank_pids[r] for r in ranks], timeout_s=cfg.timeout_s, concurrency=cfg.concurrency,
-                          native=cfg.native, py_spy=cfg.py_spy or None)
+                          native=cfg.native, py_spy=cfg.py_spy or None, nonblocking=cfg.nonblocking)
     return dict(zip(ranks, results, strict=True))
 
 
@@ -83,7 +83,7 @@ def dump_workers(rank_pids: dict[int, int], cfg: StacksConfig) -> list[WorkerSta
     if not owners:
         return []
     results = dump_stacks([w for _, w in owners], timeout_s=cfg.timeout_s, concurrency=cfg.concurrency,
-                          native=cfg.native, py_spy=cfg.py_spy or None)
+                          native=cfg.native, py_spy=cfg.py_spy or None, nonblocking=cfg.nonblocking)
     out = []
     for (rank, _), res in zip(owners, results, strict=True):
         stack = classify_threads(res.threads, rank, res.pid) if res.ok else None
