@@ -20,21 +20,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-
-def log_event(path: str | None, **fields: object) -> None:
-    if not path:
-        return
-    fields.setdefault("t", time.time())
-    with open(path, "a") as f:
-        f.write(json.dumps(fields) + "\n")
+from job_events import log_event  # beside this script
 
 
 def build_model(arch: str) -> Any:

@@ -26,20 +26,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
-
-
-def log_event(path: str | None, **fields: object) -> None:
-    if not path:
-        return
-    fields.setdefault("t", time.time())
-    with open(path, "a") as f:
-        f.write(json.dumps(fields) + "\n")
+from job_events import log_event  # beside this script
 
 
 class TokenDataset(torch.utils.data.Dataset):

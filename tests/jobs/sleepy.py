@@ -12,20 +12,12 @@ Every rank appends JSON lines to ``--events FILE``: {"rank", "step", "t", "event
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import torch
 import torch.distributed as dist
-
-
-def log_event(path: str | None, **fields: object) -> None:
-    if not path:
-        return
-    fields.setdefault("t", time.time())
-    with open(path, "a") as f:
-        f.write(json.dumps(fields) + "\n")
+from job_events import log_event  # beside this script
 
 
 def main() -> None:

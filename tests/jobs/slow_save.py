@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import subprocess
 import sys
-import time
 
 import torch
 import torch.distributed as dist
+from job_events import compute, log_event  # beside this script
 
 READER = r"""
 import os, sys, time
@@ -46,21 +45,6 @@ while True:
     if delay > 0:
         time.sleep(delay)
 """
-
-
-def log_event(path: str | None, **fields: object) -> None:
-    if not path:
-        return
-    fields.setdefault("t", time.time())
-    with open(path, "a") as f:
-        f.write(json.dumps(fields) + "\n")
-
-
-def compute(seconds: float) -> None:
-    end = time.monotonic() + seconds
-    a = torch.randn(64, 64)
-    while time.monotonic() < end:
-        a = torch.tanh(a @ a)
 
 
 def start_reader(fifo: str, rate_kib: float) -> subprocess.Popen[bytes]:

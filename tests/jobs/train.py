@@ -29,7 +29,6 @@ Every rank appends JSON lines to ``--events FILE`` (when given): {"rank", "step"
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import signal
@@ -38,22 +37,7 @@ import time
 
 import torch
 import torch.distributed as dist
-
-
-def log_event(path: str | None, **fields: object) -> None:
-    if not path:
-        return
-    fields.setdefault("t", time.time())
-    with open(path, "a") as f:
-        f.write(json.dumps(fields) + "\n")
-
-
-def compute(seconds: float) -> None:
-    """Burn CPU for roughly ``seconds`` (a stand-in for forward/backward or evaluation)."""
-    end = time.monotonic() + seconds
-    a = torch.randn(128, 128)
-    while time.monotonic() < end:
-        a = torch.tanh(a @ a)
+from job_events import compute, log_event  # beside this script
 
 
 def save_checkpoint(path: str, seconds: float) -> None:

@@ -32,6 +32,7 @@ from gpu_watchdog.detector import DetectorState, Finding, JobStatus, step
 from gpu_watchdog.evidence import collect_stack_evidence
 from gpu_watchdog.fallback import FallbackStore, validate_job_id
 from gpu_watchdog.fault_policy import FaultPolicy
+from gpu_watchdog.guardian import Guardian
 from gpu_watchdog.incidents import IncidentStore
 from gpu_watchdog.jobproto import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV, RESTART_COUNT_ENV, ControlDir
 from gpu_watchdog.model import NodeSample, StackEvidence
@@ -106,7 +107,11 @@ class Launcher:
                     return 128 + self._stop_signal
                 child = self._start(attempt, restart_env, control)
                 backend.scanner.root_pid = child.pid  # type: ignore[attr-defined]
+                # Stops the job if this process dies without ending the run (even SIGKILL); released only
+                # when the run ended under our control, so an internal error still takes the job down with us.
+                guardian = Guardian(child.pid, self.cfg.recovery.stop_grace_s)
                 outcome = self._watch(child, backend, control, attempt)
+                guardian.release()
                 if outcome.exit_code is not None:
                     return outcome.exit_code
                 restart_env = outcome.restart_env

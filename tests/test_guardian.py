@@ -1,0 +1,74 @@
+"""The job never outlives ``launch``: SIGKILL the launcher mid-run and its job is stopped by the guardian."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from launch_harness import REPO, base_env, read_events, start_launch, torchrun
+
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _guardians() -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if "gpu_watchdog.guardian" in " ".join(p.info["cmdline"] or []):
+            found.append(p)
+    return found
+
+
+@pytest.mark.slow
+def test_a_sigkilled_launch_takes_its_job_down_within_10s(tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    argv = [torchrun(), "--standalone", "--nproc-per-node", "2", str(REPO / "tests" / "jobs" / "sleepy.py"),
+            "--steps", "2000", "--events", str(events)]
+    run = start_launch(["--backend", "proc"], argv, env=base_env(), tmp_path=tmp_path, job_id="t-guardian")
+    def rank_pids() -> list[int] | None:
+        pids = [e["pid"] for e in read_events(events) if e["event"] == "start"]
+        return pids if len(pids) == 2 else None
+
+    try:
+        pids = run.wait_for("both ranks up", rank_pids, 90)
+        # The harness runs `timeout -s KILL N gpu-watchdog launch …`: SIGKILL the launcher, not the wrapper.
+        wrapper = psutil.Process(run.proc.pid)
+        launcher = next(p for p in wrapper.children() if "launch" in p.cmdline())
+        job = [c.pid for c in launcher.children(recursive=True) if "gpu_watchdog.guardian" not in " ".join(
+            c.cmdline())]  # torchrun and the ranks
+        assert set(pids) <= set(job)
+        launcher.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        while _alive(job) and time.monotonic() - t0 < 10:
+            time.sleep(0.2)
+        left = _alive(job)
+        assert not left, f"job processes alive 10 s after launch was SIGKILLed: {left}"
+        assert "guardian: launch is gone; stopped" in run.output()
+    finally:
+        run.kill()
+
+
+@pytest.mark.slow
+def test_a_run_that_ends_normally_releases_its_guardian(tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    job = [torchrun(), "--standalone", "--nproc-per-node", "2", str(REPO / "tests" / "jobs" / "sleepy.py"),
+           "--steps", "5", "--sleep-s", "0.05", "--events", str(events)]
+    before = {p.pid for p in _guardians()}
+    run = start_launch(["--backend", "proc"], job, env=base_env(), tmp_path=tmp_path, job_id="t-guardian-ok")
+    try:
+        assert run.wait(120) == 0, run.output()[-3000:]
+        assert not [p for p in _guardians() if p.pid not in before]
+        assert "guardian: launch is gone" not in run.output()
+    finally:
+        run.kill()
