@@ -162,8 +162,11 @@ def test_a_data_wait_moves_while_its_producer_works() -> None:
     waiting = other(0, "data_wait", "Queue.get (queue.py:171)")
     assert stacks_progressed(_ev(waiting), _ev(waiting)) == {0: False}
     assert stacks_progressed(_ev(waiting), _ev(waiting), {0: RankContext(host_busy=True)}) == {0: True}
-    # host CPU of a sleeping or collective rank proves nothing (an NCCL host busy-waits)
+    # host CPU of a sleeping or collective rank proves nothing (an NCCL host busy-waits), nor does it for a
+    # rank whose GPU spins (NCCL's proxy thread polls while the collective waits on a peer)
     assert stacks_progressed(_ev(coll(0)), _ev(coll(0)), {0: RankContext(host_busy=True)}) == {0: False}
+    assert stacks_progressed(_ev(waiting), _ev(waiting), {0: RankContext(device="spin", host_busy=True)}) == \
+        {0: False}
 
 
 # ---- real jobs ----------------------------------------------------------------------------------------

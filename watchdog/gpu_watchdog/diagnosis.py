@@ -187,18 +187,18 @@ def rank_moved(a: RankStack, b: RankStack, ctx: RankContext = RankContext()) -> 
     - a new signature or pid, or a new step from its in-job client: it moved;
     - io (a write, a flush, a file-system wait): slow is not stuck: it is being waited on, however slowly its
       bytes move (an NFS flush can sit a minute in one write() with nothing counted);
-    - a data wait whose producer (dataloader workers, a reader thread: the rest of its tree) used CPU or I/O;
-    - unless its GPU spins (the host then only waits on the device): compute that py-spy saw on CPU, or a
-      main thread that kept blocking and waking (a loop that sleeps or polls at one line).
+    - unless its GPU spins (the host then only waits on the device, and NCCL's proxy thread polls): a data wait
+      whose producer (dataloader workers, a reader thread: the rest of its tree) used CPU or I/O, compute that
+      py-spy saw on CPU, or a main thread that kept blocking and waking (a loop that sleeps or polls at one line).
     """
     if a.pid != b.pid or a.signature != b.signature or ctx.stepped:
         return True
     if b.state == "io":
         return True
+    if ctx.device == "spin" or b.state == "stopped":
+        return False  # a spinning GPU's host counters are the busy-wait and NCCL's proxy thread polling
     if b.state == "data_wait" and ctx.host_busy:
         return True
-    if ctx.device == "spin" or b.state == "stopped":
-        return False
     return woke_between(a, b) or (b.state == "compute" and (a.active or b.active))
 
 
