@@ -530,3 +530,83 @@ def test_a_short_window_keeps_a_busy_verdict_too() -> None:
     samples += node.healthy(3)
     r = run(samples)
     assert r.findings == [] and all(s.jobs[JOB].state == "running" for s in r.states)
+
+
+# -- host evidence by kind of GPU wait (issue: real jobs, not lab hangs) -----------------------------------------
+def _with(samples: list[NodeSample], **fields: object) -> list[NodeSample]:
+    """The same samples with every rank process's fields replaced (``wakeups`` may be a per-tick callable)."""
+    out = []
+    for i, s in enumerate(samples):
+        procs = tuple(dataclasses.replace(p, **{k: (v(i) if callable(v) else v) for k, v in fields.items()})
+                      for p in s.processes)
+        out.append(dataclasses.replace(s, processes=procs))
+    return out
+
+
+def test_a_spinning_gpu_makes_its_busy_waiting_host_no_progress() -> None:
+    """NCCL: the kernel spins at idle power and the host busy-waits in a device sync at ~1 core. Counting that
+    CPU as progress hid every such hang; now the job is suspect after 2 s and stalled (time) after 30 s."""
+    node = Node()
+    samples = node.healthy(5) + [node.tick(util=100.0, power_w=95.0, cpu_cores=1.05, traffic_bps=0.0)
+                                 for _ in range(35)]
+    r = run(samples)
+    (f,) = stall_findings(r)
+    assert f.signature == "spin" and f.evidence == "time"
+    assert f.onset == samples[4].t and f.confirmed_at - f.onset == pytest.approx(30.0)
+    assert r.job(8).state == "suspect" and r.job(8).needs_stacks
+
+
+def test_the_same_busy_host_with_an_idle_gpu_is_host_work_not_a_stall() -> None:
+    """A rank saving or evaluating on the CPU while its GPU idles: its host counters still count."""
+    node = Node()
+    busy_host = [1.1, 0.0, 0.0, 0.0]
+    samples = node.healthy(5) + [node.tick(util=0.0, power_w=70.0, cpu_cores=busy_host, traffic_bps=0.0)
+                                 for _ in range(60)]
+    r = run(samples)
+    assert not stall_findings(r)
+    assert r.job().state == "waiting" and r.job().waiting_on == (0,)
+
+
+@pytest.mark.parametrize("per_tick, stalls", [(10, False), (3, False), (2, True), (0, True)])
+def test_a_main_thread_that_keeps_waking_is_alive(per_tick: int, stalls: bool) -> None:
+    """A loop that sleeps at one line uses no CPU but its main thread wakes (voluntary context switches);
+    fewer than 3 wakeups a window prove nothing (a blocking py-spy attach alone wakes a thread twice)."""
+    node = Node()
+    healthy = node.healthy(3)
+    r = run(healthy + _with(node.idle_held(40), wakeups=lambda i: 100 + per_tick * i))
+    assert bool(stall_findings(r)) is stalls
+
+
+def test_a_wakeup_does_not_count_when_the_gpu_spins() -> None:
+    node = Node()
+    healthy = node.healthy(3)
+    spin = [node.tick(util=100.0, power_w=95.0, cpu_cores=0.0, traffic_bps=0.0) for _ in range(40)]
+    r = run(healthy + _with(spin, wakeups=lambda i: 100 + 50 * i))
+    assert [f.signature for f in stall_findings(r)] == ["spin"]
+
+
+@pytest.mark.parametrize("wchan, status", [("anon_pipe_write", "sleeping"), ("nfs_wait_bit_killable", "disk-sleep"),
+                                           ("0", "disk-sleep")])
+def test_a_rank_in_a_kernel_io_wait_is_waited_on_whatever_its_counters(wchan: str, status: str) -> None:
+    """No CPU, no byte counted (wchar moves only when write(2) returns), no stack dumps: the kernel still
+    shows rank 0 writing. The job waits on it; no stall before waiting_timeout_s."""
+    node = Node()
+    healthy = node.healthy(3)
+    quiet = node.idle_held(60)
+    samples = healthy + [dataclasses.replace(s, processes=tuple(
+        dataclasses.replace(p, wchan=wchan, status=status) if p.job and p.job.rank == 0 else p
+        for p in s.processes)) for s in quiet]
+    r = run(samples)
+    assert not stall_findings(r)
+    assert r.job().state == "waiting" and r.job().waiting_on == (0,) and "io (" in r.job().waiting_doing
+
+
+def test_a_stopped_rank_is_the_culprit_from_its_state() -> None:
+    node = Node()
+    healthy = node.healthy(3)
+    quiet = node.idle_held(35)
+    samples = healthy + [dataclasses.replace(s, processes=tuple(
+        dataclasses.replace(p, status="stopped") if p.job and p.job.rank == 2 else p for p in s.processes))
+        for s in quiet]
+    (f,) = stall_findings(run(samples))
+    assert f.culprit_ranks == (2,) and "stopped" in f.detail

@@ -149,8 +149,8 @@ def _observe_rank(p: ProcessSample, prev: _RankObs | None, t: float, device: str
     if same and prev is not None and p.status != "zombie" and t - prev.t < cfg.progress_min_window_s \
             and p.heartbeat_step == prev.heartbeat_step:
         return replace(prev, device=device, doing=doing, stopped=stopped)
-    progressing, host_busy = _rank_progress(p, prev if same else None, t, device, wait, cfg)
     old = prev if same else None
+    progressing, host_busy = _rank_progress(p, old, t, device, wait, cfg)
     host_busy_t = t if host_busy else (old.host_busy_t if old is not None else None)
     stepped = old is not None and p.heartbeat_step is not None and p.heartbeat_step != old.heartbeat_step
     step_t = t if stepped else (old.step_t if old is not None else None)
@@ -158,7 +158,7 @@ def _observe_rank(p: ProcessSample, prev: _RankObs | None, t: float, device: str
                     host_busy_t, step_t, device, doing, stopped)
 
 
-# py-spy's attach wakes a thread twice: fewer wakeups than this in one window prove nothing.
+# A blocking py-spy attach (stacks.native) wakes a thread twice: fewer wakeups than this in one window prove nothing.
 _MIN_WAKEUPS = 3
 
 
