@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from gpu_watchdog.atomic import note_write_error, write_atomic
+
 from .classify import classify_threads
 from .diagnosis import Diagnosis, diagnose, format_ranks
 from .errors import EXIT_DATAERR, EXIT_NOINPUT, EXIT_OK, WatchdogError
@@ -73,23 +75,23 @@ def stacks_dir(incident_dir: str | os.PathLike[str]) -> Path:
 def write_rank_stacks(
     incident_dir: str | os.PathLike[str], rank: int, host: str, result: DumpResult, *,
     world_size: int | None = None, job_id: str | None = None, worker: bool = False,
-) -> Path:
+) -> Path | None:
     """Store one rank's dump as ``<incident_dir>/stacks/rank-<rank>.json`` (atomically); return the path. A dump
-    of one of the rank's worker processes (``worker``) goes to ``stacks/workers/rank-<rank>-pid-<pid>.json``."""
+    of one of the rank's worker processes (``worker``) goes to ``stacks/workers/rank-<rank>-pid-<pid>.json``.
+    None when the state dir cannot take it (full, read-only): the recovery goes on without the raw dump."""
     d = stacks_dir(incident_dir) / ("workers" if worker else "")
-    d.mkdir(parents=True, exist_ok=True)
     doc = {
         "version": FORMAT_VERSION, "rank": rank, "pid": result.pid, "host": host, "outcome": result.outcome,
         "detail": result.detail, "elapsed_s": result.elapsed_s, "t": time.time(), "world_size": world_size,
         "job_id": job_id, "threads": list(result.threads), "raw": result.raw,
     }
     path = d / (f"rank-{rank}-pid-{result.pid}.json" if worker else f"rank-{rank}.json")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(doc))
+    except OSError as e:
+        note_write_error(f"the stacks of rank {rank} ({path})", e)
+        return None
     return path
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpu_watchdog.atomic import note_write_error
 from gpu_watchdog.config import FallbackConfig
 from gpu_watchdog.errors import UsageError
 from gpu_watchdog.jobproto import write_json_atomic
@@ -127,8 +128,11 @@ def decide(cfg: FallbackConfig, current_level: int, kind: str, culprit_state: st
 def diagnostics_env(cfg: FallbackConfig, incident_dir: Path, base_env: dict[str, str]) -> dict[str, str]:
     """Logs for the restarted run, kept inside the incident directory."""
     env = dict(cfg.diagnostics_env)
-    (incident_dir / "nccl").mkdir(exist_ok=True)
-    (incident_dir / "flight-recorder").mkdir(exist_ok=True)
+    for sub in ("nccl", "flight-recorder"):
+        try:
+            (incident_dir / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # NCCL then logs nowhere; the restart matters more
+            note_write_error(f"{incident_dir / sub}", e)
     env["NCCL_DEBUG_FILE"] = str(incident_dir / "nccl" / "%h.%p.log")
     if "TORCH_FR_BUFFER_SIZE" not in base_env and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in base_env:
         env["TORCH_FR_BUFFER_SIZE"] = "2000"
@@ -137,15 +141,19 @@ def diagnostics_env(cfg: FallbackConfig, incident_dir: Path, base_env: dict[str,
 
 
 class FallbackStore:
-    """Per-job fallback level, crash-safe (temp + rename)."""
+    """Per-job fallback level, crash-safe (temp + fsync + rename). A level that cannot be written (full or
+    read-only state dir) is kept in memory, so the next restart of this agent's job still gets it."""
 
     def __init__(self, state_dir: str | Path) -> None:
         self.root = Path(state_dir) / "jobs"
+        self._unsaved: dict[str, dict[str, Any]] = {}
 
     def _path(self, job_id: str) -> Path:
         return self.root / f"{validate_job_id(job_id)}.json"
 
     def load(self, job_id: str) -> dict[str, Any]:
+        if job_id in self._unsaved:
+            return dict(self._unsaved[job_id])
         try:
             data = json.loads(self._path(job_id).read_text())
         except (OSError, ValueError):
@@ -157,11 +165,16 @@ class FallbackStore:
 
     def save(self, job_id: str, decision: FallbackDecision, restart_env: dict[str, str],
              now: float | None = None) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self._path(job_id), {
-            "job_id": job_id, "level": decision.level, "name": decision.name, "env": restart_env,
-            "advice": decision.advice, "reason": decision.reason, "hang_place": decision.hang_place,
-            "updated_at": time.time() if now is None else now})
+        data = {"job_id": job_id, "level": decision.level, "name": decision.name, "env": restart_env,
+                "advice": decision.advice, "reason": decision.reason, "hang_place": decision.hang_place,
+                "updated_at": time.time() if now is None else now}
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self._path(job_id), data)
+            self._unsaved.pop(job_id, None)
+        except OSError as e:
+            note_write_error(f"the fallback level of job {job_id} ({self._path(job_id)})", e)
+            self._unsaved[job_id] = data
 
     def note_healthy(self, job_id: str, healthy_since: float, now: float, cfg: FallbackConfig) -> bool:
         """Drop the job back to level 0 once it has run without a stall for ``healthy_reset_s``."""

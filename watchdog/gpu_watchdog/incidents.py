@@ -11,26 +11,17 @@ atomically after every change, so a crash never leaves half of it.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpu_watchdog.atomic import note_write_error, write_atomic
 from gpu_watchdog.detector import Finding
 from gpu_watchdog.errors import UsageError
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 @dataclass
@@ -47,7 +38,18 @@ class Incident:
         return self.dir / "stacks"
 
     def save(self) -> None:
-        _write_atomic(self.dir / "summary.json", json.dumps(self.summary, indent=1, sort_keys=True) + "\n")
+        """Write summary.json. A full or read-only state dir keeps the summary in memory (the next save tries
+        again, so it lands once space returns) instead of stopping the recovery that is writing it."""
+        self._write("summary.json", json.dumps(self.summary, indent=1, sort_keys=True) + "\n")
+
+    def _write(self, name: str, text: str) -> bool:
+        try:
+            (self.dir / "stacks").mkdir(parents=True, exist_ok=True)
+            write_atomic(self.dir / name, text)
+            return True
+        except OSError as e:
+            note_write_error(f"incident {self.id} ({self.dir / name})", e)
+            return False
 
     def update(self, **fields: Any) -> None:
         self.summary.update(fields)
@@ -68,7 +70,10 @@ class Incident:
         self.end_action(self.begin_action(action), ok, detail)
 
     def write_report(self, text: str) -> None:
-        _write_atomic(self.dir / "report.txt", text)
+        if not self._write("report.txt", text):
+            import sys
+
+            print(text, file=sys.stderr, flush=True)  # the report still reaches the console / journal
 
 
 class IncidentStore:
@@ -76,7 +81,6 @@ class IncidentStore:
         self.root = Path(state_dir) / "incidents"
 
     def create(self, finding: Finding, host: str, now: float | None = None) -> Incident:
-        self.root.mkdir(parents=True, exist_ok=True)
         now = time.time() if now is None else now
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now))
         job = re.sub(r"[^A-Za-z0-9._-]", "_", finding.job_id or "node")[:48]
@@ -85,12 +89,15 @@ class IncidentStore:
         while True:  # mkdir is the atomic claim of an id
             iid = base if n == 0 else f"{base}-{n}"
             try:
+                self.root.mkdir(parents=True, exist_ok=True)
                 (self.root / iid).mkdir()
                 break
             except FileExistsError:
                 n += 1
+            except OSError as e:  # full or read-only: the incident lives in memory; saves retry the directory
+                note_write_error(f"incident directory {self.root / iid}", e)
+                break
         d = self.root / iid
-        (d / "stacks").mkdir()
         inc = Incident(d, {
             "id": iid, "job_id": finding.job_id, "kind": finding.kind, "signature": finding.signature,
             "onset": finding.onset, "detected_at": finding.confirmed_at, "host": host,

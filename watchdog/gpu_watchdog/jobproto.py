@@ -15,10 +15,11 @@ Files are written to a temp name and renamed, so a reader never sees half a file
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
+
+from gpu_watchdog.atomic import note_write_error, write_atomic
 
 CONTROL_DIR_ENV = "GPU_WATCHDOG_CONTROL_DIR"
 RESTART_COUNT_ENV = "GPU_WATCHDOG_RESTART_COUNT"
@@ -30,9 +31,7 @@ EXIT_ABORTED = 86  # aborted the hung process group (and saved when it could), t
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(data))
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -50,10 +49,15 @@ class ControlDir:
         self.path = Path(path)
 
     def create(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        for f in self.path.glob("*"):  # a restart starts with a clean protocol state
-            if f.is_file():
-                f.unlink()
+        """A clean control directory for the next run. On a full or read-only state dir the run starts anyway:
+        the in-job client then finds no directory and stays a no-op (no checkpoint requests)."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            for f in self.path.glob("*"):  # a restart starts with a clean protocol state
+                if f.is_file():
+                    f.unlink()
+        except OSError as e:
+            note_write_error(f"the job's control directory {self.path}", e)
 
     def clients(self) -> dict[int, dict[str, Any]]:
         out = {}

@@ -32,7 +32,8 @@ Series (alert rules: prometheus/alerts.yml; dashboard: grafana/dashboards/gpu-wa
   agent: gpu_watchdog_up, _last_sample_timestamp_seconds, _start_time_seconds, _build_info{version},
     _backend_info{backend}, _jobs_dropped, _ranks_dropped, process_* (own registry only)
   counters: gpu_watchdog_incidents_total{kind}, _actions_total{action,result}, _restarts_total{job_id},
-    _pyspy_dumps_total{outcome}, _nvml_errors_total{error_class}, _gpu_faults_total{UUID,kind}
+    _pyspy_dumps_total{outcome}, _nvml_errors_total{error_class}, _gpu_faults_total{UUID,kind},
+    _state_write_errors_total
   histograms: gpu_watchdog_sample_duration_seconds, gpu_watchdog_detection_latency_seconds
 """
 
@@ -49,11 +50,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
 from gpu_watchdog import __version__
+from gpu_watchdog.atomic import write_errors
 from gpu_watchdog.detector import JOB_STATES, STALLED, SUSPECT, WAITING, JobStatus
 from gpu_watchdog.errors import EXIT_UNAVAILABLE, UsageError, WatchdogError
 from gpu_watchdog.model import NodeSample, SampleError
@@ -173,6 +175,7 @@ class _SnapshotCollector:
         yield _gauge(*_GPU_INFO, (*_GPU_LABELS, "model_name"))
         for name, doc, labels in (*_JOB_GAUGES, *_AGENT_GAUGES):
             yield _gauge(name, doc, labels)
+        yield _state_write_errors()
 
     def collect(self) -> Iterator[Metric]:
         m = self._m
@@ -224,6 +227,14 @@ class _SnapshotCollector:
         fams["gpu_watchdog_jobs_dropped"].add_metric([], float(jobs_dropped))
         fams["gpu_watchdog_ranks_dropped"].add_metric([], float(ranks_dropped))
         yield from fams.values()
+        errors = _state_write_errors()
+        errors.add_metric([], float(write_errors()))
+        yield errors
+
+
+def _state_write_errors() -> CounterMetricFamily:
+    return CounterMetricFamily("gpu_watchdog_state_write_errors", "state-dir writes that failed (full or read-only "
+                               "state dir: incidents and levels kept in memory, the agent carries on)")
 
 
 class AgentMetrics:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpu_watchdog.analyze import write_rank_stacks
+from gpu_watchdog.atomic import note_write_error
 from gpu_watchdog.config import RecoveryConfig
 from gpu_watchdog.detector import Finding, JobStatus
 from gpu_watchdog.diagnosis import Diagnosis, diagnose, format_ranks
@@ -263,7 +264,12 @@ class Recovery:
         clients = control.clients()
         if clients:
             entry = inc.begin_action("checkpoint", f"requested from ranks {sorted(clients)}")
-            control.request_checkpoint(inc.id, rc.client_boundary_s, rc.checkpoint_grace_s)
+            try:
+                control.request_checkpoint(inc.id, rc.client_boundary_s, rc.checkpoint_grace_s)
+            except OSError as e:  # the request travels through the state dir: full or read-only
+                note_write_error(f"the checkpoint request in {control.path}", e)
+                inc.end_action(entry, False, f"could not ask the job to save: {e.strerror or e}")
+                return
             deadline = time.monotonic() + rc.checkpoint_grace_s
             acks: dict[int, dict[str, Any]] = {}
             stopped = {p.job.rank for p in sample.processes if p.status == "stopped" and p.is_rank and p.job
