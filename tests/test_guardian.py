@@ -63,12 +63,20 @@ def test_a_sigkilled_launch_takes_its_job_down_within_10s(tmp_path: Path) -> Non
 def test_a_run_that_ends_normally_releases_its_guardian(tmp_path: Path) -> None:
     events = tmp_path / "events.jsonl"
     job = [torchrun(), "--standalone", "--nproc-per-node", "2", str(REPO / "tests" / "jobs" / "sleepy.py"),
-           "--steps", "5", "--sleep-s", "0.05", "--events", str(events)]
-    before = {p.pid for p in _guardians()}
+           "--steps", "40", "--sleep-s", "0.05", "--events", str(events)]
     run = start_launch(["--backend", "proc"], job, env=base_env(), tmp_path=tmp_path, job_id="t-guardian-ok")
+
+    def our_guardian() -> list[psutil.Process] | None:
+        try:
+            launcher = next(p for p in psutil.Process(run.proc.pid).children() if "launch" in p.cmdline())
+            return [p for p in _guardians() if p.ppid() == launcher.pid] or None
+        except (StopIteration, psutil.Error):
+            return None
+
     try:
+        (guardian,) = run.wait_for("the run's guardian", our_guardian, 60)
         assert run.wait(120) == 0, run.output()[-3000:]
-        assert not [p for p in _guardians() if p.pid not in before]
+        assert not _alive([guardian.pid])  # released and gone with the run
         assert "guardian: launch is gone" not in run.output()
     finally:
         run.kill()
