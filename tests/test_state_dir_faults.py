@@ -7,6 +7,7 @@ restarted, with no traceback and nothing of the job left running; what could not
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Iterator
@@ -27,13 +28,10 @@ def full_state_dir(tmp_path: Path) -> Iterator[Path]:
             pytest.fail(f"cannot mount a tmpfs for the full-disk test: {mounted.stderr.strip()}")
         pytest.skip(f"mounting a tmpfs needs root: {mounted.stderr.strip()}")
     try:
-        with open(d / "filler", "wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
-            except OSError:
-                pass
+        with open(d / "filler", "wb") as f, contextlib.suppress(OSError):  # fill it until ENOSPC
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
         yield d
     finally:
         subprocess.run(["umount", "-l", str(d)], capture_output=True)
