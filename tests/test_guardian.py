@@ -54,6 +54,10 @@ def test_a_sigkilled_launch_takes_its_job_down_within_10s(tmp_path: Path) -> Non
             time.sleep(0.2)
         left = _alive(job)
         assert not left, f"job processes alive 10 s after launch was SIGKILLed: {left}"
+        # the guardian says so once the ladder is done (just after the last process went)
+        deadline = time.monotonic() + 10
+        while "guardian: launch is gone; stopped" not in run.output() and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert "guardian: launch is gone; stopped" in run.output()
     finally:
         run.kill()
