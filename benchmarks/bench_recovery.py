@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_recovery.py [--runs 5] [--nproc 3] [--keep DIR] [--json]
 
-Each run starts ``gpu_watchdog/demo_job.py`` (in-job client, hangs at step 12 in a P2P receive on rank 1) under
+Each run starts ``gpu_watchdog/demo/train.py`` (in-job client, hangs at step 12 in a P2P receive on rank 1) under
 torchrun through the real console script, with no config file. Measured from the job's own events and the
 incident record (wall clock, same host):
 - detection latency: true onset (the job's ``hang_onset`` event) → the incident's ``detected_at``
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_watchdog.demo import demo_command, read_events
+from gpu_watchdog.demo.runner import demo_command, read_events
 
 TARGET_DETECT_S = 10.0
 TARGET_RECOVER_S = 45.0

@@ -32,11 +32,11 @@ from typing import Any
 
 import psutil
 import pynvml
-from gpu_watchdog.config import DetectConfig
-from gpu_watchdog.detector import DetectorState, step
+from gpu_watchdog.config.schema import DetectConfig
+from gpu_watchdog.detect.detector import DetectorState, step
 from gpu_watchdog.model import DeviceSample, GpuProcess, JobIdentity, NodeSample, ProcessSample
-from gpu_watchdog.nvml import TRAFFIC_FIELDS, NvmlReader
-from gpu_watchdog.processes import ProcessScanner
+from gpu_watchdog.sample.nvml import TRAFFIC_FIELDS, NvmlReader
+from gpu_watchdog.sample.processes import ProcessScanner
 
 GIB = 1 << 30
 
@@ -127,7 +127,7 @@ STANDIN_CHILD = """
 import json, sys, pynvml
 sys.path.insert(0, sys.argv[1])
 from bench_sampling import cpu_per_call
-from gpu_watchdog.nvml import TRAFFIC_FIELDS, NvmlReader
+from gpu_watchdog.sample.nvml import TRAFFIC_FIELDS, NvmlReader
 reader = NvmlReader()
 n = reader.start()
 reader.read_all()
@@ -300,9 +300,9 @@ def bench_detector(min_s: float) -> list[tuple[str, float]]:
 # -- 4. agent RSS ---------------------------------------------------------------------------------------------------
 RSS_CODE = """
 import sys, time, resource
-from gpu_watchdog.backends import choose_backend
-from gpu_watchdog.config import DetectConfig
-from gpu_watchdog.detector import DetectorState, step
+from gpu_watchdog.sample.backends import choose_backend
+from gpu_watchdog.config.schema import DetectConfig
+from gpu_watchdog.detect.detector import DetectorState, step
 backend, why = choose_backend("proc")
 state = DetectorState()
 for _ in range(5):

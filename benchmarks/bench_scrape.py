@@ -21,8 +21,8 @@ import time
 import urllib.request
 from collections.abc import Callable
 
-from gpu_watchdog.detector import JobStatus
-from gpu_watchdog.metrics import AgentMetrics
+from gpu_watchdog.detect.detector import JobStatus
+from gpu_watchdog.export.metrics import AgentMetrics
 from gpu_watchdog.model import DeviceSample, GpuProcess, JobIdentity, NodeSample, ProcessSample, SampleError
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest

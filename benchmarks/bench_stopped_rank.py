@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_watchdog.demo import read_events
-from gpu_watchdog.incidents import IncidentStore
+from gpu_watchdog.demo.runner import read_events
+from gpu_watchdog.store.incidents import IncidentStore
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "tests" / "jobs" / "train.py"

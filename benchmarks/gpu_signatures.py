@@ -37,11 +37,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from gpu_watchdog.config import DetectConfig
-from gpu_watchdog.detector import device_signature
+from gpu_watchdog.config.schema import DetectConfig
+from gpu_watchdog.detect.detector import device_signature
 from gpu_watchdog.errors import EXIT_UNAVAILABLE, WatchdogError
 from gpu_watchdog.model import DeviceSample, NodeSample, ProcessSample
-from gpu_watchdog.trace import read_trace
+from gpu_watchdog.sample.trace import read_trace
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -159,7 +159,7 @@ def gpu_missing() -> str | None:
         build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, no device visible"
         return f"torch.cuda.is_available() is false (torch {torch.__version__}, {build})"
     from gpu_watchdog.errors import BackendUnavailable
-    from gpu_watchdog.nvml import NvmlReader
+    from gpu_watchdog.sample.nvml import NvmlReader
 
     try:
         reader = NvmlReader()

@@ -73,7 +73,7 @@ class DaemonProc:
             time.sleep(0.2)
 
     def call(self, op: str, check: bool = True, **fields: Any) -> dict[str, Any]:
-        from gpu_watchdog.control import request
+        from gpu_watchdog.daemon.control import request
 
         try:
             return request(self.socket, {"op": op, **fields}, timeout_s=30)

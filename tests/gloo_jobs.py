@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpu_watchdog.demo import read_events
+from gpu_watchdog.demo.runner import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "jobs" / "train.py"

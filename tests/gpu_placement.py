@@ -4,7 +4,7 @@
     with placer:                       # a thread, until the block ends
         ...                            # run the job (under ``gpu-watchdog launch --backend nvml``)
 
-The thread follows the job's ``--events`` file (tests/jobs/train.py and gpu_watchdog/demo_job.py both write
+The thread follows the job's ``--events`` file (tests/jobs/train.py and gpu_watchdog/demo/train.py both write
 ``{"event": "start", "rank", "pid"}`` once a rank is up and ``{"event": "hang_onset"}`` when the hang
 begins). Rank r is placed on GPU ``r % n_gpus`` with ``mem_per_rank`` bytes as an NVML compute process
 (``nvmlDeviceGetComputeRunningProcesses``). While the job runs, its GPUs show the ``busy`` profile: high

@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
-from gpu_watchdog import demo
-
+from gpu_watchdog.demo import runner as demo
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 CLI = str(VENV_BIN / "gpu-watchdog") if (VENV_BIN / "gpu-watchdog").exists() else "gpu-watchdog"
@@ -59,9 +58,8 @@ def train_argv(events: Path, workdir: Path, *, nproc: int = 4, scenario: str = "
 def demo_argv(events: Path, workdir: Path, *, nproc: int = 4, steps: int = 24, hang_at: int = 8,
               step_s: float = 0.15, client: bool = True, extra: Sequence[str] = (),
               max_lifetime_s: int = 240) -> list[str]:
-    """torchrun … gpu_watchdog/demo_job.py (hangs in a P2P recv at ``hang_at`` until NCCL_P2P_DISABLE=1)."""
-    from gpu_watchdog import demo_job
-
+    """torchrun … gpu_watchdog/demo/train.py (hangs in a P2P recv at ``hang_at`` until NCCL_P2P_DISABLE=1)."""
+    from gpu_watchdog.demo import train as demo_job
     argv = [torchrun(), "--standalone", "--nproc-per-node", str(nproc), demo_job.__file__,
             "--ckpt-dir", str(workdir), "--events", str(events), "--steps", str(steps),
             "--hang-at", str(hang_at), "--step-s", str(step_s), *(["--client"] if client else []), *extra]
@@ -105,7 +103,7 @@ class LaunchRun:
             return ""
 
     def incidents(self) -> list[dict[str, Any]]:
-        from gpu_watchdog.incidents import IncidentStore
+        from gpu_watchdog.store.incidents import IncidentStore
 
         return IncidentStore(self.state_dir).list()
 

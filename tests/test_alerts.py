@@ -76,7 +76,7 @@ def test_alert_rules_use_only_exported_metrics() -> None:
     exported = prom.exported_names(prom.populated_metrics().registry) | {"up"}
     for name, expr in alert_exprs().items():
         unknown = prom.promql_metric_names(expr) - exported
-        assert not unknown, f"{name}: {sorted(unknown)} not exported by gpu_watchdog.metrics"
+        assert not unknown, f"{name}: {sorted(unknown)} not exported by gpu_watchdog.export.metrics"
 
 
 # -- the dashboard -----------------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def test_dashboard_uses_only_exported_metrics() -> None:
         names = prom.promql_metric_names(prom.substitute_grafana_vars(expr))
         assert names, f"{where}: no metric in {expr!r}"
         unknown = names - exported
-        assert not unknown, f"{where}: {sorted(unknown)} not exported by gpu_watchdog.metrics"
+        assert not unknown, f"{where}: {sorted(unknown)} not exported by gpu_watchdog.export.metrics"
 
 
 def test_the_name_check_catches_a_typo() -> None:

@@ -1,4 +1,4 @@
-"""gpu_watchdog.analyze: two nodes' incident directories (ranks 0-3 and 4-7) merged into one diagnosis.
+"""gpu_watchdog.evidence.analyze: two nodes' incident directories (ranks 0-3 and 4-7) merged into one diagnosis.
 Threads have py-spy's JSON shape (copied from real dumps); the real-job path is in test_diagnosis."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpu_watchdog.analyze import analyze_dirs, load_records, main_analyze, write_rank_stacks
-from gpu_watchdog.stacks import DumpResult
+from gpu_watchdog.evidence.analyze import analyze_dirs, load_records, main_analyze, write_rank_stacks
+from gpu_watchdog.evidence.stacks import DumpResult
 
 C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpu_watchdog.config import (
+from gpu_watchdog.config.schema import (
     SECTIONS,
     AgentConfig,
     Config,

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpu_watchdog.config import AgentConfig, Config
-from gpu_watchdog.consistency import ConfigWatch, check_ranks, relevant
-from gpu_watchdog.detector import JobStatus
-from gpu_watchdog.launcher import Launcher
+from gpu_watchdog.config.schema import AgentConfig, Config
+from gpu_watchdog.detect.consistency import ConfigWatch, check_ranks, relevant
+from gpu_watchdog.detect.detector import JobStatus
+from gpu_watchdog.launch.launcher import Launcher
 from launch_harness import base_env, read_events, start_launch, torchrun, write_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -185,11 +185,11 @@ def test_a_rank_read_before_its_wrapper_execd_is_not_a_mismatch(tmp_path: Path) 
 
 
 def test_the_daemon_checks_every_jobs_ranks_and_reports_a_mismatch_once(tmp_path: Path) -> None:
-    from gpu_watchdog.daemon import Daemon
-    from gpu_watchdog.daemon_config import DaemonSettings
-    from gpu_watchdog.metrics import AgentMetrics
+    from gpu_watchdog.daemon.service import Daemon
+    from gpu_watchdog.config.daemon import DaemonSettings
+    from gpu_watchdog.export.metrics import AgentMetrics
     from gpu_watchdog.model import JobIdentity, NodeSample, ProcessSample
-    from gpu_watchdog.sdnotify import Notifier
+    from gpu_watchdog.export.sdnotify import Notifier
 
     pids = {r: 4_100_000 + r for r in range(4)}  # no such processes: the scanner's copies are used
     envs = {pids[r]: rank_env(r) for r in range(4)}

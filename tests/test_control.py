@@ -15,12 +15,12 @@ from pathlib import Path
 import psutil
 import pytest
 from daemon_helpers import GW, short_dir
-from gpu_watchdog.config import Config
-from gpu_watchdog.control import ControlServer, PeerCred, check_peer, handle_request, request
-from gpu_watchdog.daemon import Daemon
-from gpu_watchdog.daemon_config import DaemonSettings, HookSpec
+from gpu_watchdog.config.schema import Config
+from gpu_watchdog.daemon.control import ControlServer, PeerCred, check_peer, handle_request, request
+from gpu_watchdog.daemon.service import Daemon
+from gpu_watchdog.config.daemon import DaemonSettings, HookSpec
 from gpu_watchdog.errors import UsageError
-from gpu_watchdog.sdnotify import Notifier
+from gpu_watchdog.export.sdnotify import Notifier
 from waiting import wait_for
 
 ROOT = PeerCred(1, 0, 0)
@@ -179,7 +179,7 @@ def test_preempt_with_signal_opt_in(base: Path) -> None:
         # SIGUSR1 before the handler is installed would kill the job (the default action), not preempt it.
         wait_for(ready.exists, 15, "the job's SIGUSR1 handler")
         handle_request(d, {"op": "job-start", "job_id": "j", "pids": [job.pid], "checkpoint_opt_in": True}, ROOT)
-        from gpu_watchdog.detector import DetectorState, JobStatus
+        from gpu_watchdog.detect.detector import DetectorState, JobStatus
 
         d.state = DetectorState(jobs={"j": JobStatus("j", rank_pids={0: job.pid})})
         reply = handle_request(d, {"op": "preempt", "job_id": "j", "timeout_s": 5}, ROOT)

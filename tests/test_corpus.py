@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpu_watchdog.config import DetectConfig
-from gpu_watchdog.detector import Finding
+from gpu_watchdog.config.schema import DetectConfig
+from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.model import NodeSample
-from gpu_watchdog.replay import replay_trace
-from gpu_watchdog.trace import read_trace
+from gpu_watchdog.detect.replay import replay_trace
+from gpu_watchdog.sample.trace import read_trace
 
 DATA = Path(__file__).parent / "data"
 DOC = Path(__file__).parents[1] / "docs" / "detection-latency.md"

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import pytest
-from gpu_watchdog.config import DetectConfig
-from gpu_watchdog.detector import (
+from gpu_watchdog.config.schema import DetectConfig
+from gpu_watchdog.detect.detector import (
     RUNNING,
     STALLED,
     SUSPECT,

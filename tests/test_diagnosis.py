@@ -1,4 +1,4 @@
-"""gpu_watchdog.diagnosis: rules on RankStacks, then end to end on three real hung 4-rank gloo jobs
+"""gpu_watchdog.evidence.diagnosis: rules on RankStacks, then end to end on three real hung 4-rank gloo jobs
 (hang, desync, queue) dumped with the real py-spy."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 from gloo_jobs import RunningJob, start_job
-from gpu_watchdog.analyze import analyze_dirs, write_rank_stacks
-from gpu_watchdog.classify import classify_threads
-from gpu_watchdog.diagnosis import RankContext, diagnose, format_ranks, stacks_progressed
+from gpu_watchdog.evidence.analyze import analyze_dirs, write_rank_stacks
+from gpu_watchdog.evidence.classify import classify_threads
+from gpu_watchdog.evidence.diagnosis import RankContext, diagnose, format_ranks, stacks_progressed
 from gpu_watchdog.model import RankStack, StackEvidence
-from gpu_watchdog.stacks import DumpResult, dump_stacks
+from gpu_watchdog.evidence.stacks import DumpResult, dump_stacks
 
 AR = "all_reduce (torch/distributed/distributed_c10d.py:3252)"
 BAR = "barrier (torch/distributed/distributed_c10d.py:5356)"

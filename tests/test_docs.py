@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from gpu_watchdog import model
-from gpu_watchdog.config import SECTIONS, FallbackConfig, FaultsConfig, _toml_value, load_config
-from gpu_watchdog.daemon_config import DaemonSettings, HookSpec
+from gpu_watchdog.config.schema import SECTIONS, FallbackConfig, FaultsConfig, _toml_value, load_config
+from gpu_watchdog.config.daemon import DaemonSettings, HookSpec
 
 DOCS = Path(__file__).parents[1] / "docs"
 CLI = str(Path(sys.executable).with_name("gpu-watchdog"))

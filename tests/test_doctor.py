@@ -18,8 +18,8 @@ from typing import Any
 
 import pynvml
 import pytest
-from gpu_watchdog import doctor
-from gpu_watchdog.doctor import (
+from gpu_watchdog.cli import doctor
+from gpu_watchdog.cli.doctor import (
     FAIL,
     PASS,
     SKIP,

@@ -1,4 +1,4 @@
-"""gpu_watchdog.flight_recorder: settings, the non-blocking FIFO trigger, safe loading, and lagging
+"""gpu_watchdog.evidence.flight_recorder: settings, the non-blocking FIFO trigger, safe loading, and lagging
 ranks from REAL gloo Flight Recorder dumps (``_dump_fr_trace()`` inside a hung 2-rank torchrun job)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from gloo_jobs import start_job
-from gpu_watchdog.flight_recorder import (
+from gpu_watchdog.evidence.flight_recorder import (
     DEFAULT_DUMP_PREFIX,
     FlightRecorderError,
     FrSettings,

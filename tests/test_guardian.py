@@ -25,7 +25,7 @@ def _alive(pids: list[int]) -> list[int]:
 def _guardians() -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
-        if "gpu_watchdog.guardian" in " ".join(p.info["cmdline"] or []):
+        if "gpu_watchdog.launch.guardian" in " ".join(p.info["cmdline"] or []):
             found.append(p)
     return found
 
@@ -45,7 +45,7 @@ def test_a_sigkilled_launch_takes_its_job_down_within_10s(tmp_path: Path) -> Non
         # The harness runs `timeout -s KILL N gpu-watchdog launch …`: SIGKILL the launcher, not the wrapper.
         wrapper = psutil.Process(run.proc.pid)
         launcher = next(p for p in wrapper.children() if "launch" in p.cmdline())
-        job = [c.pid for c in launcher.children(recursive=True) if "gpu_watchdog.guardian" not in " ".join(
+        job = [c.pid for c in launcher.children(recursive=True) if "gpu_watchdog.launch.guardian" not in " ".join(
             c.cmdline())]  # torchrun and the ranks
         assert set(pids) <= set(job)
         launcher.send_signal(signal.SIGKILL)

@@ -2,7 +2,7 @@
 tests of its pure parts (restart budget, fallback ladder, stores, stop ladder, in-job client protocol).
 
 The slow tests run the real console script in a subprocess around ``python -m torch.distributed.run`` with the
-packaged demo job (``gpu_watchdog/demo_job.py``) or ``tests/jobs/train.py``. Every process they start is killed
+packaged demo job (``gpu_watchdog/demo/train.py``) or ``tests/jobs/train.py``. Every process they start is killed
 at the end: the launcher, and every process carrying the test's unique ``GPU_WATCHDOG_JOB_ID``.
 """
 
@@ -25,18 +25,19 @@ from typing import Any
 
 import psutil
 import pytest
-from gpu_watchdog import demo_job, fallback
+from gpu_watchdog.demo import train as demo_job
+from gpu_watchdog.policy import fallback
 from gpu_watchdog.atomic import write_errors
-from gpu_watchdog.config import FallbackConfig, FallbackLevel, RecoveryConfig
-from gpu_watchdog.demo import read_events
-from gpu_watchdog.detector import Finding
+from gpu_watchdog.config.schema import FallbackConfig, FallbackLevel, RecoveryConfig
+from gpu_watchdog.demo.runner import read_events
+from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.errors import UsageError
-from gpu_watchdog.fallback import FallbackDecision, FallbackStore, decide, hang_place, validate_job_id
-from gpu_watchdog.incidents import IncidentStore
+from gpu_watchdog.policy.fallback import FallbackDecision, FallbackStore, decide, hang_place, validate_job_id
+from gpu_watchdog.store.incidents import IncidentStore
 from gpu_watchdog.job import Client
-from gpu_watchdog.jobproto import EXIT_ABORTED, EXIT_CHECKPOINTED, ControlDir
-from gpu_watchdog.recovery import EXIT_BUDGET_SPENT, RestartBudget
-from gpu_watchdog.stopper import JobProcess, job_tree, send_signal, stop_processes
+from gpu_watchdog.job.protocol import EXIT_ABORTED, EXIT_CHECKPOINTED, ControlDir
+from gpu_watchdog.act.recovery import EXIT_BUDGET_SPENT, RestartBudget
+from gpu_watchdog.act.stopper import JobProcess, job_tree, send_signal, stop_processes
 from waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -523,7 +524,7 @@ def test_client_aborts_a_blocked_gloo_collective_and_saves_the_last_step(tmp_pat
     wait_for(lambda: Path(f"{out}.blocked").exists(), 120, "rank 1 to reach step 4")
     wait_for(lambda: 1 in ctl.clients() and ctl.steps().get(1) == 3, 10, "the announce and heartbeat")
     # Prove the main thread sits in the collective: py-spy sees all_reduce on top.
-    from gpu_watchdog.stacks import dump_stacks
+    from gpu_watchdog.evidence.stacks import dump_stacks
 
     def in_all_reduce() -> bool:
         (res,) = dump_stacks([ranks[1].pid], timeout_s=10)

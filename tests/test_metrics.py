@@ -1,4 +1,4 @@
-"""gpu_watchdog.metrics: the snapshot collector, counters, caps, /healthz, and a real promtool lint."""
+"""gpu_watchdog.export.metrics: the snapshot collector, counters, caps, /healthz, and a real promtool lint."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import prom
 import pytest
-from gpu_watchdog.detector import JobStatus
+from gpu_watchdog.detect.detector import JobStatus
 from gpu_watchdog.errors import EXIT_UNAVAILABLE, UsageError
-from gpu_watchdog.metrics import (
+from gpu_watchdog.export.metrics import (
     DEFAULT_PORT,
     OVERFLOW,
     PYSPY_OUTCOMES,
@@ -223,7 +223,7 @@ def test_set_up_false_until_the_next_sample() -> None:
 
 
 def test_pyspy_outcomes_match_the_stacks_module() -> None:
-    from gpu_watchdog.stacks import OUTCOMES
+    from gpu_watchdog.evidence.stacks import OUTCOMES
 
     assert tuple(PYSPY_OUTCOMES) == tuple(OUTCOMES)
 
@@ -261,8 +261,8 @@ def _forbid(monkeypatch: pytest.MonkeyPatch, module: Any, what: str) -> None:
 
 
 def test_registering_and_scraping_never_call_nvml_or_psutil(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gpu_watchdog.nvml as nvml_mod
-    import gpu_watchdog.processes as processes_mod
+    import gpu_watchdog.sample.nvml as nvml_mod
+    import gpu_watchdog.sample.processes as processes_mod
     import psutil
     import pynvml
 
@@ -295,8 +295,7 @@ def test_registering_and_scraping_never_call_nvml_or_psutil(monkeypatch: pytest.
 
 
 def test_registration_does_not_collect(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpu_watchdog import metrics as metrics_mod
-
+    from gpu_watchdog.export import metrics as metrics_mod
     def no_collect(self: Any) -> Any:
         raise AssertionError("collect() during registration")
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 from gpu_placement import GpuPlacer
-from gpu_watchdog.config import DetectConfig
+from gpu_watchdog.config.schema import DetectConfig
 from launch_harness import (
     CLI,
     LaunchRun,
@@ -421,8 +421,8 @@ def test_record_nvml_trace_replays_to_the_live_finding(nvml_standin, tmp_path):
     again = subprocess.run([CLI, "replay", "--config", str(cfg), "--json", str(trace)], capture_output=True,
                            text=True, check=True)
     assert again.stdout == replay.stdout
-    from gpu_watchdog.config import load_config
-    from gpu_watchdog.replay import replay_trace
+    from gpu_watchdog.config.schema import load_config
+    from gpu_watchdog.detect.replay import replay_trace
 
     assert [x.to_json() for x in replay_trace(trace, load_config(cfg).detect)] == json.loads(replay.stdout)
 
@@ -546,7 +546,7 @@ def test_daemon_nvml_finds_a_registered_hang_and_runs_the_restart_hook(nvml_stan
             assert reg.returncode == 0, reg.stdout + reg.stderr + daemon_log()
             wait_for(lambda: any(r.get("done") for r in records(base)), 120, "restart hook ran", daemon_log)
 
-            from gpu_watchdog.incidents import IncidentStore
+            from gpu_watchdog.store.incidents import IncidentStore
 
             inc = wait_for(lambda: [i for i in IncidentStore(base / "state").list()
                                     if i.get("outcome") and i["job_id"] == "nvml-42"], 30, "incident finished",
@@ -584,8 +584,8 @@ def test_quiet_ranks_wait_on_the_rank_whose_gpu_works():
     the stall names rank 1 as the culprit (before the fix, waiting_on and the culprit were empty)."""
     import dataclasses
 
-    from gpu_watchdog.config import DetectConfig
-    from gpu_watchdog.detector import WAITING, DetectorState, step
+    from gpu_watchdog.config.schema import DetectConfig
+    from gpu_watchdog.detect.detector import WAITING, DetectorState, step
     from gpu_watchdog.model import DeviceSample, GpuProcess, JobIdentity, NodeSample, ProcessSample
 
     cfg = dataclasses.replace(DetectConfig(), waiting_timeout_s=10.0)

@@ -20,11 +20,11 @@ from typing import Any
 import psutil
 import pynvml
 import pytest
-from gpu_watchdog.backends import NvmlBackend, ProcBackend, choose_backend
+from gpu_watchdog.sample.backends import NvmlBackend, ProcBackend, choose_backend
 from gpu_watchdog.errors import EXIT_UNAVAILABLE, BackendUnavailable
 from gpu_watchdog.model import GpuFault
-from gpu_watchdog.nvml import FI_NVLINK_RX_KIB, FI_NVLINK_TX_KIB, FI_PCIE_RX_BYTES, FI_PCIE_TX_BYTES, NvmlReader
-from gpu_watchdog.processes import ProcessScanner
+from gpu_watchdog.sample.nvml import FI_NVLINK_RX_KIB, FI_NVLINK_TX_KIB, FI_PCIE_RX_BYTES, FI_PCIE_TX_BYTES, NvmlReader
+from gpu_watchdog.sample.processes import ProcessScanner
 
 CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
 GIB = 1 << 30

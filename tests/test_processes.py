@@ -14,10 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 from gloo_jobs import TRAIN, RunningJob, _torchrun
-from gpu_watchdog import processes as processes_mod
-from gpu_watchdog.fallback import validate_job_id
+from gpu_watchdog.sample import processes as processes_mod
+from gpu_watchdog.policy.fallback import validate_job_id
 from gpu_watchdog.model import JobIdentity, ProcessSample
-from gpu_watchdog.processes import ProcessScanner, identity_from_env
+from gpu_watchdog.sample.processes import ProcessScanner, identity_from_env
 from waiting import wait_for
 
 ID_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID",
@@ -378,7 +378,7 @@ def test_proc_backend_rates_need_a_minimum_window() -> None:
     """One 10 ms CPU clock tick over the 40 ms between a tick and the early one after a stack dump would
     read as 25 % busy and restart a stall's streak (seen in the latency runs): a window shorter than
     min_window_s keeps the previous value and baseline, so the next full window measures the real rate."""
-    from gpu_watchdog.backends import ProcBackend
+    from gpu_watchdog.sample.backends import ProcBackend
 
     now = [100.0]
     scanner = _ScriptedScanner()
@@ -406,7 +406,7 @@ def test_proc_backend_rates_need_a_minimum_window() -> None:
 def test_identity_without_a_torchrun_run_id() -> None:
     """torchrun without --rdzv-id gives every job TORCHELASTIC_RUN_ID=none: no job id. Its rendezvous endpoint
     (MASTER_ADDR:MASTER_PORT, shared by every node of the job) names the job instead."""
-    from gpu_watchdog.fallback import JOB_ID_RE
+    from gpu_watchdog.policy.fallback import JOB_ID_RE
 
     ep = {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
     for none in ("none", "None", "NONE", ""):
@@ -497,7 +497,7 @@ def test_two_processes_claiming_one_rank_are_two_jobs(procs: Procs, caplog: pyte
     ranks_a, (rank_b,) = _ranks_of(a.pid, 2), _ranks_of(b.pid, 1)
     rank_a0 = next(k for k in ranks_a if k.environ()["RANK"] == "0")
     scanner = ProcessScanner()
-    with caplog.at_level("WARNING", logger="gpu_watchdog.processes"):
+    with caplog.at_level("WARNING", logger="gpu_watchdog.sample.processes"):
         for _ in range(3):
             samples, errors = scanner.sample()
             got = sorted((s.job.job_id, s.job.rank) for s in samples if s.job and s.job.job_id.startswith(job))

@@ -2,7 +2,7 @@
 scrapes the launcher's /metrics every second and must see the stall, the incident and the restart, and every
 dashboard expression must return data for the run.
 
-The job is the demo's (gpu_watchdog.demo_job): rank 1 waits in a P2P receive at step ``HANG_AT`` while the
+The job is the demo's (gpu_watchdog.demo.train): rank 1 waits in a P2P receive at step ``HANG_AT`` while the
 others block in all_reduce; the restart with fallback level 1 (NCCL_P2P_DISABLE=1) runs through, so the
 launcher exits 0 after exactly one incident and one restart.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 import prom
 import psutil
 import pytest
-from gpu_watchdog.config import DetectConfig
-from gpu_watchdog.demo import demo_command, read_events
+from gpu_watchdog.config.schema import DetectConfig
+from gpu_watchdog.demo.runner import demo_command, read_events
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gpu_watchdog.detector import CLOCK_SLACK_S
+from gpu_watchdog.detect.detector import CLOCK_SLACK_S
 
 ROOT = Path(__file__).parents[1]
 TRAIN = ROOT / "tests" / "jobs" / "train.py"

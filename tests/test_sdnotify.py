@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gpu_watchdog.sdnotify import LoopHealth, Notifier, Pinger, watchdog_interval_s
+from gpu_watchdog.export.sdnotify import LoopHealth, Notifier, Pinger, watchdog_interval_s
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -148,7 +148,7 @@ def test_no_socket_is_a_noop() -> None:
 
 
 def test_unsupported_address_is_off(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="gpu_watchdog.sdnotify"):
+    with caplog.at_level(logging.WARNING, logger="gpu_watchdog.export.sdnotify"):
         n = Notifier("vsock:2:1234")
     assert not n.enabled and n.ready() is False
     assert "not a unix socket path" in caplog.text
@@ -167,7 +167,7 @@ def test_unreachable_socket_never_raises_and_warns_once(address: str, caplog: py
         else:
             address = address.format(uuid.uuid4().hex)
         n = Notifier(address)
-        with caplog.at_level(logging.DEBUG, logger="gpu_watchdog.sdnotify"):
+        with caplog.at_level(logging.DEBUG, logger="gpu_watchdog.export.sdnotify"):
             assert n.ready("x") is False
             assert n.watchdog() is False
             assert n.stopping() is False
@@ -181,7 +181,7 @@ def test_warning_rearms_after_recovery(caplog: pytest.LogCaptureFixture) -> None
     with tempfile.TemporaryDirectory(prefix="sdn") as d:
         path = str(Path(d) / "notify")
         n = Notifier(path)
-        with caplog.at_level(logging.DEBUG, logger="gpu_watchdog.sdnotify"):
+        with caplog.at_level(logging.DEBUG, logger="gpu_watchdog.export.sdnotify"):
             assert n.watchdog() is False
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             sock.bind(path)
@@ -303,7 +303,7 @@ def test_pinger_survives_a_failing_ping(caplog: pytest.LogCaptureFixture) -> Non
 
     health = LoopHealth(ping, max_age_s=60)
     health.tick_ok(time.monotonic())
-    with caplog.at_level(logging.ERROR, logger="gpu_watchdog.sdnotify"):
+    with caplog.at_level(logging.ERROR, logger="gpu_watchdog.export.sdnotify"):
         pinger = Pinger(health, 0.02).start()
         deadline = time.monotonic() + 2
         while len(calls) < 3 and time.monotonic() < deadline:

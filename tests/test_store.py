@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
-from gpu_watchdog.config import Config
-from gpu_watchdog.daemon import Daemon
-from gpu_watchdog.daemon_config import DaemonSettings, HookSpec
-from gpu_watchdog.detector import Finding
-from gpu_watchdog.sdnotify import Notifier
-from gpu_watchdog.store import Store
+from gpu_watchdog.config.schema import Config
+from gpu_watchdog.daemon.service import Daemon
+from gpu_watchdog.config.daemon import DaemonSettings, HookSpec
+from gpu_watchdog.detect.detector import Finding
+from gpu_watchdog.export.sdnotify import Notifier
+from gpu_watchdog.store.db import Store
 
 
 def _daemon(state: Path, **kw: object) -> Daemon:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpu_watchdog.config import DetectConfig
+from gpu_watchdog.config.schema import DetectConfig
 from gpu_watchdog.errors import EXIT_DATAERR, EXIT_NOINPUT, TraceError
 from gpu_watchdog.model import (
     DeviceSample,
@@ -22,9 +22,9 @@ from gpu_watchdog.model import (
     SampleError,
     StackEvidence,
 )
-from gpu_watchdog.record import only_job, record
-from gpu_watchdog.replay import replay_trace
-from gpu_watchdog.trace import FORMAT, VERSION, TraceWriter, read_trace, sample_record
+from gpu_watchdog.sample.record import only_job, record
+from gpu_watchdog.detect.replay import replay_trace
+from gpu_watchdog.sample.trace import FORMAT, VERSION, TraceWriter, read_trace, sample_record
 
 CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
 T0 = 1_700_000_000.0

@@ -26,18 +26,18 @@ from typing import Any
 import psutil
 import pynvml
 import pytest
-from gpu_watchdog.backends import NvmlBackend, choose_backend
-from gpu_watchdog.config import AgentConfig, Config, FaultsConfig, RecoveryConfig, load_config
-from gpu_watchdog.daemon_config import HookSpec
-from gpu_watchdog.detector import DetectorState, step
+from gpu_watchdog.sample.backends import NvmlBackend, choose_backend
+from gpu_watchdog.config.schema import AgentConfig, Config, FaultsConfig, RecoveryConfig, load_config
+from gpu_watchdog.config.daemon import HookSpec
+from gpu_watchdog.detect.detector import DetectorState, step
 from gpu_watchdog.errors import ConfigError
-from gpu_watchdog.fallback import FallbackDecision
-from gpu_watchdog.fault_policy import drain_reason
-from gpu_watchdog.launcher import Launcher
+from gpu_watchdog.policy.fallback import FallbackDecision
+from gpu_watchdog.act.faults import drain_reason
+from gpu_watchdog.launch.launcher import Launcher
 from gpu_watchdog.model import DeviceSample, GpuFault, GpuProcess, JobIdentity, NodeSample, ProcessSample
-from gpu_watchdog.processes import JOB_ID_ENV, ProcessScanner
-from gpu_watchdog.recovery import EXIT_GPU_FAULT
-from gpu_watchdog.xid import XID, XID_APPLICATION, XidWatcher, attach_faults, is_draining, start_watcher, xid_fault
+from gpu_watchdog.sample.processes import JOB_ID_ENV, ProcessScanner
+from gpu_watchdog.act.recovery import EXIT_GPU_FAULT
+from gpu_watchdog.sample.xid import XID, XID_APPLICATION, XidWatcher, attach_faults, is_draining, start_watcher, xid_fault
 from launch_harness import base_env, start_launch, write_config
 from nvml_standin import NvmlStandin
 from nvml_standin.fixtures import nvml_standin as _nvml_standin_fixture  # noqa: F401
@@ -417,7 +417,7 @@ def policy_run(lc: Launcher, sample: NodeSample, child: subprocess.Popen[bytes])
 
 def test_a_draining_xid_stops_the_job_drains_the_node_and_exits_74(tmp_path: Path,
                                                                     job_proc: subprocess.Popen[bytes]) -> None:
-    from gpu_watchdog.metrics import AgentMetrics
+    from gpu_watchdog.export.metrics import AgentMetrics
 
     metrics = AgentMetrics(process_metrics=False)
     lc = launcher(drain_cfg(tmp_path), tmp_path, metrics=metrics)
@@ -583,8 +583,8 @@ def test_standin_queued_xid_79_reaches_the_watcher(nvml_standin: NvmlStandin) ->
     uuid1 = state.gpu(1)["uuid"]
     with nvml_standin.child() as child:
         child.exec("import time\n"
-                   "from gpu_watchdog.nvml import NvmlReader\n"
-                   "from gpu_watchdog.xid import XidWatcher\n"
+                   "from gpu_watchdog.sample.nvml import NvmlReader\n"
+                   "from gpu_watchdog.sample.xid import XidWatcher\n"
                    "r = NvmlReader(); r.start()\n"
                    "w = XidWatcher.for_reader(r, wait_ms=100, application_xids=(13,))\n"
                    "n = w.start(); got = []\n")

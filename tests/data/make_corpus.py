@@ -3,7 +3,7 @@
 Two kinds of traces:
 
 * **recorded** (``proc-*``): a real 4-rank gloo job (``tests/jobs/train.py`` under ``torchrun --standalone``)
-  sampled by ``gpu_watchdog.record.record`` with the proc backend, scoped to the torchrun process tree (other
+  sampled by ``gpu_watchdog.sample.record.record`` with the proc backend, scoped to the torchrun process tree (other
   jobs on the machine are not recorded). The job's own ``--events`` file gives the truth: its
   ``hang_onset`` event becomes an ``event`` record in the trace (name ``hang_onset`` for a hang,
   ``pause_start``/``pause_end`` for a legitimate pause) and the label's ``true_onset``.
@@ -59,9 +59,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from gpu_watchdog.backends import ProcBackend
-from gpu_watchdog.config import DetectConfig
-from gpu_watchdog.detector import DetectorState, step
+from gpu_watchdog.sample.backends import ProcBackend
+from gpu_watchdog.config.schema import DetectConfig
+from gpu_watchdog.detect.detector import DetectorState, step
 from gpu_watchdog.model import (
     DeviceSample,
     GpuFault,
@@ -72,10 +72,10 @@ from gpu_watchdog.model import (
     RankStack,
     StackEvidence,
 )
-from gpu_watchdog.processes import ProcessScanner
-from gpu_watchdog.record import record
-from gpu_watchdog.replay import replay_trace
-from gpu_watchdog.trace import header, read_trace
+from gpu_watchdog.sample.processes import ProcessScanner
+from gpu_watchdog.sample.record import record
+from gpu_watchdog.detect.replay import replay_trace
+from gpu_watchdog.sample.trace import header, read_trace
 
 DATA = Path(__file__).resolve().parent
 ROOT = DATA.parents[1]
@@ -341,7 +341,7 @@ def _live(g: Gpus, *phases: tuple[int, Callable[[int], str], StackOf]) -> None:
 
 
 def _rs(state: str, where: str, *outer: str, active: bool = False, op: str | None = None) -> RankStack:
-    """A rank's classified main thread as gpu_watchdog.classify makes it (rank and pid are filled in later)."""
+    """A rank's classified main thread as gpu_watchdog.evidence.classify makes it (rank and pid are filled in later)."""
     return RankStack(0, 0, state, " <- ".join((where, *outer)), active, op, where)
 
 

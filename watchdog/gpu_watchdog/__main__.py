@@ -1,3 +1,3 @@
-from gpu_watchdog.cli import main
+from gpu_watchdog.cli.main import main
 
 raise SystemExit(main())

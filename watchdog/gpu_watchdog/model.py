@@ -119,7 +119,7 @@ class RankStack:
 
     rank: int
     pid: int
-    state: str  # see gpu_watchdog.classify.STATES
+    state: str  # see gpu_watchdog.evidence.classify.STATES
     signature: str  # the main thread's frames joined, for grouping and "did it move?"
     active: bool  # py-spy's flag: the thread was on CPU
     op: str | None = None  # collective name when state == "collective"

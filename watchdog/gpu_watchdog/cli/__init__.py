@@ -1,0 +1,2 @@
+"""The ``gpu-watchdog`` command line: argument parsing and dispatch.
+"""

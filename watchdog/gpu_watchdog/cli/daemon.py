@@ -1,0 +1,97 @@
+"""``gpu-watchdog run`` (the node daemon) and ``gpu-watchdog hook …`` (its control-socket client)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from gpu_watchdog.errors import EXIT_FAILURE, UsageError
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gpu_watchdog.daemon.service import main_run
+
+    overrides: dict[str, Any] = {}
+    if args.backend:
+        overrides["agent.backend"] = args.backend
+    if args.state_dir:
+        overrides["agent.state_dir"] = args.state_dir
+    if args.metrics_addr is not None:
+        overrides["agent.metrics_addr"] = args.metrics_addr
+    if args.socket:
+        overrides["daemon.control_socket"] = args.socket
+    return main_run(args.config, overrides)
+
+
+def _socket_path(args: argparse.Namespace) -> str:
+    if args.socket:
+        return str(args.socket)
+    env = os.environ.get("GPU_WATCHDOG_SOCKET")
+    if env:
+        return env
+    from gpu_watchdog.config.daemon import load_daemon_config
+
+    _cfg, settings = load_daemon_config(args.config)
+    if not settings.control_socket:
+        raise UsageError("daemon.control_socket is empty in the config: the daemon has no control API")
+    return settings.control_socket
+
+
+def cmd_hook(args: argparse.Namespace) -> int:
+    from gpu_watchdog.daemon.control import request
+
+    req: dict[str, Any] = {"op": args.hook_op}
+    if args.hook_op in ("job-start", "job-end", "preempt", "restart"):
+        if not args.job_id:
+            raise UsageError(f"hook {args.hook_op} needs --job-id")
+        req["job_id"] = args.job_id
+    if args.hook_op == "job-start":
+        if not args.pid and not args.cgroup:
+            raise UsageError("hook job-start needs --pid (repeatable) or --cgroup")
+        req["pids"] = list(args.pid or [])
+        if args.cgroup:
+            req["cgroup"] = args.cgroup
+        if args.restart_hook:
+            req["restart_hook"] = args.restart_hook
+        req["checkpoint_opt_in"] = bool(args.checkpoint)
+    if args.hook_op == "preempt" and args.timeout:
+        req["timeout_s"] = args.timeout
+    if args.hook_op == "incidents":
+        req["limit"] = args.limit
+    timeout = (args.timeout or 60.0) + 10.0
+    reply = request(_socket_path(args), req, timeout_s=timeout)
+    if args.json or args.hook_op in ("status", "incidents"):
+        json.dump(reply, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    elif reply.get("ok"):
+        print(f"gpu-watchdog: {args.hook_op} ok" + (f" (job {reply['job_id']})" if "job_id" in reply else ""))
+    if not reply.get("ok"):
+        print(f"gpu-watchdog: {args.hook_op} refused: {reply.get('error', 'unknown error')}", file=sys.stderr)
+        return EXIT_FAILURE
+    return 0
+
+
+def register(sub: Any) -> None:
+    from gpu_watchdog.cli.main import _common, _pid, _positive_float
+
+    r = sub.add_parser("run", help="the node daemon (systemd service)")
+    _common(r, backend=True, state_dir=True, metrics=True)
+    r.add_argument("--socket", metavar="PATH", help="control socket (default: daemon.control_socket)")
+    r.set_defaults(func=cmd_run)
+
+    h = sub.add_parser("hook", help="talk to the running daemon: scheduler prolog/epilog, preStop, status")
+    h.add_argument("hook_op", choices=("job-start", "job-end", "preempt", "restart", "status", "incidents"))
+    h.add_argument("--config", metavar="F", help="read daemon.control_socket from this config")
+    h.add_argument("--socket", metavar="PATH", help="control socket (default: $GPU_WATCHDOG_SOCKET, then config)")
+    h.add_argument("--job-id", metavar="ID")
+    h.add_argument("--pid", type=_pid, action="append", metavar="PID", help="a process of the job (repeatable)")
+    h.add_argument("--cgroup", metavar="PATH", help="the job's cgroup (relative to /sys/fs/cgroup)")
+    h.add_argument("--restart-hook", metavar="NAME", help="a hook name from the daemon's config")
+    h.add_argument("--checkpoint", action="store_true", help="the job opts in to checkpoint requests")
+    h.add_argument("--timeout", type=_positive_float, metavar="S", help="preempt: longest wait for the ack")
+    h.add_argument("--limit", type=int, default=20, help="incidents: how many")
+    h.add_argument("--json", action="store_true", help="print the daemon's JSON reply")
+    h.set_defaults(func=cmd_hook)

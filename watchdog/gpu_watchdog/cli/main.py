@@ -1,0 +1,314 @@
+"""The ``gpu-watchdog`` command line. Parsing and dispatch only; each command's work lives in its module.
+
+Exit codes (README "Exit codes"): 0 ok, 1 failure, 64 bad arguments, 65 bad trace data, 66 missing input,
+69 backend unavailable, 78 bad config; ``launch`` exits with the job's own code (or 75 when the restart
+budget is spent, 74 when a GPU of the job faulted and the node was drained).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from gpu_watchdog import __version__
+from gpu_watchdog.errors import EXIT_USAGE, UsageError, WatchdogError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 64 (argparse's default is 2)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return v
+
+
+def _pid(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"not a pid: {text!r}")
+    return int(text)
+
+
+def _load_cfg(args: argparse.Namespace) -> Any:
+    from gpu_watchdog.config.schema import load_config
+
+    overrides = {}
+    if getattr(args, "backend", None):
+        overrides["agent.backend"] = args.backend
+    if getattr(args, "state_dir", None):
+        overrides["agent.state_dir"] = args.state_dir
+    if getattr(args, "metrics_addr", None) is not None:
+        overrides["agent.metrics_addr"] = args.metrics_addr
+    return load_config(args.config, overrides)
+
+
+# -- commands ---------------------------------------------------------------------------------------
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from gpu_watchdog.config.schema import render_toml
+
+    sys.stdout.write(render_toml(_load_cfg(args)))
+    return 0
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from gpu_watchdog.sample.backends import choose_backend
+    from gpu_watchdog.sample.record import record
+
+    cfg = _load_cfg(args)
+    backend, why = choose_backend(cfg.agent.backend, hostname=cfg.agent.hostname,
+                                  min_window_s=cfg.detect.progress_min_window_s)
+    print(f"gpu-watchdog: recording with the {why} to {args.output}", file=sys.stderr)
+    try:
+        n = record(backend, args.output, args.duration, args.interval or cfg.agent.interval_s, job_id=args.job)
+    finally:
+        backend.close()
+    print(f"gpu-watchdog: wrote {n} samples to {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from gpu_watchdog.detect.replay import replay_trace
+
+    cfg = _load_cfg(args)
+    findings = replay_trace(args.trace, cfg.detect)
+    if args.json:
+        json.dump([f.to_json() for f in findings], sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        for f in findings:
+            culprit = f" culprit {','.join(map(str, f.culprit_ranks))}" if f.culprit_ranks else ""
+            print(f"{f.kind} {f.signature} job={f.job_id} ranks={','.join(map(str, f.ranks))}{culprit} "
+                  f"onset={f.onset:.3f} confirmed_at={f.confirmed_at:.3f} "
+                  f"(+{f.confirmed_at - f.onset:.1f}s): {f.detail}")
+        if not findings:
+            print("no findings")
+    return 0
+
+
+def cmd_dump_stacks(args: argparse.Namespace) -> int:
+    from gpu_watchdog.evidence.stacks import main_dump_stacks
+
+    return main_dump_stacks(args.pids, native=args.native, as_json=args.json, timeout_s=args.timeout)
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from gpu_watchdog.evidence.analyze import main_analyze
+
+    return main_analyze(args.dirs, as_json=args.json, out=sys.stdout)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from gpu_watchdog.launch.launcher import Launcher
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise UsageError("launch needs a command: gpu-watchdog launch [options] -- CMD ARGS...")
+    cfg = _load_cfg(args)
+    hooks = None
+    if cfg.faults.drain_hook:  # the drain hook is a [hooks.NAME] of the same file
+        from gpu_watchdog.config.daemon import load_daemon_config
+
+        hooks = load_daemon_config(args.config)[1].hooks
+    metrics, server = _start_metrics(cfg)
+    try:
+        return Launcher(cfg, cmd, state_dir=Path(args.state_dir) if args.state_dir else None, job_id=args.job_id,
+                        metrics=metrics, hooks=hooks).run()
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _start_metrics(cfg: Any) -> tuple[Any, Any]:
+    """AgentMetrics and its HTTP server when agent.metrics_addr / --metrics-addr is set, else (None, None)."""
+    if not cfg.agent.metrics_addr:
+        return None, None
+    from gpu_watchdog.export.metrics import AgentMetrics
+
+    metrics = AgentMetrics(interval_s=cfg.agent.interval_s)
+    return metrics, metrics.serve(cfg.agent.metrics_addr)
+
+
+def cmd_incidents(args: argparse.Namespace) -> int:
+    from gpu_watchdog.config.schema import resolve_state_dir
+    from gpu_watchdog.store.incidents import IncidentStore
+
+    store = IncidentStore(args.state_dir or resolve_state_dir(_load_cfg(args)))
+    if args.action == "show":
+        if not args.id:
+            raise UsageError("incidents show needs an incident id")
+        inc = store.get(args.id)
+        report = inc.dir / "report.txt"
+        sys.stdout.write(report.read_text() if report.exists() else json.dumps(inc.summary, indent=1) + "\n")
+        return 0
+    items = store.list()
+    if args.json:
+        json.dump(items, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    for s in items:
+        culprit = ",".join(map(str, s.get("culprit_ranks") or [])) or "?"
+        print(f"{s['id']}  {s['kind']:<9} {s.get('signature') or '':<14} job={s.get('job_id')} culprit={culprit} "
+              f"collective={s.get('collective') or '-'}")
+    if not items:
+        print("no incidents")
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from gpu_watchdog.config.schema import resolve_state_dir
+    from gpu_watchdog.policy.fallback import FallbackStore, export_lines, validate_job_id
+
+    store = FallbackStore(args.state_dir or resolve_state_dir(_load_cfg(args)))
+    data = store.load(validate_job_id(args.job))
+    sys.stdout.write(f"# gpu-watchdog fallback for job {args.job}: level {data.get('level', 0)}"
+                     f" ({data.get('name', 'none')})\n")
+    sys.stdout.write(export_lines(dict(data.get("env") or {})))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from gpu_watchdog.config.schema import resolve_state_dir
+    from gpu_watchdog.cli.doctor import run_doctor
+
+    cfg = _load_cfg(args)
+    state_dir = Path(args.state_dir) if args.state_dir else resolve_state_dir(cfg)
+    return run_doctor(state_dir, cfg.stacks.py_spy or None, args.p2p, args.json)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gpu_watchdog.demo.runner import run_demo
+
+    return run_demo(_load_cfg(args), keep=args.keep)
+
+
+# -- parser -----------------------------------------------------------------------------------------
+def _common(p: argparse.ArgumentParser, backend: bool = False, state_dir: bool = False,
+            metrics: bool = False) -> None:
+    p.add_argument("--config", metavar="F", help="TOML config file (default: built-in defaults)")
+    if state_dir:
+        p.add_argument("--state-dir", metavar="D", help="where incidents and state live")
+    if backend:
+        p.add_argument("--backend", choices=("auto", "nvml", "proc"),
+                       help="auto: NVML when a GPU is present, else proc")
+    if metrics:
+        p.add_argument("--metrics-addr", metavar="HOST:PORT", help="serve /metrics and /healthz here")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="gpu-watchdog", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"gpu-watchdog {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    c = sub.add_parser("config", help="show the effective configuration")
+    csub = c.add_subparsers(dest="config_command", metavar="show", parser_class=_Parser)
+    csub.required = True
+    show = csub.add_parser("show", help="print the effective config as TOML")
+    _common(show)
+    show.set_defaults(func=cmd_config_show)
+
+    r = sub.add_parser("record", help="sample the node and write a trace")
+    _common(r, backend=True)
+    r.add_argument("--duration", type=_positive_float, required=True, metavar="S")
+    r.add_argument("--output", required=True, metavar="F")
+    r.add_argument("--interval", type=_positive_float, metavar="S", help="default: agent.interval_s")
+    r.add_argument("--job", metavar="JOB_ID", help="keep only this job's processes and devices (default: all)")
+    r.set_defaults(func=cmd_record)
+
+    rp = sub.add_parser("replay", help="run the detector over a trace")
+    _common(rp)
+    rp.add_argument("trace")
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(func=cmd_replay)
+
+    d = sub.add_parser("dump-stacks", help="dump the Python stacks of processes with py-spy, in parallel")
+    d.add_argument("pids", nargs="+", type=_pid, metavar="PID")
+    d.add_argument("--native", action="store_true", help="include native frames")
+    d.add_argument("--json", action="store_true")
+    d.add_argument("--timeout", type=_positive_float, default=5.0, metavar="S", help="per-pid timeout")
+    d.set_defaults(func=cmd_dump_stacks)
+
+    a = sub.add_parser("analyze", help="merge incident directories from several nodes; name the culprit")
+    a.add_argument("dirs", nargs="+", metavar="DIR")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=cmd_analyze)
+
+    la = sub.add_parser("launch", help="run a job under the watchdog; restart it on stalls")
+    _common(la, backend=True, state_dir=True, metrics=True)
+    la.add_argument("--job-id", help="stable job id (fallback level is kept per job id)")
+    la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
+    la.set_defaults(func=cmd_launch)
+
+    inc = sub.add_parser("incidents", help="list incidents, or show one")
+    _common(inc, state_dir=True)
+    inc.add_argument("action", nargs="?", choices=("list", "show"), default="list")
+    inc.add_argument("id", nargs="?")
+    inc.add_argument("--json", action="store_true")
+    inc.set_defaults(func=cmd_incidents)
+
+    e = sub.add_parser("env", help="print a job's fallback overlay as export lines (for restart scripts)")
+    _common(e, state_dir=True)
+    e.add_argument("--job", required=True, metavar="ID")
+    e.set_defaults(func=cmd_env)
+
+    doc = sub.add_parser("doctor", help="preflight checks: NVML, py-spy/ptrace, /dev/shm, kernel, state dir")
+    _common(doc, state_dir=True)
+    doc.add_argument("--p2p", action="store_true", help="also test all_reduce across local GPUs (GPU boxes)")
+    doc.add_argument("--json", action="store_true")
+    doc.set_defaults(func=cmd_doctor)
+
+    dm = sub.add_parser("demo", help="a real hang on a CPU job, found and recovered (no GPU needed)")
+    _common(dm, backend=True)
+    dm.add_argument("--keep", metavar="DIR", help="work in DIR and keep it")
+    dm.set_defaults(func=cmd_demo)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return p
+
+
+# Later commands (launch, run, incidents, env, hook, doctor, demo) register themselves here.
+_EXTRA_COMMANDS: list[Callable[[Any], None]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s gpu-watchdog %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args))
+    except UsageError as e:
+        print(f"gpu-watchdog: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except WatchdogError as e:
+        print(f"gpu-watchdog: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def _register_daemon_commands(sub: Any) -> None:
+    from gpu_watchdog.cli.daemon import register
+
+    register(sub)
+
+
+_EXTRA_COMMANDS.append(_register_daemon_commands)

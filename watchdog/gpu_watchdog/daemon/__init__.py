@@ -1,0 +1,2 @@
+"""``gpu-watchdog run``: the node daemon — registrations, the control socket, resuming after a restart.
+"""

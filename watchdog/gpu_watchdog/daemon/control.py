@@ -1,0 +1,362 @@
+"""The daemon's control API: newline-delimited JSON over a unix stream socket, peers checked by SO_PEERCRED.
+
+Socket: ``daemon.control_socket`` (default /run/gpu-watchdog/control.sock), mode 0660, group
+``daemon.socket_group``. A peer is allowed when it is root (unless ``daemon.allow_root = false``, for
+tests), its uid is in ``daemon.allowed_uids``, or its primary or supplementary group is in
+``daemon.allowed_gids``; anyone else gets one refusal line and the connection is closed.
+
+Requests (one JSON object per line; one JSON reply per line, always with ``ok``, and ``error`` when not ok):
+- ``{"op": "job-start", "job_id", "pids": [..] | "cgroup": "…", "restart_hook": NAME|null,
+  "checkpoint_opt_in": bool}`` — pids must be live; a non-root peer may only register its own processes.
+- ``{"op": "job-end", "job_id"}``
+- ``{"op": "preempt", "job_id", "timeout_s"}`` — ask the job to checkpoint now; waits (bounded by
+  ``daemon.preempt_timeout_s``) for its acknowledgement.
+- ``{"op": "restart", "job_id"}`` — checkpoint → stop → restart hook at the next fallback level.
+- ``{"op": "status"}``, ``{"op": "incidents", "limit": N}``
+A non-root peer may only end, preempt or restart jobs it registered.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal as _signal
+import socket
+import stat
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpu_watchdog.config.daemon import DaemonSettings, socket_gid
+from gpu_watchdog.errors import UsageError, WatchdogError
+from gpu_watchdog.policy.fallback import validate_job_id
+
+if TYPE_CHECKING:
+    from gpu_watchdog.daemon.service import Daemon
+
+log = logging.getLogger("gpu_watchdog.daemon.control")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_CGROUP_RE = re.compile(r"^/?[A-Za-z0-9._:@+=-]+(/[A-Za-z0-9._:@+=-]+)*$")
+OPS = ("job-start", "job-end", "preempt", "restart", "status", "incidents")
+MAX_PIDS = 4096
+
+
+@dataclass(frozen=True)
+class PeerCred:
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_cred(conn: socket.socket) -> PeerCred:
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return PeerCred(pid, uid, gid)
+
+
+def _supplementary_gids(cred: PeerCred) -> set[int]:
+    """The peer's supplementary groups from /proc, only if that pid still has the peer's uid."""
+    try:
+        text = Path(f"/proc/{cred.pid}/status").read_text()
+    except OSError:
+        return set()
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    try:
+        if int(fields.get("Uid", "").split()[0]) != cred.uid:
+            return set()
+        return {int(g) for g in fields.get("Groups", "").split()}
+    except (ValueError, IndexError):
+        return set()
+
+
+def check_peer(cred: PeerCred, settings: DaemonSettings, supplementary: set[int] | None = None) -> str | None:
+    """None when the peer may use the API, else why not."""
+    if cred.uid == 0 and settings.allow_root:
+        return None
+    if cred.uid in settings.allowed_uids and cred.uid != 0:
+        return None
+    groups = {cred.gid} | (supplementary if supplementary is not None else _supplementary_gids(cred))
+    if groups & set(settings.allowed_gids):
+        return None
+    return f"uid {cred.uid} gid {cred.gid} is not allowed (daemon.allowed_uids / daemon.allowed_gids)"
+
+
+def validate_cgroup(path: str) -> Path:
+    if not isinstance(path, str) or not _CGROUP_RE.fullmatch(path) or ".." in path.split("/"):
+        raise UsageError(f"invalid cgroup path {path!r}")
+    return CGROUP_ROOT / path.lstrip("/")
+
+
+def cgroup_pids(path: str) -> list[int]:
+    try:
+        text = (validate_cgroup(path) / "cgroup.procs").read_text()
+    except (OSError, UsageError):
+        return []
+    return [int(x) for x in text.split() if x.isdigit()]
+
+
+class ControlServer:
+    def __init__(self, settings: DaemonSettings, daemon: Daemon) -> None:
+        self.settings = settings
+        self.daemon = daemon
+        self.path = Path(settings.control_socket)
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            st = os.lstat(self.path)
+            if not stat.S_ISSOCK(st.st_mode):
+                raise UsageError(f"{self.path} exists and is not a socket: refusing to replace it")
+            self.path.unlink()  # a stale socket from a killed daemon
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        old = os.umask(0o177)  # never briefly reachable by others: created 0600, then widened to 0660
+        try:
+            sock.bind(str(self.path))
+        finally:
+            os.umask(old)
+        gid = socket_gid(self.settings)
+        if gid is not None:
+            os.chown(self.path, -1, gid)
+        elif self.settings.socket_group:
+            log.warning("daemon.socket_group %r does not exist: socket keeps the daemon's group",
+                        self.settings.socket_group)
+        os.chmod(self.path, 0o660)
+        sock.listen(32)
+        sock.settimeout(0.5)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._accept_loop, name="control", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2)
+        if self._sock is not None:
+            self._sock.close()
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="control-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                cred = peer_cred(conn)
+            except OSError as e:
+                log.warning("control: cannot read peer credentials: %s", e)
+                return
+            why = check_peer(cred, self.settings)
+            if why is not None:
+                log.warning("control: refused pid %d: %s", cred.pid, why)
+                _send(conn, {"ok": False, "error": f"permission denied: {why}"})
+                return
+            conn.settimeout(30.0)
+            buf = b""
+            limit = self.settings.max_request_bytes
+            while not self._stop.is_set():
+                try:
+                    chunk = conn.recv(65536)
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if line.strip():
+                        _send(conn, self.handle_line(line, cred))
+                if len(buf) > limit:
+                    _send(conn, {"ok": False, "error": f"request longer than {limit} bytes"})
+                    return
+
+    def handle_line(self, line: bytes, cred: PeerCred) -> dict[str, Any]:
+        try:
+            req = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            return {"ok": False, "error": "request is not valid JSON"}
+        if not isinstance(req, dict):
+            return {"ok": False, "error": "request must be a JSON object"}
+        try:
+            return handle_request(self.daemon, req, cred)
+        except WatchdogError as e:
+            return {"ok": False, "error": str(e)}
+        except Exception as e:  # a bug must not kill the connection thread silently
+            log.exception("control: request failed")
+            return {"ok": False, "error": f"internal error: {e}"}
+
+
+def _send(conn: socket.socket, obj: dict[str, Any]) -> None:
+    try:
+        conn.sendall(json.dumps(obj).encode() + b"\n")
+    except OSError:
+        pass
+
+
+def _job_id(req: dict[str, Any]) -> str:
+    job_id = req.get("job_id")
+    if not isinstance(job_id, str):
+        raise UsageError("job_id must be a string")
+    return validate_job_id(job_id)
+
+
+def _owned(daemon: Daemon, job_id: str, cred: PeerCred) -> dict[str, Any]:
+    reg = daemon.registrations().get(job_id)
+    if reg is None:
+        raise UsageError(f"job {job_id!r} is not registered")
+    if cred.uid != 0 and int(reg.get("registered_by_uid", -1)) != cred.uid:
+        raise UsageError(f"job {job_id!r} was registered by another user")
+    return reg
+
+
+def handle_request(daemon: Daemon, req: dict[str, Any], cred: PeerCred) -> dict[str, Any]:
+    """Validate and execute one request; UsageError → a refusal naming the field."""
+    from gpu_watchdog.daemon.service import validate_pids_live
+
+    op = req.get("op")
+    if op not in OPS:
+        raise UsageError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    if op == "status":
+        return {"ok": True, "status": daemon.status_line(), "store_problem": daemon.store.problem,
+                "jobs": {j: {"state": s.state, "ranks": list(s.ranks), "signature": s.signature}
+                         for j, s in daemon.state.jobs.items()},
+                "registered": sorted(daemon.registrations()), "hooks": sorted(daemon.settings.hooks)}
+    if op == "incidents":
+        limit = req.get("limit", 20)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= 1000:
+            raise UsageError("limit must be an integer in 1..1000")
+        return {"ok": True, "incidents": daemon.store.incidents(limit)}
+    job_id = _job_id(req)
+    if op == "job-start":
+        unknown = set(req) - {"op", "job_id", "pids", "cgroup", "restart_hook", "checkpoint_opt_in"}
+        if unknown:
+            raise UsageError(f"unknown field {sorted(unknown)[0]!r}")
+        hook = req.get("restart_hook")
+        if hook is not None and (not isinstance(hook, str) or hook not in daemon.settings.hooks):
+            raise UsageError(f"unknown restart_hook {hook!r}: hooks are defined in the daemon's config only "
+                             f"(known: {', '.join(sorted(daemon.settings.hooks)) or 'none'})")
+        opt_in = req.get("checkpoint_opt_in", False)
+        if not isinstance(opt_in, bool):
+            raise UsageError("checkpoint_opt_in must be true or false")
+        pids = req.get("pids", [])
+        cgroup = req.get("cgroup")
+        if not isinstance(pids, list) or len(pids) > MAX_PIDS:
+            raise UsageError(f"pids must be a list of at most {MAX_PIDS} pids")
+        if cgroup is not None:  # the cgroup is re-read every tick: it may still be empty (Slurm prolog)
+            if not validate_cgroup(cgroup).is_dir():
+                raise UsageError(f"cgroup {cgroup!r} does not exist")
+            pids = list(pids) + cgroup_pids(cgroup)
+        elif not pids:
+            raise UsageError("job-start needs pids or a cgroup")
+        procs = validate_pids_live(pids)
+        if cred.uid != 0:
+            for p in procs:
+                if p["uid"] != cred.uid:
+                    raise UsageError(f"pid {p['pid']} belongs to uid {p['uid']}, not to you (uid {cred.uid})")
+            old = daemon.registrations().get(job_id)
+            if old is not None and int(old.get("registered_by_uid", -1)) != cred.uid:
+                raise UsageError(f"job {job_id!r} is registered by another user")
+        daemon.register({"job_id": job_id, "pids": procs, "cgroup": cgroup, "restart_hook": hook,
+                         "checkpoint_opt_in": opt_in, "registered_by_uid": cred.uid})
+        log.info("control: job %s registered by uid %d: pids %s, hook %s", job_id, cred.uid,
+                 [p["pid"] for p in procs], hook)
+        return {"ok": True, "job_id": job_id, "pids": [p["pid"] for p in procs],
+                "control_dir": str(daemon.state_dir / "run" / job_id)}
+    _owned(daemon, job_id, cred)
+    if op == "job-end":
+        daemon.unregister(job_id)
+        return {"ok": True, "job_id": job_id}
+    if op == "restart":
+        accepted = daemon.manual_restart(job_id)
+        return {"ok": accepted, "job_id": job_id,
+                **({} if accepted else {"error": "a recovery of this job is already running"})}
+    # preempt
+    timeout = req.get("timeout_s", daemon.settings.preempt_timeout_s)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise UsageError("timeout_s must be a number > 0")
+    return preempt(daemon, job_id, min(float(timeout), daemon.settings.preempt_timeout_s))
+
+
+def preempt(daemon: Daemon, job_id: str, timeout_s: float) -> dict[str, Any]:
+    """Ask a job to checkpoint now: through its in-job client when it has one, else with
+    ``recovery.checkpoint_signal`` when it opted in; wait at most ``timeout_s`` for the acknowledgement."""
+    from gpu_watchdog.job.protocol import ControlDir
+    from gpu_watchdog.act.stopper import send_signal
+
+    reg = daemon.registrations()[job_id]
+    control = ControlDir(daemon.state_dir / "run" / job_id)
+    clients = control.clients()
+    if clients:
+        rid = f"preempt-{int(time.time() * 1000)}"
+        control.request_checkpoint(rid, daemon.cfg.recovery.client_boundary_s)
+        deadline = time.monotonic() + timeout_s
+        acks: dict[int, dict[str, Any]] = {}
+        while time.monotonic() < deadline:
+            acks = control.acks(rid)
+            if set(acks) >= set(clients):
+                break
+            time.sleep(0.2)
+        missing = sorted(set(clients) - set(acks))
+        return {"ok": not missing, "job_id": job_id, "acks": {str(r): a.get("outcome") for r, a in acks.items()},
+                **({"error": f"no acknowledgement from ranks {missing} within {timeout_s:g}s"} if missing else {})}
+    sig_name = daemon.cfg.recovery.checkpoint_signal
+    if not (reg.get("checkpoint_opt_in") and sig_name):
+        return {"ok": False, "job_id": job_id,
+                "error": "the job has no in-job client and did not opt in to a checkpoint signal "
+                         "(checkpoint_opt_in + recovery.checkpoint_signal)"}
+    allowed = {p.pid: p for p in daemon.job_processes(job_id)}
+    status = daemon.state.jobs.get(job_id)
+    ranks = [allowed[pid] for pid in (status.rank_pids.values() if status else ()) if pid in allowed]
+    sent = [p.pid for p in ranks if send_signal(p, getattr(_signal, sig_name))]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(p.pid in {q.pid for q in daemon.job_processes(job_id)}
+                                              for p in ranks):
+        time.sleep(0.2)
+    return {"ok": bool(sent), "job_id": job_id, "signal": sig_name, "sent_to": sent}
+
+
+# -- client ------------------------------------------------------------------------------------------
+def request(path: str, req: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+    """Send one request to the daemon and return its reply (UsageError when it cannot be reached)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    s.settimeout(timeout_s)
+    try:
+        s.connect(path)
+        s.sendall(json.dumps(req).encode() + b"\n")
+        buf = b""
+        while b"\n" not in buf:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    except OSError as e:
+        raise WatchdogError(f"cannot reach the daemon at {path}: {e.strerror or e}") from None
+    finally:
+        s.close()
+    try:
+        reply = json.loads(buf.split(b"\n", 1)[0])
+    except ValueError:
+        raise WatchdogError(f"the daemon at {path} sent no valid reply") from None
+    return reply if isinstance(reply, dict) else {"ok": False, "error": "bad reply"}

@@ -1,0 +1,2 @@
+"""``gpu-watchdog demo``: a real hang on a CPU job, found and recovered.
+"""

@@ -1,0 +1,383 @@
+"""The stall detector: a pure function of (previous state, new sample, stack evidence) → (state, findings).
+
+Per job, each tick:
+- every rank's progress is judged from its process tree's CPU time and I/O deltas, its main thread's wakeups
+  (voluntary context switches: a loop that sleeps or polls at one line keeps waking, a thread blocked for good
+  does not) and the in-job client's step heartbeat; a rank seen for the first time counts as progressing;
+- device evidence overrides the host: a rank whose GPU spins busy-waits in a device sync, so only its heartbeat
+  (or a stack that moves between dumps) counts; a rank the kernel shows waiting on storage or a pipe write is
+  being waited on (slow is not stuck); a stopped rank (SIGSTOP) makes no progress and is the culprit;
+- every GPU the job uses shows signature A (utilization ~0 with memory held), signature B (the NCCL spin:
+  utilization ~100 % at idle power with no PCIe/NVLink traffic), or real work;
+- no progress anywhere → the no-progress streak starts at the previous tick (the last time progress was
+  seen: the onset); after ``suspect_after_s`` the job is *suspect*; it is *stalled* (a finding) when two
+  stack dumps ``stack_confirm_gap_s`` apart show no rank moving, or after ``confirm_after_s`` without stacks;
+- some ranks progressing while the others are idle → *waiting* on those ranks (a checkpoint save, an eval);
+  that becomes a stall only after ``waiting_timeout_s``, or when stacks show the "busy" ranks never move
+  (host-side spin in a device sync);
+- a rank that exited while its peers sit idle makes the stall's signature ``rank_exited``;
+- a GPU fault (lost, reset required, Xid) is a ``gpu_fault`` finding at once.
+
+Stack evidence is the seam to gpu_watchdog.evidence.stacks: the caller dumps stacks when ``JobStatus.needs_stacks``
+and passes the classified result back in on a later tick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from gpu_watchdog.evidence.classify import kernel_wait
+from gpu_watchdog.config.schema import DetectConfig
+from gpu_watchdog.evidence.diagnosis import RankContext, stacks_progressed
+from gpu_watchdog.model import DeviceSample, NodeSample, ProcessSample, StackEvidence
+
+RUNNING, SUSPECT, STALLED, WAITING = "running", "suspect", "stalled", "waiting"
+JOB_STATES = (RUNNING, SUSPECT, STALLED, WAITING)
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # "stall" | "gpu_fault"
+    signature: str  # stall: idle_held | spin | rank_exited | waiting_timeout; fault: gpu_lost | ...
+    job_id: str | None
+    ranks: tuple[int, ...]  # the job's ranks seen on this node
+    culprit_ranks: tuple[int, ...]  # what the detector alone can tell; stacks refine it
+    onset: float
+    confirmed_at: float
+    devices: tuple[str, ...] = ()  # GPU UUIDs involved
+    detail: str = ""
+    evidence: str = "time"  # "stacks" | "time" | "fault" | "process"
+
+    def to_json(self) -> dict[str, object]:
+        return {"kind": self.kind, "signature": self.signature, "job": self.job_id, "ranks": list(self.ranks),
+                "culprit_ranks": list(self.culprit_ranks), "onset": self.onset,
+                "confirmed_at": self.confirmed_at, "devices": list(self.devices), "detail": self.detail,
+                "evidence": self.evidence}
+
+
+@dataclass(frozen=True)
+class _RankObs:
+    pid: int
+    create_time: float
+    t: float
+    cpu_time_s: float
+    io_bytes: int | None
+    heartbeat_step: int | None
+    wakeups: int | None = None
+    progressing: bool = True  # the verdict for the window that ended at ``t``
+    host_busy_t: float | None = None  # the last time its tree used CPU or did I/O (a data wait's producer)
+    step_t: float | None = None  # the last time its step heartbeat moved
+    device: str | None = None  # its GPU's signature this tick (None: no GPU, proc backend)
+    doing: str = ""  # what the kernel shows it waiting on: "io wait (pipe_write)"
+    stopped: bool = False  # SIGSTOP / job-control stop (T): it cannot make progress until continued
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """What the detector believes about one job right now (also what metrics export)."""
+
+    job_id: str
+    state: str = RUNNING
+    since: float = 0.0  # when ``state`` began
+    onset: float | None = None  # start of the current no-progress streak
+    waiting_since: float | None = None
+    waiting_on: tuple[int, ...] = ()  # ranks still making progress while the others wait
+    waiting_doing: str = ""  # what they do, from stacks when known ("io at write (ckpt.py:12)")
+    signature: str = ""
+    ranks: tuple[int, ...] = ()
+    rank_pids: Mapping[int, int] = field(default_factory=dict)
+    ranks_seen: frozenset[int] = frozenset()
+    devices: tuple[str, ...] = ()
+    evidence: tuple[StackEvidence, ...] = ()  # stack dumps taken during the current streak
+    progress_since: float | None = None  # for clearing a confirmed stall
+    needs_stacks: bool = False
+    stopped: tuple[int, ...] = ()  # ranks in the stopped state (SIGSTOP): culprits from process state alone
+
+
+@dataclass(frozen=True)
+class DetectorState:
+    t: float | None = None
+    ranks: Mapping[tuple[str, int], _RankObs] = field(default_factory=dict)
+    traffic: Mapping[str, tuple[float, int]] = field(default_factory=dict)  # uuid → (t, total bytes)
+    jobs: Mapping[str, JobStatus] = field(default_factory=dict)
+    faulted: frozenset[str] = frozenset()  # GPU UUIDs with a fault in the last sample
+    fault_keys: frozenset[str] = frozenset()  # "uuid/kind/xid" of the faults already reported (see step)
+
+
+def _traffic_total(d: DeviceSample) -> int | None:
+    parts = (d.pcie_tx_bytes_total, d.pcie_rx_bytes_total, d.nvlink_tx_bytes_total, d.nvlink_rx_bytes_total)
+    known = [p for p in parts if p is not None]
+    return sum(known) if known else None
+
+
+def device_signature(d: DeviceSample, cfg: DetectConfig, traffic_bps: float | None,
+                     job_pids: frozenset[int]) -> str | None:
+    """'idle_held', 'spin', 'busy', or None when utilization is unknown."""
+    if d.util_percent is None:
+        return None
+    # A proc-backend device is a rank's CPU use: it is idle exactly when the rank makes no CPU progress.
+    idle_max = cfg.progress_cpu_min_cores * 100.0 if d.virtual else cfg.util_idle_max_percent
+    if d.util_percent <= idle_max:
+        if d.virtual:
+            held = (d.mem_used_bytes or 0) >= cfg.proc_rss_held_min_bytes
+        else:
+            job_mem = [p.used_memory_bytes for p in d.processes if p.pid in job_pids]
+            known = [m for m in job_mem if m is not None]
+            held = (sum(known) if known else (d.mem_used_bytes or 0)) >= cfg.mem_held_min_bytes
+        return "idle_held" if held else "busy"
+    if d.util_percent >= cfg.spin_util_min_percent and d.power_w is not None:
+        limit = cfg.spin_power_max_w or (
+            cfg.spin_power_max_ratio * d.power_limit_w if d.power_limit_w else 0.0)
+        quiet_link = traffic_bps is None or traffic_bps <= cfg.spin_traffic_max_bytes_per_s
+        if d.power_w <= limit and quiet_link:
+            return "spin"
+    return "busy"
+
+
+def _observe_rank(p: ProcessSample, prev: _RankObs | None, t: float, device: str | None,
+                  cfg: DetectConfig) -> _RankObs:
+    """The rank's progress verdict and the baseline for the next one.
+
+    CPU time moves in 10 ms clock ticks, so a window much shorter than a tick interval (an early tick right
+    after a stack dump) turns noise into a "busy" rate: such a window keeps the previous baseline and verdict.
+    """
+    same = prev is not None and prev.pid == p.pid and prev.create_time == p.create_time
+    wait = kernel_wait(p.wchan, p.status)
+    doing = f"{wait} ({p.wchan or p.status})" if wait else ""
+    stopped = p.status == "stopped"
+    if same and prev is not None and p.status != "zombie" and t - prev.t < cfg.progress_min_window_s \
+            and p.heartbeat_step == prev.heartbeat_step:
+        return replace(prev, device=device, doing=doing, stopped=stopped)
+    old = prev if same else None
+    progressing, host_busy = _rank_progress(p, old, t, device, wait, cfg)
+    host_busy_t = t if host_busy else (old.host_busy_t if old is not None else None)
+    stepped = old is not None and p.heartbeat_step is not None and p.heartbeat_step != old.heartbeat_step
+    step_t = t if stepped else (old.step_t if old is not None else None)
+    return _RankObs(p.pid, p.create_time, t, p.cpu_time_s, p.io_bytes, p.heartbeat_step, p.wakeups, progressing,
+                    host_busy_t, step_t, device, doing, stopped)
+
+
+# A blocking py-spy attach (stacks.native) wakes a thread twice: fewer wakeups than this in one window prove nothing.
+_MIN_WAKEUPS = 3
+
+
+def _rank_progress(p: ProcessSample, prev: _RankObs | None, t: float, device: str | None, wait: str | None,
+                   cfg: DetectConfig) -> tuple[bool, bool]:
+    """(progressing, host busy) for one rank over the window since ``prev``.
+
+    Host counters mean different things by GPU: a rank whose GPU spins (the NCCL signature) busy-waits in a
+    device sync, so its CPU time rises at about a core while it makes no progress at all; only its step
+    heartbeat (or moving stacks, judged between dumps) counts. A rank waiting in a file-system or pipe write
+    is being waited on, whatever its byte counters show."""
+    if p.status == "zombie" or p.status == "stopped":
+        return False, False
+    if prev is None or t <= prev.t:
+        return True, False  # nothing to compare with yet: assume it works
+    dt = t - prev.t
+    busy = (p.cpu_time_s - prev.cpu_time_s) / dt >= cfg.progress_cpu_min_cores or (
+        p.io_bytes is not None and prev.io_bytes is not None
+        and (p.io_bytes - prev.io_bytes) / dt >= cfg.progress_io_min_bytes_per_s)
+    if p.heartbeat_step is not None and p.heartbeat_step != prev.heartbeat_step:
+        return True, busy
+    if wait == "io":
+        return True, busy
+    if device == "spin":
+        return False, busy
+    woke = p.wakeups is not None and prev.wakeups is not None and p.wakeups - prev.wakeups >= _MIN_WAKEUPS \
+        and (p.wakeups - prev.wakeups) / dt >= cfg.progress_wakeups_min_per_s
+    return busy or woke, busy
+
+
+def stacks_show_progress(a: StackEvidence, b: StackEvidence,
+                         context: Mapping[int, RankContext] | None = None) -> dict[int, str]:
+    """Ranks whose stacks moved between two dumps (diagnosis.stacks_progressed), with what they are doing."""
+    now = {r.rank: r for r in b.ranks}
+    return {rank: f"{now[rank].state} at {now[rank].where}" if now[rank].where else now[rank].state
+            for rank, moved in stacks_progressed(a, b, context).items() if moved}
+
+
+def _rank_device(pid: int, devs: Sequence[DeviceSample], sigs: Sequence[str | None]) -> str | None:
+    """The signature of the real GPU(s) a rank process is on: busy wins (it works somewhere), then spin."""
+    mine = {s for d, s in zip(devs, sigs, strict=True) if not d.virtual and s is not None and pid in d.pids}
+    return next((s for s in ("busy", "spin", "idle_held") if s in mine), None)
+
+
+# Ticks come from a wall clock that jitters by milliseconds: a tick 1 ms short of "suspect for 2 s" must not
+# cost a whole interval (it made the same hang confirm 5, 6 or 7 s after its onset, at random).
+CLOCK_SLACK_S = 0.05
+
+
+def _lasted(elapsed: float, threshold: float) -> bool:
+    """Has ``elapsed`` reached ``threshold``, give or take the sampling clock's jitter?"""
+    return elapsed >= threshold - CLOCK_SLACK_S
+
+
+def _fmt_ranks(ranks: Iterable[int]) -> str:
+    return ",".join(str(r) for r in sorted(ranks))
+
+
+def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
+         stacks: Sequence[StackEvidence] = ()) -> tuple[DetectorState, list[Finding]]:
+    """Advance the detector by one sample. Pure: same inputs, same outputs."""
+    t = sample.t
+    findings: list[Finding] = []
+    prev_t = state.t if state.t is not None else t
+
+    # GPU faults: each reported once while it lasts. Keyed by GPU, kind and Xid, so a lost GPU seen every
+    # tick is one finding, while a new Xid right after another (an application Xid, then Xid 79) is news.
+    faulted, fault_keys = set(), set()
+    for d in sample.devices:
+        if d.fault is None:
+            continue
+        key = f"{d.uuid}/{d.fault.kind}/{d.fault.xid}"
+        faulted.add(d.uuid)
+        fault_keys.add(key)
+        if key not in state.fault_keys:
+            hit = sorted({p.job.job_id for p in sample.processes if p.job and p.pid in d.pids})
+            findings.append(Finding("gpu_fault", d.fault.kind, hit[0] if hit else None, (), (), t, t,
+                                    (d.uuid,), f"{d.fault.detail}; jobs: {', '.join(hit) or 'none'}", "fault"))
+
+    # Traffic rates from cumulative counters.
+    traffic: dict[str, tuple[float, int]] = {}
+    traffic_bps: dict[str, float | None] = {}
+    for d in sample.devices:
+        total = _traffic_total(d)
+        traffic_bps[d.uuid] = None
+        if total is not None:
+            traffic[d.uuid] = (t, total)
+            old = state.traffic.get(d.uuid)
+            if old is not None and t > old[0] and total >= old[1]:
+                traffic_bps[d.uuid] = (total - old[1]) / (t - old[0])
+
+    by_job: dict[str, list[tuple[int, ProcessSample]]] = {}
+    for p in sample.processes:
+        if p.is_rank and p.job is not None and p.job.rank is not None:
+            by_job.setdefault(p.job.job_id, []).append((p.job.rank, p))
+
+    ev_by_job: dict[str, list[StackEvidence]] = {}
+    for ev in stacks:
+        ev_by_job.setdefault(ev.job_id, []).append(ev)
+
+    ranks_obs: dict[tuple[str, int], _RankObs] = {}
+    jobs: dict[str, JobStatus] = {}
+    for job_id, ranked in by_job.items():
+        pids = frozenset(p.pid for _, p in ranked)
+        devs = [d for d in sample.devices if d.pids & pids and d.fault is None]
+        sigs = [device_signature(d, cfg, traffic_bps.get(d.uuid), pids) for d in devs]
+        obs_of: dict[int, _RankObs] = {}
+        for rank, p in ranked:
+            obs = _observe_rank(p, state.ranks.get((job_id, rank)), t, _rank_device(p.pid, devs, sigs), cfg)
+            ranks_obs[(job_id, rank)] = obs_of[rank] = obs
+        prev = state.jobs.get(job_id) or JobStatus(job_id, since=t)
+        js = _advance_job(prev, t, prev_t, ranked, obs_of, devs, sigs, ev_by_job.get(job_id, []), cfg)
+        jobs[job_id] = js
+        if js.state == STALLED and prev.state != STALLED:
+            findings.append(_stall_finding(js, t))
+    # Jobs whose ranks are all gone simply end; a stall that ended with them was already reported.
+    return DetectorState(t, ranks_obs, traffic, jobs, frozenset(faulted), frozenset(fault_keys)), findings
+
+
+def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tuple[int, ProcessSample]],
+                 obs: Mapping[int, _RankObs], devs: Sequence[DeviceSample], sigs: Sequence[str | None],
+                 evidence_in: Sequence[StackEvidence], cfg: DetectConfig) -> JobStatus:
+    ranks = tuple(sorted(rank for rank, _ in ranked))
+    progressing = [r for r in ranks if obs[r].progressing]
+    seen = prev.ranks_seen | frozenset(ranks)
+    missing = seen - frozenset(ranks)
+    devices_busy = any(s == "busy" for s in sigs)
+    device_sig = "spin" if "spin" in sigs else "idle_held"
+    base = replace(prev, ranks=ranks, ranks_seen=seen, devices=tuple(d.uuid for d in devs),
+                   rank_pids={rank: p.pid for rank, p in ranked},
+                   stopped=tuple(r for r in ranks if obs[r].stopped))
+
+    streak_start = prev.onset if prev.onset is not None else prev.waiting_since
+    evidence = tuple(e for e in (*prev.evidence, *evidence_in) if streak_start is not None and
+                     e.t >= streak_start)[-2:]
+    moving: dict[int, str] = {}
+    stack_quiet = False
+    if len(evidence) == 2 and _lasted(evidence[1].t - evidence[0].t, cfg.stack_confirm_gap_s) and evidence[1].ranks:
+        since = evidence[0].t
+        context = {r: RankContext(o.device, o.host_busy_t is not None and o.host_busy_t > since,
+                                  o.step_t is not None and o.step_t > since) for r, o in obs.items()}
+        moving = stacks_show_progress(evidence[0], evidence[1], context)
+        stack_quiet = not moving
+
+    quiet = not progressing and not devices_busy
+    onset = prev.onset if prev.onset is not None else prev_t  # the last tick that saw progress
+    if not quiet and stack_quiet and not devices_busy:
+        quiet = True  # the CPU "progress" was a host-side spin: the stacks never moved
+        onset = prev.onset if prev.onset is not None else (prev.waiting_since or prev_t)
+    slow_movers = quiet and bool(moving) and prev.state != STALLED
+    if slow_movers:
+        # No counter moved, but these ranks' stacks did between two dumps: they progress too slowly for the
+        # counters to show (a slow read, a sleep-poll loop). The job waits on them; it is not stalled.
+        # (A confirmed stall clears only on counter progress, never on old dumps.)
+        quiet, progressing = False, sorted(moving)
+
+    if quiet:
+        signature = "rank_exited" if missing else device_sig
+        if prev.state == STALLED:
+            return replace(base, onset=onset, evidence=evidence, progress_since=None, needs_stacks=False)
+        stalled = _lasted(t - onset, cfg.suspect_after_s) and (stack_quiet or _lasted(t - onset, cfg.confirm_after_s))
+        if stalled:
+            return replace(base, state=STALLED, since=t, onset=onset, signature=signature, evidence=evidence,
+                           progress_since=None, needs_stacks=False)
+        if _lasted(t - onset, cfg.suspect_after_s):
+            since = prev.since if prev.state == SUSPECT else t
+            needs = not evidence or _lasted(t - evidence[-1].t, cfg.stack_confirm_gap_s)
+            return replace(base, state=SUSPECT, since=since, onset=onset, signature=signature,
+                           evidence=evidence, needs_stacks=needs)
+        return replace(base, onset=onset, evidence=evidence, signature=signature, needs_stacks=False,
+                       state=prev.state if prev.state in (WAITING, RUNNING) else RUNNING)
+
+    # Some progress somewhere.
+    if prev.state == STALLED:
+        since = prev.progress_since if prev.progress_since is not None else t
+        if not _lasted(t - since, cfg.clear_after_s):
+            return replace(base, progress_since=since, needs_stacks=False)
+    idle = [r for r in ranks if r not in progressing]
+    if (idle and progressing and len(ranks) > 1) or (devices_busy and any(s != "busy" for s in sigs)):
+        waiting_since = prev.waiting_since if prev.waiting_since is not None else (
+            onset if slow_movers else prev_t)
+        kernel = {r: obs[r].doing for r in progressing if obs[r].doing}
+        doing = ", ".join(f"rank {r}: {moving[r]}" for r in sorted(moving)) if moving else (
+            ", ".join(f"rank {r}: {d}" for r, d in sorted(kernel.items())) or prev.waiting_doing)
+        # No rank's process progresses but some GPUs work: the job waits on the ranks on those GPUs.
+        busy_pids = {pid for d, s in zip(devs, sigs, strict=True) if s == "busy" for pid in d.pids}
+        gpu_busy = tuple(r for r, pid in sorted(base.rank_pids.items()) if pid in busy_pids)
+        on = tuple(sorted(moving)) if moving else tuple(progressing) or gpu_busy
+        if _lasted(t - waiting_since, cfg.waiting_timeout_s):
+            return replace(base, state=STALLED, since=t, onset=waiting_since, waiting_since=waiting_since,
+                           waiting_on=on, waiting_doing=doing, signature="waiting_timeout",
+                           evidence=evidence, progress_since=None, needs_stacks=False)
+        needs = not evidence or _lasted(t - evidence[-1].t, (
+            cfg.stack_confirm_gap_s if len(evidence) < 2 else cfg.waiting_stack_interval_s))
+        return replace(base, state=WAITING, since=prev.since if prev.state == WAITING else t, onset=None,
+                       waiting_since=waiting_since, waiting_on=on, waiting_doing=doing, signature="",
+                       evidence=evidence, progress_since=None, needs_stacks=needs)
+    return replace(base, state=RUNNING, since=prev.since if prev.state == RUNNING else t, onset=None,
+                   waiting_since=None, waiting_on=(), waiting_doing="", signature="", evidence=(),
+                   progress_since=None, needs_stacks=False)
+
+
+def _stall_finding(js: JobStatus, t: float) -> Finding:
+    missing = tuple(sorted(js.ranks_seen - frozenset(js.ranks)))
+    if js.signature == "rank_exited":
+        culprits, detail = missing, f"rank(s) {_fmt_ranks(missing)} exited; ranks {_fmt_ranks(js.ranks)} idle"
+    elif js.signature == "waiting_timeout":
+        culprits = js.waiting_on
+        detail = f"ranks waited on rank(s) {_fmt_ranks(js.waiting_on)} for too long"
+        if js.waiting_doing:
+            detail += f" ({js.waiting_doing})"
+    else:
+        culprits = js.stopped
+        detail = ("GPUs spin at idle power with no traffic" if js.signature == "spin"
+                  else "no rank makes progress while memory is held")
+        if js.stopped:
+            detail += f"; rank(s) {_fmt_ranks(js.stopped)} stopped (SIGSTOP or job control: state T)"
+    evidence = "stacks" if len(js.evidence) == 2 else "time"
+    assert js.onset is not None
+    return Finding("stall", js.signature, js.job_id, tuple(sorted(js.ranks_seen)), culprits, js.onset, t,
+                   js.devices, detail, evidence)
+

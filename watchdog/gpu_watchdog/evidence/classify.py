@@ -1,0 +1,262 @@
+"""Classify a rank's main thread from its py-spy frames: which kind of wait (or work) is it in?
+
+All rules live in ``RULES``: an ordered table of (state, matcher). A matcher looks at one frame and
+returns ``None`` (no match) or the op name (``""`` when the state has no op). Frames are examined
+innermost first, Python frames before native ones; the first frame that any rule matches decides,
+and when several rules match that frame the earlier row wins. Innermost-first is what makes "a
+collective called inside save_checkpoint" a *collective* (the rank is blocked there) while
+"``time_sleep`` inside a DataLoader retry" stays a *data_wait* (Python frames are seen first).
+
+Frames that py-spy never shows in its default (Python-only) mode, and how we still see them:
+  * ``time.sleep`` and other C functions (``Tensor.item``, ``Work.wait``) have no Python frame; the
+    caller's line is the innermost frame. ``dump_stacks`` adds the kernel wait channel as
+    ``thread["wchan"]``, which we treat as the innermost native frame (file ``[kernel]``), so
+    ``hrtimer_nanosleep`` still reads as sleep. With ``--native`` the C frames (``time_sleep``,
+    ``c10d::Work::wait``, ``cudaStreamSynchronize``) are matched directly.
+No rule matched: ``compute`` when py-spy saw the thread on CPU (``active``), else ``unknown``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from gpu_watchdog.model import RankStack
+
+STATES = ("collective", "device_sync", "io", "data_wait", "sleep", "compute", "stopped", "unknown")
+
+# Collectives are recognised by where the frame lives, not by a hand-kept list of names (torch keeps adding
+# entry points: all_gather_single and reduce_scatter_single in 2.13, FSDP2's helpers, ...):
+#   * any function of torch.distributed's c10d Python API (distributed_c10d.py) or of functional collectives,
+#     except the non-blocking getters and argument checks below;
+#   * in libraries built on them (FSDP, DTensor, composable APIs, DeepSpeed's comm layer), a function whose
+#     name says it communicates or waits for communication (COLLECTIVE_WORDS);
+#   * native frames of c10d work objects, ProcessGroup{NCCL,Gloo}, NCCL's API and gloo's algorithms.
+C10D_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives.py",
+              "torch/distributed/_functional_collectives_impl.py")
+COLLECTIVE_LIBRARY_FILES = ("torch/distributed/fsdp/", "torch/distributed/tensor/", "torch/distributed/_tensor/",
+                            "torch/distributed/_composable/", "deepspeed/comm/")
+COLLECTIVE_WORDS = re.compile(r"all_?gather|reduce_?scatter|all_?reduce|broadcast|all_?to_?all|barrier|unshard|"
+                              r"(^|_)(wait|reduce|gather|scatter)(_|$)|isend|irecv|p2p")
+_C10D_NOT_BLOCKING = re.compile(r"^_*(get_|is_|check|warn|canonicalize|validate|rank_not_in_group|coalescing_manager$)")
+_NATIVE_COLLECTIVE = re.compile(r"c10d::\w*Work\w*::wait|c10d::ProcessGroup(NCCL|Gloo)|^nccl[A-Z]\w*|gloo::")
+# Families, for telling "the same collective through another entry point" from a desync.
+COLLECTIVE_FAMILIES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "barrier", "gather",
+                       "scatter", "reduce", "send", "recv", "p2p", "init", "new_group")
+_FAMILY_ALIASES = {"allgather": "all_gather", "reducescatter": "reduce_scatter", "allreduce": "all_reduce",
+                   "alltoall": "all_to_all", "batch_isend_irecv": "p2p", "batch_p2p": "p2p", "isend": "send",
+                   "irecv": "recv", "monitored_barrier": "barrier",
+                   "store_based_barrier": "barrier", "init_process_group": "init", "unshard": "all_gather"}
+P2P_FAMILIES = frozenset({"send", "recv", "p2p"})
+WAIT_FAMILY = "wait"  # Work.wait()/wait_tensor: which collective it waits for is not in the frame
+
+
+def collective_family(op: str) -> str:
+    """``all_gather_single`` → ``all_gather``; ``_reduce_scatter_base`` → ``reduce_scatter``; ``wait_tensor`` →
+    ``wait``. Unknown names come back without their leading underscores."""
+    name = op.lstrip("_")
+    for alias, family in _FAMILY_ALIASES.items():
+        if name.startswith(alias) or alias in name:
+            return family
+    if re.search(r"(^|_)wait(_|$)", name):
+        return WAIT_FAMILY
+    return next((f for f in COLLECTIVE_FAMILIES if f in name), name)
+
+
+IO_NAMES = frozenset({
+    "write", "writelines", "read", "readinto", "readline", "readlines", "flush", "fsync", "fdatasync",
+    "save_checkpoint", "load_checkpoint", "save_pretrained", "save_model", "save_state_dict",
+    "save_file", "load_file", "copyfile", "copyfileobj", "copytree",
+})
+IO_FILES = ("torch/serialization.py", "safetensors/", "torch/distributed/checkpoint/", "shutil.py")
+DATA_FILES = ("multiprocessing/queues.py", "multiprocessing/connection.py")
+DATALOADER_WAITS = frozenset({"_next_data", "_get_data", "_try_get_data"})
+SLEEP_NAMES = frozenset({"sleep", "time_sleep", "pysleep", "clock_nanosleep", "nanosleep", "usleep"})
+# Native symbols of a host↔device sync (CUDA runtime/driver, and the item()/tolist() bindings).
+_DEVICE_SYNC_NATIVE = re.compile(
+    r"(cuda|cu)(Device|Stream|Event|Ctx)Synchronize|_local_scalar_dense_cuda|cudaMemcpy(?!Async)"
+)
+
+# Kernel wait channels (/proc/PID/wchan) of a thread waiting on storage — block devices, page-cache writeback,
+# NFS/RPC, FUSE, Lustre, Ceph, journaling — or writing into a pipe: slow I/O, which ends on its own.
+_KERNEL_IO = re.compile(
+    r"pipe_write|pipe_wait_writable|nfs|rpc_|io_schedule|folio_wait|wait_on_page|__lock_page|balance_dirty_pages|"
+    r"jbd2|blk_|wait_for_completion_io|ext4|xfs|btrfs|fuse|request_wait_answer|ceph|cl_sync_io|lustre|filemap|"
+    r"fsync|writeback|wb_wait"
+)
+# ... and of a thread waiting for bytes from a pipe or a socket: a consumer waiting on its producer.
+_KERNEL_DATA = re.compile(r"^pipe_read$|^pipe_wait_readable$|unix_stream_read|sk_wait_data")
+
+
+def kernel_wait(wchan: str | None, status: str = "") -> str | None:
+    """"io" or "data_wait" for a thread the kernel shows waiting on I/O or on a producer, else None.
+    ``status`` is psutil's process status: ``disk-sleep`` (D) is an uninterruptible I/O wait."""
+    if status == "disk-sleep":
+        return "io"
+    if not wchan or wchan == "0":
+        return None
+    if _KERNEL_IO.search(wchan):
+        return "io"
+    return "data_wait" if _KERNEL_DATA.search(wchan) else None
+
+
+Frame = Mapping[str, Any]
+Matcher = Callable[[Frame], "str | None"]
+
+
+def _name(fr: Frame) -> str:
+    return str(fr.get("name") or "")
+
+
+def _last(fr: Frame) -> str:
+    """``Queue.get`` → ``get``; py-spy gives qualified names on Python ≥3.11."""
+    return _name(fr).rsplit(".", 1)[-1]
+
+
+def _file(fr: Frame) -> str:
+    return str(fr.get("filename") or fr.get("short_filename") or "").replace("\\", "/")
+
+
+def _in(fr: Frame, *parts: str) -> bool:
+    f = _file(fr)
+    return any(p in f for p in parts)
+
+
+def _collective(fr: Frame) -> str | None:
+    name = _last(fr)
+    if _in(fr, *C10D_FILES):
+        return None if _C10D_NOT_BLOCKING.match(name) else name
+    if _in(fr, *COLLECTIVE_LIBRARY_FILES) and COLLECTIVE_WORDS.search(name):
+        return name
+    if is_native(fr) and _NATIVE_COLLECTIVE.search(_name(fr)):
+        return "wait" if "::wait" in _name(fr) else _name(fr).rsplit("::", 1)[-1]
+    return None
+
+
+def _device_sync(fr: Frame) -> str | None:
+    if _in(fr, "torch/cuda/") and _last(fr) in ("synchronize", "item", "cpu", "tolist"):
+        return ""
+    return "" if _DEVICE_SYNC_NATIVE.search(_name(fr)) else None
+
+
+def _data_wait(fr: Frame) -> str | None:
+    f = _file(fr)
+    if f == "[kernel]":
+        return "" if kernel_wait(_name(fr)) == "data_wait" else None
+    if (f == "queue.py" or f.endswith("/queue.py")) and _last(fr) == "get":
+        return ""
+    if _in(fr, *DATA_FILES):
+        return ""
+    if _in(fr, "torch/utils/data/") and _last(fr) in DATALOADER_WAITS:
+        return ""
+    return None
+
+
+def _io(fr: Frame) -> str | None:
+    if _file(fr) == "[kernel]":
+        return "" if kernel_wait(_name(fr)) == "io" else None
+    if _in(fr, *IO_FILES) or _last(fr) in IO_NAMES:
+        return ""
+    return None
+
+
+def _sleep(fr: Frame) -> str | None:
+    if _last(fr) in SLEEP_NAMES:
+        return ""
+    if _file(fr) == "[kernel]" and "nanosleep" in _name(fr):
+        return ""
+    return None
+
+
+# THE table. Order breaks ties on one frame: data_wait before io so a multiprocessing pipe read is a
+# data wait, collective first so c10d's own helpers never read as io.
+RULES: list[tuple[str, Matcher]] = [
+    ("collective", _collective),
+    ("device_sync", _device_sync),
+    ("data_wait", _data_wait),
+    ("io", _io),
+    ("sleep", _sleep),
+]
+
+
+def is_native(fr: Frame) -> bool:
+    """A C/C++ frame (py-spy --native) or our kernel pseudo-frame, as opposed to a Python frame."""
+    f = _file(fr)
+    return not (f.endswith(".py") or f.startswith("<") or f.endswith(".pyw"))
+
+
+def frame_text(fr: Frame) -> str:
+    """``name (short_filename:line)``; native frames have no line."""
+    short = fr.get("short_filename") or fr.get("filename") or "?"
+    line = fr.get("line") or 0
+    return f"{_name(fr)} ({short}:{line})" if line and not is_native(fr) else f"{_name(fr)} ({short})"
+
+
+def main_thread(threads: Iterable[Mapping[str, Any]], pid: int | None = None) -> dict[str, Any] | None:
+    """The thread named MainThread, else the one whose os_thread_id equals the pid, else None."""
+    ths = list(threads)
+    for th in ths:
+        if th.get("thread_name") == "MainThread":
+            return dict(th)
+    for th in ths:
+        if pid is not None and th.get("os_thread_id") == pid:
+            return dict(th)
+    return None
+
+
+def _frames_in_order(thread: Mapping[str, Any]) -> tuple[list[Frame], list[Frame]]:
+    """(python frames, native frames), each innermost first; the wchan pseudo-frame leads the native."""
+    frames: Sequence[Frame] = thread.get("frames") or ()
+    py = [f for f in frames if not is_native(f)]
+    native = [f for f in frames if is_native(f)]
+    wchan = str(thread.get("wchan") or "")
+    if wchan and wchan != "0":
+        native.insert(0, {"name": wchan, "filename": "[kernel]", "short_filename": "kernel", "line": 0})
+    return py, native
+
+
+def classify_frames(thread: Mapping[str, Any]) -> tuple[str, str | None, Frame | None]:
+    """(state, op, decisive frame) for one py-spy thread object."""
+    py, native = _frames_in_order(thread)
+    for group in (py, native):
+        for fr in group:
+            for state, match in RULES:
+                op = match(fr)
+                if op is not None:
+                    return state, (op or None), fr
+    if thread.get("active"):
+        return "compute", None, (py[0] if py else None)
+    return "unknown", None, (py[0] if py else None)
+
+
+def signature(thread: Mapping[str, Any]) -> str:
+    """Python frames only, innermost first, joined by `` <- ``: stable across processes (native frames
+    carry ASLR addresses) and across --native / default dumps."""
+    py, native = _frames_in_order(thread)
+    frames = py or [f for f in native if _file(f) != "[kernel]"]
+    return " <- ".join(frame_text(f) for f in frames)
+
+
+def classify_thread(thread: Mapping[str, Any], rank: int, pid: int) -> RankStack:
+    """The RankStack of one rank's main thread. ``where`` is the decisive frame, except that a native
+    decisive frame is reported at its innermost Python caller (``main (train.py:94)``, not
+    ``hrtimer_nanosleep``): that is the line a user can act on."""
+    state, op, decisive = classify_frames(thread)
+    py, _ = _frames_in_order(thread)
+    if decisive is not None and is_native(decisive) and py:
+        where = frame_text(py[0])
+    elif decisive is not None:
+        where = frame_text(decisive)
+    else:
+        where = ""
+    return RankStack(
+        rank=rank, pid=pid, state=state, signature=signature(thread), active=bool(thread.get("active")),
+        op=op if state == "collective" else None, where=where,
+    )
+
+
+def classify_threads(threads: Iterable[Mapping[str, Any]], rank: int, pid: int) -> RankStack | None:
+    """Classify the main thread of a dump, or None when the dump has no main thread."""
+    mt = main_thread(threads, pid)
+    return None if mt is None else classify_thread(mt, rank, pid)

@@ -1,0 +1,212 @@
+"""Name the culprit rank of a stalled job from its ranks' classified stacks (pure functions).
+
+The idea (ByteRobust, RESEARCH §1): in a hung collective every healthy rank shows the same stack,
+blocked in the same collective; the rank that caused it shows something else. So:
+  1. group ranks by (state, op, where);
+  2. the collective op that holds the most ranks is where the waiting majority sits;
+  3. every other rank is a culprit: one in a different collective means the ranks are desynchronised
+     (``desync``: they issued different sequences of collectives; a point-to-point send/recv against a
+     collective is not one: that rank waits for its partner's bytes); one doing anything else (sleep, data
+     wait, io, compute) never arrived;
+  4. ranks with no stack at all (exited, undumpable: ``missing_ranks``, or absent from
+     ``range(world_size)``) are culprits too;
+  5. if everybody waits in the same collective, the culprit is not among these ranks — likely on
+     another node (``gpu-watchdog analyze`` merges the nodes' stacks).
+Ranks in ``device_sync`` count as waiting, never as culprits: NCCL collectives are asynchronous, so
+a healthy rank of a hung NCCL job usually blocks in ``.item()`` / ``cuda.synchronize()`` behind the
+stuck collective kernel rather than in the c10d call. When no rank is in a collective, the
+device_sync ranks are the waiting group (``collective`` is then None).
+Ties between two different collectives name no culprit (either rank may be the one behind), but the
+diagnosis still says ``desync``; Flight Recorder sequence ids can break that tie.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gpu_watchdog.evidence.classify import P2P_FAMILIES, WAIT_FAMILY, collective_family
+from gpu_watchdog.model import RankStack, StackEvidence
+
+WAITING_STATES = ("collective",)
+SYNC_STATES = ("device_sync",)  # waiting on the GPU, which may be waiting on a collective kernel
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    culprit_ranks: tuple[int, ...]
+    collective: str | None  # the op the waiting majority is blocked in
+    reason: str  # one line for humans
+    desync: bool  # some rank is in a different collective than the majority
+    groups: tuple[tuple[str, tuple[int, ...]], ...] = ()  # "state:op@where" -> ranks, largest first
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``rank 3`` / ``ranks 0,1,3`` / ``ranks 0-3`` (runs of three or more are compressed)."""
+    rs = sorted(set(ranks))
+    if len(rs) == 1:
+        return f"rank {rs[0]}"
+    parts: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{rs[i]}-{rs[j]}")
+        else:
+            parts.extend(str(r) for r in rs[i:j + 1])
+        i = j + 1
+    return "ranks " + ",".join(parts)
+
+
+def group_key(rs: RankStack) -> str:
+    """The grouping key: ``collective:all_reduce@all_reduce (…distributed_c10d.py:3252)``."""
+    head = f"{rs.state}:{rs.op}" if rs.op else rs.state
+    return f"{head}@{rs.where}" if rs.where else head
+
+
+def _verb(ranks: Sequence[int]) -> str:
+    return "is" if len(ranks) == 1 else "are"
+
+
+def _waits(ranks: Sequence[int]) -> str:
+    return f"{format_ranks(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
+
+
+def diagnose(
+    ranks: Sequence[RankStack], world_size: int | None = None, missing_ranks: Iterable[int] = ()
+) -> Diagnosis:
+    """Diagnose one job from one stack dump of its ranks (see the module docstring for the rules)."""
+    by_rank = {r.rank: r for r in ranks}
+    missing = set(missing_ranks) - set(by_rank)
+    if world_size is not None:
+        missing |= set(range(world_size)) - set(by_rank)
+    groups: dict[str, list[int]] = defaultdict(list)
+    for r in sorted(by_rank):
+        groups[group_key(by_rank[r])].append(r)
+    ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    group_t = tuple((k, tuple(v)) for k, v in ordered)
+    if missing:
+        group_t += (("missing", tuple(sorted(missing))),)
+
+    # Ranks are compared by collective family (all_gather_single and _all_gather_base are one all_gather); a rank
+    # in a bare Work.wait()/wait_tensor() could be waiting for any of them, so it waits without taking sides.
+    in_coll = {r: collective_family(rs.op or "?") for r, rs in by_rank.items() if rs.state in WAITING_STATES}
+    in_wait = sorted(r for r, fam in in_coll.items() if fam == WAIT_FAMILY)
+    in_coll = {r: fam for r, fam in in_coll.items() if fam != WAIT_FAMILY} or {r: WAIT_FAMILY for r in in_wait}
+    names = {fam: "/".join(sorted({by_rank[r].op or "?" for r, f in in_coll.items() if f == fam}))
+             for fam in set(in_coll.values())}
+    syncing = sorted(r for r, rs in by_rank.items() if rs.state in SYNC_STATES)
+    top = Counter(in_coll.values()).most_common()
+    split = len(top) >= 2
+    # Different collectives are a desync (the ranks issued different sequences); a rank in a point-to-point
+    # send/recv while the others sit in a collective is waiting for its partner's bytes: a transport hang.
+    desync = len([fam for fam, _ in top if fam not in P2P_FAMILIES]) >= 2
+    tie = split and top[0][1] == top[1][1]
+    majority = top[0][0] if top and not tie else None
+    majority_op = names[majority] if majority else None
+    waiting = sorted(r for r, fam in in_coll.items() if fam == majority)
+    waiters = bool(in_coll or syncing)  # is there a waiting group to compare the others against?
+
+    culprits: set[int] = set(missing)
+    parts: list[str] = []
+    if tie:
+        sides = ", ".join(f"{format_ranks([r for r, f in in_coll.items() if f == fam])} in {names[fam]}"
+                          for fam, _ in top)
+        parts.append(f"{'desync: ' if desync else ''}{sides} (equal groups: cannot tell which side "
+                     f"{'ran ahead' if desync else 'is behind'})")
+    else:
+        for fam in sorted({f for f in in_coll.values() if f != majority}):
+            members = sorted(r for r, f in in_coll.items() if f == fam)
+            culprits |= set(members)
+            if fam in P2P_FAMILIES or majority in P2P_FAMILIES:
+                parts.append(f"{format_ranks(members)} in {names[fam]} while {_waits(waiting)} in {majority_op}")
+            else:
+                parts.append(f"desync: {format_ranks(members)} in {names[fam]} while {_waits(waiting)} in "
+                             f"{majority_op} ({format_ranks(members)} ran ahead or fell behind)")
+    if waiters:  # every rank neither in a collective nor in a device sync never arrived
+        for _key, members in ordered:
+            rs0 = by_rank[members[0]]
+            if rs0.state in WAITING_STATES or rs0.state in SYNC_STATES:
+                continue
+            culprits |= set(members)
+            if rs0.state == "stopped":
+                parts.append(f"{format_ranks(members)} {_verb(members)} stopped (SIGSTOP or job control: state T)")
+                continue
+            how = "busy" if rs0.active else "stuck"
+            at = f" at {rs0.where}" if rs0.where else ""
+            parts.append(f"{format_ranks(members)} {_verb(members)} {how} in {rs0.state}{at}")
+    if missing:
+        m = sorted(missing)
+        parts.append(f"{format_ranks(m)} {_verb(m)} missing (no stack: exited or not dumpable)")
+    if parts and waiting and not split:
+        parts.append(f"{_waits(waiting)} in {majority_op}")
+    if parts and syncing:
+        parts.append(f"{_waits(syncing)} in device_sync")
+    if parts and in_wait and majority != WAIT_FAMILY:
+        parts.append(f"{_waits(in_wait)} in a collective's wait()")
+
+    if not waiters:
+        states = ", ".join(f"{format_ranks(m)} {by_rank[m[0]].state}" for _, m in ordered) or "no stacks"
+        parts.append(f"no rank is in a collective ({states})" + ("" if culprits else "; culprit unknown"))
+    elif not parts:
+        everyone = sorted(by_rank)
+        what = majority_op if not syncing else (f"{majority_op} or device_sync" if waiting else "device_sync")
+        who = f"all {len(everyone)} ranks wait" if len(everyone) > 1 else _waits(everyone)
+        parts.append(f"{who} in {what}; culprit unknown, possibly on another "
+                     "node (merge the nodes' stacks with `gpu-watchdog analyze`)")
+    return Diagnosis(tuple(sorted(culprits)), majority_op, "; ".join(parts), desync, group_t)
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What the samples say about one rank between two dumps (the detector supplies it)."""
+
+    device: str | None = None  # its GPU's signature: "spin" | "idle_held" | "busy"; None: no GPU (proc backend)
+    host_busy: bool = False  # its process tree used CPU or did I/O since the earlier dump
+    stepped: bool = False  # its in-job client reported a new step since the earlier dump
+
+
+# A dump wakes the dumped thread (py-spy's attach); a thread blocked for good shows no wakeups between one
+# dump's end and the next one's start, a loop that sleeps or polls at one line shows one per iteration.
+WOKE_BETWEEN_DUMPS = 2
+
+
+def woke_between(a: RankStack, b: RankStack) -> bool:
+    """Did the rank's main thread block and wake again between dump ``a`` and the later dump ``b``?"""
+    if a.wakeups_after is None or b.wakeups_before is None or a.pid != b.pid:
+        return False
+    return b.wakeups_before - a.wakeups_after >= WOKE_BETWEEN_DUMPS
+
+
+def rank_moved(a: RankStack, b: RankStack, ctx: RankContext = RankContext()) -> bool:
+    """Did one rank make progress from dump ``a`` to dump ``b``? Equal stacks alone are not proof of a stall.
+
+    - a new signature or pid, or a new step from its in-job client: it moved;
+    - io (a write, a flush, a file-system wait): slow is not stuck: it is being waited on, however slowly its
+      bytes move (an NFS flush can sit a minute in one write() with nothing counted);
+    - unless its GPU spins (the host then only waits on the device, and NCCL's proxy thread polls): a data wait
+      whose producer (dataloader workers, a reader thread: the rest of its tree) used CPU or I/O, compute that
+      py-spy saw on CPU, or a main thread that kept blocking and waking (a loop that sleeps or polls at one line).
+    """
+    if a.pid != b.pid or a.signature != b.signature or ctx.stepped:
+        return True
+    if b.state == "io":
+        return True
+    if ctx.device == "spin" or b.state == "stopped":
+        return False  # a spinning GPU's host counters are the busy-wait and NCCL's proxy thread polling
+    if b.state == "data_wait" and ctx.host_busy:
+        return True
+    return woke_between(a, b) or (b.state == "compute" and (a.active or b.active))
+
+
+def stacks_progressed(a: StackEvidence, b: StackEvidence,
+                      context: Mapping[int, RankContext] | None = None) -> dict[int, bool]:
+    """Per rank present in both dumps: did it make progress from ``a`` to ``b`` (``rank_moved``)? Ranks present
+    in only one dump are left out: there is nothing to compare."""
+    before = {r.rank: r for r in a.ranks}
+    ctx = context or {}
+    return {r.rank: rank_moved(before[r.rank], r, ctx.get(r.rank, RankContext()))
+            for r in b.ranks if r.rank in before}

@@ -1,0 +1,308 @@
+"""Dump the Python stacks of rank processes with py-spy, many pids in parallel.
+
+py-spy attaches from outside, so it works on unmodified jobs and on a main thread blocked in a C++
+collective (where a Python signal handler never runs, RESEARCH §2). Each dump is a separate
+``py-spy dump --pid P --json`` child with its own timeout; a failure is reported per pid as a
+``DumpResult`` outcome, never raised.
+
+What py-spy 0.4 really prints (checked by experiment, as root, RUST_BACKTRACE=1):
+  * pid gone: exit 1, ``Error: Failed to get process executable name. Check that the process is running.``
+    ``Caused by: No such file or directory (os error 2)``
+  * not allowed: exit 1, same first line with ``Permission denied (os error 13)``; as non-root it prints
+    ``Permission Denied: Try running again with elevated permissions by going 'sudo env "PATH=$PATH" !!'``;
+    in docker it mentions the SYS_PTRACE capability; a ptrace refused by Yama gives ``Operation not
+    permitted (os error 1)``.
+  * not a Python process: exit 1, ``Error: Failed to find python version from target process``.
+  * ``time.sleep`` does not show as a frame: only Python frames are listed, so a rank sleeping in
+    ``main()`` shows ``main (train.py:94)``, idle. With ``--native`` it shows ``time_sleep`` /
+    ``clock_nanosleep``. Hence we add each thread's kernel wait channel (``wchan``) when readable.
+
+Each thread object is py-spy's JSON, plus ``"wchan"`` (str, e.g. ``"hrtimer_nanosleep"``,
+``"futex_do_wait"``, ``"0"`` when running) added by gpu-watchdog on Linux when readable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import psutil
+
+from gpu_watchdog.errors import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE
+from gpu_watchdog.sample.processes import read_wchan
+
+OUTCOMES = ("ok", "py_spy_missing", "permission_denied", "exited", "stopped", "timeout", "error")
+
+PERMISSION_HINT = (
+    "py-spy needs CAP_SYS_PTRACE (docker --cap-add SYS_PTRACE, Kubernetes securityContext "
+    "capabilities.add: [SYS_PTRACE]) or kernel.yama.ptrace_scope=0, or run gpu-watchdog as root"
+)
+
+# Lines of py-spy's stderr that mean "you may not look at this process".
+_PERMISSION_RE = re.compile(
+    r"Permission Denied|Permission denied|os error 13\b|Operation not permitted|os error 1\)|SYS_PTRACE"
+)
+_NOT_PYTHON_RE = re.compile(r"Failed to find python version|Failed to find a python interpreter", re.I)
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    """One pid's dump. ``threads`` holds py-spy's JSON thread objects (see module docstring)."""
+
+    pid: int
+    outcome: str  # one of OUTCOMES
+    detail: str  # one line for humans
+    threads: tuple[dict[str, Any], ...] = ()
+    raw: str = field(default="", repr=False)  # py-spy's stdout + stderr, kept for the incident record
+    elapsed_s: float = 0.0
+    wakeups_before: int | None = None  # the main thread's voluntary context switches before the dump ...
+    wakeups_after: int | None = None  # ... and after it (py-spy's attach itself wakes the thread)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+
+def find_py_spy(explicit: str | None = None) -> str | None:
+    """The py-spy executable: ``explicit`` (a path or a name on PATH), else the one installed next to
+    this interpreter (a venv's bin/), else PATH. ``None`` when absent; an explicit choice never falls
+    back, so a misconfigured path is reported instead of silently replaced."""
+    if explicit:
+        if os.sep in explicit:
+            return explicit if os.path.isfile(explicit) and os.access(explicit, os.X_OK) else None
+        return shutil.which(explicit)
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("py-spy")
+
+
+def _first_error_line(text: str) -> str:
+    """py-spy's ``Error: …`` line plus its innermost cause, without the Rust backtrace."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    head = next((ln for ln in lines if ln.startswith("Error:") or ln.startswith("Permission")), "")
+    causes = [ln.split(":", 1)[1].strip() for ln in lines if re.match(r"^\d+: ", ln) and "os error" in ln]
+    if head and causes:
+        return f"{head} ({causes[0]})"
+    return head or (lines[0] if lines else "no output")
+
+
+def _is_gone(pid: int) -> bool:
+    """True when the pid no longer names a live process (zombies count as gone: nothing to dump)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
+def _read_wchans(pid: int) -> dict[int, str]:
+    """{tid: kernel wait channel} of every thread of pid; empty where /proc hides it."""
+    out: dict[int, str] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for t in tids:
+        if t.isdigit() and (w := read_wchan(pid, int(t))):
+            out[int(t)] = w
+    return out
+
+
+def _add_wchan(threads: list[dict[str, Any]], before: dict[int, str], after: dict[int, str]) -> None:
+    # The kernel wait channel tells sleep (hrtimer_nanosleep) from lock waits (futex_*) when py-spy
+    # shows only the calling Python frame. Read before and after the dump: py-spy's ptrace stop
+    # interrupts the sleep, and on a busy machine the thread may still be runnable ("0") right
+    # after; any non-"0" value is the wait the thread sits in.
+    for th in threads:
+        tid = th.get("os_thread_id")
+        if not isinstance(tid, int):
+            continue
+        seen = [w for w in (before.get(tid), after.get(tid)) if w is not None]
+        if seen:
+            th["wchan"] = next((w for w in seen if w not in ("", "0")), seen[0])
+
+
+def _wakeups(pid: int) -> int | None:
+    try:
+        return int(psutil.Process(pid).num_ctx_switches().voluntary)  # /proc/PID/status: the main thread's
+    except psutil.Error:
+        return None
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill py-spy and anything it started; it runs in its own session for that reason."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+
+
+def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking: bool = False) -> DumpResult:
+    t0 = time.monotonic()
+
+    wakeups: list[int | None] = [None, None]
+
+    def done(outcome: str, detail: str, raw: str = "", threads: tuple[dict[str, Any], ...] = ()) -> DumpResult:
+        return DumpResult(pid, outcome, detail, threads, raw, round(time.monotonic() - t0, 4), *wakeups)
+
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return done("error", f"invalid pid {pid!r}")
+    if _is_stopped(pid):  # py-spy would wait for a stopped process until its timeout: its state says enough
+        return done("stopped", f"process {pid} is stopped (SIGSTOP or job control, state T): not dumped")
+    argv = [py_spy, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else [])
+    if nonblocking and not native:  # py-spy can only unwind native frames of a paused process
+        argv.append("--nonblocking")
+    wchans_before = _read_wchans(pid)
+    wakeups[0] = _wakeups(pid)
+    try:
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    except OSError as e:  # vanished since find_py_spy, not executable, bad format
+        return done("py_spy_missing", f"cannot run py-spy at {py_spy}: {e.strerror or e}")
+    try:
+        out_b, err_b = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        try:
+            out_b, err_b = proc.communicate(timeout=2.0)
+        except subprocess.TimeoutExpired:  # something outside the group holds the pipes: give up on output
+            out_b, err_b = b"", b""
+            proc.wait()
+        raw = out_b.decode(errors="replace") + err_b.decode(errors="replace")
+        return done(
+            "timeout",
+            f"py-spy did not finish within {timeout_s:g} s and was killed "
+            "(process stopped, in uninterruptible sleep, or the machine is overloaded)",
+            raw,
+        )
+    finally:
+        if proc.returncode is None:  # an unexpected exception: never leave py-spy attached
+            _kill_group(proc)
+            proc.wait()
+    out, err = out_b.decode(errors="replace"), err_b.decode(errors="replace")
+    raw = out + err
+    if proc.returncode == 0:
+        try:
+            threads = json.loads(out)
+            if not isinstance(threads, list):
+                raise ValueError("not a JSON list")
+        except ValueError as e:
+            return done("error", f"py-spy printed unreadable JSON for pid {pid}: {e}", raw)
+        wakeups[1] = _wakeups(pid)
+        _add_wchan(threads, wchans_before, _read_wchans(pid))
+        return done("ok", f"{len(threads)} threads", raw, tuple(threads))
+    # Failed: decide by the process's fate first (the text differs between versions), then by text.
+    if _is_gone(pid):
+        return done("exited", f"process {pid} is not running (exited before or during the dump)", raw)
+    if _PERMISSION_RE.search(err):
+        return done("permission_denied", f"permission denied reading process {pid}: {PERMISSION_HINT}", raw)
+    if _NOT_PYTHON_RE.search(err):
+        return done("error", f"process {pid} is not a Python process py-spy can read: {_first_error_line(err)}",
+                    raw)
+    return done("error", f"py-spy exited {proc.returncode}: {_first_error_line(err)}", raw)
+
+
+def _dump_guarded(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking: bool = False) -> DumpResult:
+    # The agent must keep running whatever one dump does: a bug here becomes an "error" outcome.
+    try:
+        return _dump_one(pid, py_spy, timeout_s, native, nonblocking)
+    except Exception as e:
+        return DumpResult(pid, "error", f"dump failed: {type(e).__name__}: {e}")
+
+
+def dump_stacks(
+    pids: Iterable[int],
+    *,
+    timeout_s: float = 5.0,
+    concurrency: int = 16,
+    native: bool = False,
+    py_spy: str | None = None,
+    nonblocking: bool = False,
+) -> list[DumpResult]:
+    """Dump every pid's threads in parallel (at most ``concurrency`` py-spy children at once), each
+    bounded by ``timeout_s``. Results come back in input order; failures are outcomes, not exceptions.
+    ``py_spy`` is an explicit executable (see ``find_py_spy``)."""
+    pid_list = list(pids)
+    exe = find_py_spy(py_spy)
+    if exe is None:
+        where = py_spy or "next to the interpreter or on PATH"
+        return [DumpResult(p, "py_spy_missing", f"py-spy not found ({where}); pip install py-spy")
+                for p in pid_list]
+    if not pid_list:
+        return []
+    workers = max(1, min(concurrency, len(pid_list)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="py-spy") as pool:
+        return list(pool.map(lambda p: _dump_guarded(p, exe, timeout_s, native, nonblocking), pid_list))
+
+
+def _frame_text(fr: dict[str, Any]) -> str:
+    line = fr.get("line") or 0
+    short = fr.get("short_filename") or fr.get("filename") or "?"
+    return f"{fr.get('name', '?')} ({short}:{line})" if line else f"{fr.get('name', '?')} ({short})"
+
+
+def main_dump_stacks(
+    pids: Sequence[int], native: bool, as_json: bool, timeout_s: float, out: TextIO = sys.stdout,
+    py_spy: str | None = None,
+) -> int:
+    """Body of ``gpu-watchdog dump-stacks PID… [--native] [--json]``.
+
+    Text: per pid a header ``pid P: <outcome> (<elapsed> s) <state>`` and the main thread's frames,
+    innermost first, as ``name (file:line)``. JSON: a list of ``{pid, outcome, detail, elapsed_s,
+    threads}`` in argument order.
+
+    Exit codes: 0 every pid dumped; 1 at least one pid failed (exited, permission, timeout, error);
+    69 py-spy is not installed (every pid reports ``py_spy_missing``).
+    """
+    from gpu_watchdog.evidence.classify import classify_thread, main_thread  # local: classify is optional for dumping
+
+    results = dump_stacks(pids, timeout_s=timeout_s, native=native, py_spy=py_spy)
+    if as_json:
+        payload = [
+            {"pid": r.pid, "outcome": r.outcome, "detail": r.detail, "elapsed_s": r.elapsed_s,
+             "threads": list(r.threads)}
+            for r in results
+        ]
+        json.dump(payload, out, indent=2)
+        out.write("\n")
+    else:
+        for r in results:
+            if not r.ok:
+                out.write(f"pid {r.pid}: {r.outcome} ({r.elapsed_s:.2f} s) {r.detail}\n")
+                continue
+            mt = main_thread(r.threads, r.pid)
+            if mt is None:
+                out.write(f"pid {r.pid}: ok ({r.elapsed_s:.2f} s) no main thread in the dump\n")
+                continue
+            rs = classify_thread(mt, rank=-1, pid=r.pid)
+            state = rs.state + (f" {rs.op}" if rs.op else "") + (" active" if rs.active else " idle")
+            out.write(f"pid {r.pid}: ok ({r.elapsed_s:.2f} s) {mt.get('thread_name') or 'main'}: {state}\n")
+            for fr in mt.get("frames", []):
+                out.write(f"    {_frame_text(fr)}\n")
+    if results and all(r.outcome == "py_spy_missing" for r in results):
+        return EXIT_UNAVAILABLE
+    return EXIT_OK if all(r.ok for r in results) else EXIT_FAILURE

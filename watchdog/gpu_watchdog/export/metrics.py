@@ -1,0 +1,480 @@
+"""Prometheus metrics for the agent: a snapshot collector, counters, histograms, and a tiny HTTP server.
+
+Default listen address: ``0.0.0.0:9408`` for the daemon (``agent.metrics_addr`` / ``--metrics-addr``);
+9408 rather than dcgm-exporter's 9400 so both run side by side on a node. ``launch`` serves nothing unless
+``--metrics-addr`` is given. Endpoints: ``/metrics`` (Prometheus text or OpenMetrics, by ``Accept``) and
+``/healthz`` (200 ``ok`` while the last sample is younger than ``health_intervals`` × ``interval_s``, else
+503 with the reason).
+
+A scrape never calls NVML or psutil: the sampling loop hands each tick's result to ``update()``, which
+only stores references; the collector turns the latest snapshot into series when Prometheus asks
+(``describe()`` is implemented, so registering queries nothing either).
+
+Label conventions:
+- GPU series carry dcgm-exporter's labels ``gpu`` (index), ``UUID`` and ``Hostname`` (dcgm spells it with a
+  capital H), so ``on(UUID)`` joins with ``DCGM_FI_*`` series work. The model name is in
+  ``gpu_watchdog_gpu_info{..., model_name}`` only: dcgm's ``modelName`` fails ``promtool check metrics``
+  (camelCase) and would repeat on every series.
+- Job series carry ``job_id`` (the ``job_id`` of incidents and JobStatus), never ``job``: Prometheus owns
+  ``job`` (the scrape job) and would rename ours to ``exported_job``.
+- Nothing has a pid label. Jobs exported per scrape are capped (``max_jobs``, stalled/suspect/waiting first),
+  ranks per job too (``max_ranks``); what the caps drop is counted in ``gpu_watchdog_jobs_dropped`` /
+  ``gpu_watchdog_ranks_dropped``. Free-form counter labels (kind, action, error class, ...) are capped too:
+  values past the cap are counted under ``"other"``.
+
+Series (alert rules: prometheus/alerts.yml; dashboard: grafana/dashboards/gpu-watchdog.json):
+  per GPU {gpu, UUID, Hostname}: gpu_watchdog_gpu_utilization_ratio (0..1), _gpu_memory_used_bytes,
+    _gpu_memory_total_bytes, _gpu_power_watts (each omitted when unknown), _gpu_stalled (0/1),
+    _gpu_info{+model_name} (1)
+  per job {job_id}: gpu_watchdog_job_state{state} (one-hot: running/suspect/stalled/waiting), _job_stalled,
+    _job_ranks (ranks on this node), _job_fallback_level, _job_waiting_seconds, _rank_waited_on{rank},
+    _job_config_info{digest}
+  agent: gpu_watchdog_up, _last_sample_timestamp_seconds, _start_time_seconds, _build_info{version},
+    _backend_info{backend}, _jobs_dropped, _ranks_dropped, process_* (own registry only)
+  counters: gpu_watchdog_incidents_total{kind}, _actions_total{action,result}, _restarts_total{job_id},
+    _pyspy_dumps_total{outcome}, _nvml_errors_total{error_class}, _gpu_faults_total{UUID,kind},
+    _state_write_errors_total
+  histograms: gpu_watchdog_sample_duration_seconds, gpu_watchdog_detection_latency_seconds
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder, generate_latest
+from prometheus_client.process_collector import ProcessCollector
+
+from gpu_watchdog import __version__
+from gpu_watchdog.atomic import write_errors
+from gpu_watchdog.detect.detector import JOB_STATES, STALLED, SUSPECT, WAITING, JobStatus
+from gpu_watchdog.errors import EXIT_UNAVAILABLE, UsageError, WatchdogError
+from gpu_watchdog.model import NodeSample, SampleError
+from gpu_watchdog.evidence.stacks import OUTCOMES
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 9408
+DEFAULT_ADDR = f"0.0.0.0:{DEFAULT_PORT}"
+
+# Label sets that read 0 from the first scrape, so increase() sees the first event.
+INCIDENT_KINDS = ("stall", "gpu_fault", "config_mismatch", "rank_exited")
+PYSPY_OUTCOMES = OUTCOMES  # py-spy dump outcomes; anything else counts as "other"
+OVERFLOW = "other"  # label value for values past a cap
+
+SAMPLE_DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+DETECTION_LATENCY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0,
+                             450.0, 600.0)
+
+_STATE_ORDER = {STALLED: 0, SUSPECT: 1, WAITING: 2}  # exported first when over the job cap
+_MAX_LABEL_LEN = 128
+
+
+class MetricsServeError(WatchdogError):
+    """The metrics endpoint cannot listen (address in use, not allowed, unknown host)."""
+
+    exit_code = EXIT_UNAVAILABLE
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:9408``, ``:9408`` = all interfaces) → (host, port); UsageError naming the flag."""
+    text = addr.strip()
+    host, sep, port_s = text.rpartition(":")
+    if not sep or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+        raise UsageError(f"--metrics-addr must be HOST:PORT (e.g. 127.0.0.1:{DEFAULT_PORT}), got {addr!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise UsageError(f"--metrics-addr: write an IPv6 host in brackets ([::1]:{DEFAULT_PORT}), got {addr!r}")
+    return host or "0.0.0.0", int(port_s)
+
+
+class _LabelCap:
+    """Remembers up to ``limit`` distinct label values; later new values map to ``OVERFLOW``."""
+
+    def __init__(self, limit: int, preset: Iterable[str] = ()) -> None:
+        self._limit = limit
+        self._seen: set[str] = set(preset)
+        self._lock = threading.Lock()
+
+    def __call__(self, value: object) -> str:
+        v = str(value)[:_MAX_LABEL_LEN] or "unknown"
+        with self._lock:
+            if v in self._seen:
+                return v
+            if len(self._seen) < self._limit:
+                self._seen.add(v)
+                return v
+        return OVERFLOW
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    sample: NodeSample
+    jobs: Mapping[str, JobStatus]
+    fallback_levels: Mapping[str, int]
+    at_mono: float  # time.monotonic() when update() stored it (for /healthz)
+
+
+def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+_GPU_LABELS = ("gpu", "UUID", "Hostname")
+_GPU_GAUGES = (
+    ("gpu_watchdog_gpu_utilization_ratio", "GPU utilization, 0..1 (proc backend: the rank's CPU share)"),
+    ("gpu_watchdog_gpu_memory_used_bytes", "GPU memory used (proc backend: the rank's RSS)"),
+    ("gpu_watchdog_gpu_memory_total_bytes", "GPU memory total"),
+    ("gpu_watchdog_gpu_power_watts", "GPU power draw"),
+    ("gpu_watchdog_gpu_stalled", "1 while a job using this GPU is in state stalled"),
+)
+_GPU_INFO = ("gpu_watchdog_gpu_info", "one series per GPU (proc backend: per rank) with its model name, value 1")
+_JOB_GAUGES = (
+    ("gpu_watchdog_job_state", "1 for the job's current detector state (running/suspect/stalled/waiting)",
+     ("job_id", "state")),
+    ("gpu_watchdog_job_stalled", "1 while the job is in state stalled", ("job_id",)),
+    ("gpu_watchdog_job_ranks", "ranks of the job seen on this node", ("job_id",)),
+    ("gpu_watchdog_job_fallback_level", "NCCL fallback level the job runs with (0: none)", ("job_id",)),
+    ("gpu_watchdog_job_waiting_seconds", "how long the job's ranks have been waiting on a few ranks (0: not "
+     "waiting)", ("job_id",)),
+    ("gpu_watchdog_rank_waited_on", "1 for each rank on this node the job's other ranks wait on",
+     ("job_id", "rank")),
+    ("gpu_watchdog_job_config_info", "digest of the job's launch config on this node (differs across nodes: "
+     "mismatched config)", ("job_id", "digest")),
+)
+_AGENT_GAUGES = (
+    ("gpu_watchdog_up", "1 while the agent runs and its sampling backend works, 0 when the last sample failed",
+     ()),
+    ("gpu_watchdog_last_sample_timestamp_seconds", "unix time of the last sample", ()),
+    ("gpu_watchdog_start_time_seconds", "unix time the agent's metrics started", ()),
+    ("gpu_watchdog_build_info", "gpu-watchdog version (value 1)", ("version",)),
+    ("gpu_watchdog_backend_info", "sampling backend of the last sample (value 1)", ("backend",)),
+    ("gpu_watchdog_jobs_dropped", "jobs left out of the last scrape by the max_jobs cap", ()),
+    ("gpu_watchdog_ranks_dropped", "rank series left out of the last scrape by the max_ranks cap", ()),
+)
+
+
+class _SnapshotCollector:
+    """Series from the latest snapshot. Registered on the registry; reads nothing but AgentMetrics' fields."""
+
+    def __init__(self, owner: AgentMetrics) -> None:
+        self._m = owner
+
+    def describe(self) -> Iterator[Metric]:
+        for name, doc in _GPU_GAUGES:
+            yield _gauge(name, doc, _GPU_LABELS)
+        yield _gauge(*_GPU_INFO, (*_GPU_LABELS, "model_name"))
+        for name, doc, labels in (*_JOB_GAUGES, *_AGENT_GAUGES):
+            yield _gauge(name, doc, labels)
+        yield _state_write_errors()
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        snap = m._snapshot
+        fams = {name: _gauge(name, doc, _GPU_LABELS) for name, doc in _GPU_GAUGES}
+        info = fams[_GPU_INFO[0]] = _gauge(*_GPU_INFO, (*_GPU_LABELS, "model_name"))
+        fams.update({name: _gauge(name, doc, labels) for name, doc, labels in (*_JOB_GAUGES, *_AGENT_GAUGES)})
+        fams["gpu_watchdog_up"].add_metric([], 1.0 if m._up else 0.0)
+        fams["gpu_watchdog_start_time_seconds"].add_metric([], m._started_at)
+        fams["gpu_watchdog_build_info"].add_metric([m.version], 1.0)
+        for job_id, digest in m.job_configs().items():
+            fams["gpu_watchdog_job_config_info"].add_metric([job_id, digest], 1.0)
+        jobs_dropped = ranks_dropped = 0
+        if snap is not None:
+            s = snap.sample
+            fams["gpu_watchdog_last_sample_timestamp_seconds"].add_metric([], s.t)
+            fams["gpu_watchdog_backend_info"].add_metric([s.backend], 1.0)
+            stalled_uuids = {u for js in snap.jobs.values() if js.state == STALLED for u in js.devices}
+            for d in s.devices:
+                lv = [str(d.index), d.uuid, s.hostname]
+                info.add_metric([*lv, "virtual" if d.virtual else d.name], 1.0)  # proc names hold a pid
+                for name, value in (
+                    ("gpu_watchdog_gpu_utilization_ratio",
+                     None if d.util_percent is None else d.util_percent / 100.0),
+                    ("gpu_watchdog_gpu_memory_used_bytes", d.mem_used_bytes),
+                    ("gpu_watchdog_gpu_memory_total_bytes", d.mem_total_bytes),
+                    ("gpu_watchdog_gpu_power_watts", d.power_w),
+                    ("gpu_watchdog_gpu_stalled", 1.0 if d.uuid in stalled_uuids else 0.0),
+                ):
+                    if value is not None:
+                        fams[name].add_metric(lv, float(value))
+            ordered = sorted(snap.jobs.values(), key=lambda js: (_STATE_ORDER.get(js.state, 3), js.job_id))
+            jobs_dropped = max(0, len(ordered) - m.max_jobs)
+            for js in ordered[:m.max_jobs]:
+                j = js.job_id
+                for st in JOB_STATES:
+                    fams["gpu_watchdog_job_state"].add_metric([j, st], 1.0 if js.state == st else 0.0)
+                fams["gpu_watchdog_job_stalled"].add_metric([j], 1.0 if js.state == STALLED else 0.0)
+                fams["gpu_watchdog_job_ranks"].add_metric([j], float(len(js.ranks)))
+                fams["gpu_watchdog_job_fallback_level"].add_metric([j], float(snap.fallback_levels.get(j, 0)))
+                waiting = js.state == WAITING and js.waiting_since is not None
+                fams["gpu_watchdog_job_waiting_seconds"].add_metric(
+                    [j], max(0.0, s.t - js.waiting_since) if waiting else 0.0)  # type: ignore[operator]
+                if waiting:
+                    on = sorted(js.waiting_on)
+                    ranks_dropped += max(0, len(on) - m.max_ranks)
+                    for r in on[:m.max_ranks]:
+                        fams["gpu_watchdog_rank_waited_on"].add_metric([j, str(r)], 1.0)
+        fams["gpu_watchdog_jobs_dropped"].add_metric([], float(jobs_dropped))
+        fams["gpu_watchdog_ranks_dropped"].add_metric([], float(ranks_dropped))
+        yield from fams.values()
+        errors = _state_write_errors()
+        errors.add_metric([], float(write_errors()))
+        yield errors
+
+
+def _state_write_errors() -> CounterMetricFamily:
+    return CounterMetricFamily("gpu_watchdog_state_write_errors", "state-dir writes that failed (full or read-only "
+                               "state dir: incidents and levels kept in memory, the agent carries on)")
+
+
+class AgentMetrics:
+    """Everything the agent exports. Thread-safe: the loop calls the recording methods, HTTP threads scrape.
+
+    The loop calls, per tick: ``update(sample, detector_state.jobs, fallback_levels)`` after the detector,
+    ``sample_duration(s)``, ``nvml_errors(sample.errors)`` (update() does not count them), or
+    ``set_up(False)`` when the backend's sample() raised. Events: ``incident(kind)``, ``action(name, ok)``,
+    ``restart(job_id)``, ``pyspy_dump(outcome)``, ``gpu_fault(uuid, xid_or_kind)``,
+    ``detection_latency(s)``, ``job_config(job_id, digest)`` / ``forget_job(job_id)``.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, interval_s: float = 1.0,
+                 health_intervals: float = 10.0, max_jobs: int = 64, max_ranks: int = 64,
+                 process_metrics: bool | None = None, version: str = __version__,
+                 clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        """``process_metrics``: add prometheus_client's process_* collector (default: only when the registry
+        is our own, since a shared registry may already have one)."""
+        own = registry is None
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.interval_s = interval_s
+        self.health_intervals = health_intervals
+        self.max_jobs = max_jobs
+        self.max_ranks = max_ranks
+        self.version = version
+        self._monotonic = monotonic
+        self._started_at = clock()
+        self._started_mono = monotonic()
+        self._snapshot: _Snapshot | None = None
+        self._up = True
+        self._busy_until: float | None = None  # a bounded recovery holds the loop: healthy meanwhile
+        self._lock = threading.Lock()
+        self._job_config: dict[str, str] = {}
+        r = self.registry
+        self._incidents = Counter("gpu_watchdog_incidents", "incidents recorded, by kind", ["kind"], registry=r)
+        self._actions = Counter("gpu_watchdog_actions", "recovery actions taken, by action and result (ok/failed)",
+                                ["action", "result"], registry=r)
+        self._restarts = Counter("gpu_watchdog_restarts", "job restarts done by the watchdog", ["job_id"],
+                                 registry=r)
+        self._pyspy = Counter("gpu_watchdog_pyspy_dumps", "py-spy stack dumps by outcome (failures: outcome != ok)",
+                              ["outcome"], registry=r)
+        self._nvml_errors = Counter("gpu_watchdog_nvml_errors", "non-fatal sampling errors (NVML, psutil), by "
+                                    "error class", ["error_class"], registry=r)
+        self._gpu_faults = Counter("gpu_watchdog_gpu_faults", "GPU faults seen (Xid, lost, reset required)",
+                                   ["UUID", "kind"], registry=r)
+        self._sample_duration = Histogram("gpu_watchdog_sample_duration_seconds", "time to take one sample",
+                                          buckets=SAMPLE_DURATION_BUCKETS, registry=r)
+        self._detection_latency = Histogram("gpu_watchdog_detection_latency_seconds",
+                                            "from a stall's onset (last progress) to its confirmation",
+                                            buckets=DETECTION_LATENCY_BUCKETS, registry=r)
+        self._kind_cap = _LabelCap(16, INCIDENT_KINDS)
+        self._action_cap = _LabelCap(32)
+        self._job_cap = _LabelCap(max_jobs)
+        self._outcome_cap = _LabelCap(len(PYSPY_OUTCOMES), PYSPY_OUTCOMES)
+        self._error_cap = _LabelCap(32)
+        self._fault_cap = _LabelCap(256)
+        for kind in INCIDENT_KINDS:
+            self._incidents.labels(kind)
+        for outcome in PYSPY_OUTCOMES:
+            self._pyspy.labels(outcome)
+        r.register(_SnapshotCollector(self))
+        if process_metrics if process_metrics is not None else own:
+            ProcessCollector(registry=r)
+
+    # -- per tick -------------------------------------------------------------------------------------
+    def update(self, sample: NodeSample, jobs: Mapping[str, JobStatus],
+               fallback_levels: Mapping[str, int] | None = None) -> None:
+        """Store the latest tick for the collector (cheap: no series are built here)."""
+        snap = _Snapshot(sample, dict(jobs), dict(fallback_levels or {}), self._monotonic())
+        for job_id in jobs:  # restarts{job_id} reads 0 from the job's first scrape on
+            label = self._job_cap(job_id)
+            if label != OVERFLOW:
+                self._restarts.labels(label)
+        self._snapshot = snap  # one reference swap: a scrape sees the old or the new snapshot, whole
+        self._up = True
+
+    def set_up(self, ok: bool) -> None:
+        """``False`` when the backend failed to sample (gpu_watchdog_up 0); the next update() sets it back."""
+        self._up = bool(ok)
+
+    def sample_duration(self, seconds: float) -> None:
+        self._sample_duration.observe(max(0.0, seconds))
+
+    def nvml_errors(self, errors: Iterable[SampleError]) -> None:
+        for e in errors:
+            self._nvml_errors.labels(self._error_cap(e.error_class)).inc()
+
+    # -- events ---------------------------------------------------------------------------------------
+    def incident(self, kind: str) -> None:
+        self._incidents.labels(self._kind_cap(kind)).inc()
+
+    def action(self, action: str, ok: bool) -> None:
+        self._actions.labels(self._action_cap(action), "ok" if ok else "failed").inc()
+
+    def restart(self, job_id: str) -> None:
+        self._restarts.labels(self._job_cap(job_id)).inc()
+
+    def pyspy_dump(self, outcome: str) -> None:
+        self._pyspy.labels(self._outcome_cap(outcome)).inc()
+
+    def gpu_fault(self, uuid: str, xid_or_kind: int | str) -> None:
+        """Count a fault on GPU ``uuid``: an Xid number (kind ``xid_79``) or a kind (``gpu_lost``, ...)."""
+        kind = f"xid_{xid_or_kind}" if isinstance(xid_or_kind, int) else str(xid_or_kind)
+        key = self._fault_cap(f"{uuid}\0{kind}")
+        u, k = key.split("\0", 1) if key != OVERFLOW else (OVERFLOW, OVERFLOW)
+        self._gpu_faults.labels(u, k).inc()
+
+    def detection_latency(self, seconds: float) -> None:
+        self._detection_latency.observe(max(0.0, seconds))
+
+    def job_config(self, job_id: str, digest: str) -> None:
+        """Export ``gpu_watchdog_job_config_info{job_id, digest} 1`` (replaces the job's previous digest)."""
+        with self._lock:
+            if job_id not in self._job_config and len(self._job_config) >= self.max_jobs:
+                log.warning("metrics: more than %d jobs with a config digest; not exporting %s's",
+                            self.max_jobs, job_id)
+                return
+            self._job_config[job_id] = str(digest)[:_MAX_LABEL_LEN]
+
+    def forget_job(self, job_id: str) -> None:
+        """The job ended for good: drop its config digest (its counters stay, as counters do)."""
+        with self._lock:
+            self._job_config.pop(job_id, None)
+
+    def job_configs(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._job_config)
+
+    # -- health and serving -----------------------------------------------------------------------------
+    def recovering(self, max_s: float | None) -> None:
+        """The loop is busy recovering a job for at most ``max_s`` (None: done). Samples pause meanwhile, but
+        the agent is alive: /healthz stays 200 until that bound, so a liveness probe won't kill it mid-recovery."""
+        self._busy_until = None if max_s is None else self._monotonic() + max_s
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, reason): the last sample (or, before the first, the start) is recent enough."""
+        limit = self.health_intervals * self.interval_s
+        if self._busy_until is not None and self._monotonic() < self._busy_until:
+            return True, "recovering a job (sampling paused)"
+        snap = self._snapshot
+        if snap is None:
+            age = self._monotonic() - self._started_mono
+            return (age < limit, "starting: no sample yet" if age < limit
+                    else f"no sample in the {age:.0f} s since start (limit {limit:g} s)")
+        age = self._monotonic() - snap.at_mono
+        if age >= limit:
+            return False, f"last sample {age:.1f} s ago (limit {limit:g} s)"
+        if not self._up:
+            return False, "the sampling backend failed"
+        return True, "ok"
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of the registry (what /metrics serves to a plain client)."""
+        return generate_latest(self.registry)
+
+    def serve(self, addr: str) -> MetricsServer:
+        """Serve /metrics and /healthz on ``HOST:PORT`` (port 0: any free port) from a daemon thread."""
+        host, port = parse_addr(addr)
+        return MetricsServer(self, host, port)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out as separate writes: no 40 ms delayed-ACK stall
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        m = self.server.metrics
+        path = urlsplit(self.path).path
+        status = 200
+        if path == "/metrics":
+            encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
+            try:
+                body = encoder(m.registry)
+            except Exception as e:  # a broken collector must not kill the server thread
+                log.exception("metrics: collect failed")
+                status, ctype, body = 500, "text/plain; charset=utf-8", f"collect failed: {e}\n".encode()
+        elif path == "/healthz":
+            ok, reason = m.health()
+            status, ctype, body = (200 if ok else 503), "text/plain; charset=utf-8", (reason + "\n").encode()
+        elif path == "/":
+            ctype, body = "text/html; charset=utf-8", (
+                b'<html><body><h1>gpu-watchdog</h1><a href="/metrics">/metrics</a> '
+                b'<a href="/healthz">/healthz</a></body></html>\n')
+        else:
+            status, ctype, body = 404, "text/plain; charset=utf-8", b"not found\n"
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (signature of the base class)
+        log.debug("metrics http: " + format, *args)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    metrics: AgentMetrics
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class MetricsServer:
+    """A running /metrics endpoint. ``stop()`` (or leaving the ``with`` block) closes it."""
+
+    def __init__(self, metrics: AgentMetrics, host: str, port: int) -> None:
+        cls = _Server6 if ":" in host else _Server
+        try:
+            self._httpd = cls((host, port), _Handler)
+        except OSError as e:
+            why = e.strerror or str(e)
+            raise MetricsServeError(f"--metrics-addr {_fmt(host, port)}: cannot listen: {why}") from None
+        self._httpd.metrics = metrics
+        self.host = host
+        self.port = int(self._httpd.server_address[1])
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name="gpu-watchdog-metrics", daemon=True)
+        self._thread.start()
+        log.info("metrics: serving /metrics and /healthz on %s", self.url)
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else ("::1" if self.host == "::" else self.host)
+        return f"http://{_fmt(host, self.port)}"
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _fmt(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

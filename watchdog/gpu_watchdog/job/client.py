@@ -1,0 +1,186 @@
+"""The optional in-job client: step heartbeats, checkpoint on request, abort of a hung process group.
+
+    from gpu_watchdog.job import Client
+    client = Client.from_env()                     # a no-op client when not run under gpu-watchdog
+    client.on_checkpoint(lambda step: save(model, optim, step))
+    with client.training():
+        for step in range(start, steps):
+            train_step()
+            client.step(step)                     # heartbeat; saves here when the agent asks
+
+A Python signal handler cannot run while the main thread is blocked in a C++ collective (RESEARCH §2), so a
+helper thread watches the control directory. On a request it lets the main thread save at its next step
+boundary; if that boundary does not come within the request's ``boundary_s``, it dumps the Flight Recorder
+(when enabled), aborts the default process group and saves the last completed step's state, then the process
+exits with EXIT_ABORTED (86). Whether the abort makes the blocked call raise depends on the backend and the
+torch build (seen not to unblock gloo all_reduce/recv on torch 2.13 CPU here, though RESEARCH §2 reports it
+did), so the helper thread does not rely on it: after a short wait it saves from its own thread. A save at a
+boundary exits with EXIT_CHECKPOINTED (85). The callback must save the state *as of* the step it is given: the
+model is unchanged between ``client.step(n)`` and the optimizer step of n+1, where a hung gradient all-reduce sits.
+torch is imported only when an abort is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from gpu_watchdog.job.protocol import (
+    CONTROL_DIR_ENV,
+    EXIT_ABORTED,
+    EXIT_CHECKPOINTED,
+    ControlDir,
+    read_json,
+    write_json_atomic,
+)
+
+log = logging.getLogger("gpu_watchdog.job")
+
+
+class _Exit(BaseException):
+    """Unwinds the training loop after a requested checkpoint (BaseException: user code won't swallow it)."""
+
+
+class Client:
+    def __init__(self, control_dir: str | Path | None, rank: int, poll_s: float = 0.2) -> None:
+        self.control_dir = Path(control_dir) if control_dir else None
+        self.rank = rank
+        self.poll_s = poll_s
+        self.last_step: int | None = None
+        self._callback: Callable[[int | None], None] | None = None
+        self._request: dict | None = None
+        self._boundary_reached = threading.Event()
+        self._aborted = threading.Event()
+        self._done = threading.Event()
+        self._lock = threading.Lock()  # one save at a time: the main thread or the helper, never both
+        self._saved = False
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_env(cls) -> Client:
+        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+        return cls(os.environ.get(CONTROL_DIR_ENV), rank)
+
+    @property
+    def enabled(self) -> bool:
+        return self.control_dir is not None
+
+    def on_checkpoint(self, fn: Callable[[int | None], None]) -> None:
+        """Register the save callback and announce the opt-in to the agent."""
+        self._callback = fn
+        if not self.enabled or self._thread is not None:
+            return
+        assert self.control_dir is not None
+        write_json_atomic(self.control_dir / f"client-{self.rank}.json",
+                          {"pid": os.getpid(), "rank": self.rank, "t": time.time()})
+        self._thread = threading.Thread(target=self._watch, name="gpu-watchdog-client", daemon=True)
+        self._thread.start()
+
+    # -- main thread -------------------------------------------------------------------------------
+    def step(self, n: int) -> None:
+        """Report step ``n`` as completed; save and exit here when a checkpoint was requested."""
+        self.last_step = n
+        if self.control_dir is not None:
+            path = self.control_dir / f"step-{self.rank}"
+            tmp = path.with_name(f".step-{self.rank}.tmp")
+            tmp.write_text(str(n))
+            tmp.replace(path)
+        if self._request is not None and not self._aborted.is_set():
+            self._boundary_reached.set()
+            self._save_and_ack("saved")
+            self._wait_for_peers()
+            raise _Exit(EXIT_CHECKPOINTED)
+
+    @contextlib.contextmanager
+    def training(self) -> Iterator[Client]:
+        """Wrap the training loop: turns a requested stop or an aborted collective into a clean exit."""
+        try:
+            yield self
+        except _Exit as e:
+            raise SystemExit(e.args[0]) from None
+        except Exception:
+            if not self._aborted.is_set():
+                raise
+            self._save_and_ack("aborted_saved")  # the collective raised because we aborted it
+            self._wait_for_peers()
+            raise SystemExit(EXIT_ABORTED) from None
+
+    # -- helper thread -----------------------------------------------------------------------------
+    def _watch(self) -> None:
+        assert self.control_dir is not None
+        req_path = self.control_dir / "request.json"
+        while not self._done.is_set():
+            req = read_json(req_path)
+            if req and isinstance(req.get("id"), str):
+                self._request = req
+                break
+            time.sleep(self.poll_s)
+        else:
+            return
+        boundary_s = float(self._request.get("boundary_s", 5.0))
+        if self._boundary_reached.wait(boundary_s):
+            return  # the main thread saves at its step boundary
+        log.warning("gpu-watchdog: no step boundary within %.1fs; aborting the process group", boundary_s)
+        self._aborted.set()
+        self._dump_flight_recorder()
+        self._abort_process_group()
+        # If the abort made the main thread's collective raise, training() saves there; otherwise (the main
+        # thread is still blocked, or it is the hung rank doing something else) save from here and leave.
+        time.sleep(2.0)
+        self._save_and_ack("aborted_saved")
+        self._wait_for_peers()
+        os._exit(EXIT_ABORTED)
+
+    def _dump_flight_recorder(self) -> None:
+        prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+        if not prefix:
+            return
+        try:
+            from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
+
+            Path(f"{prefix}{self.rank}").write_bytes(_dump_fr_trace())
+        except Exception as e:  # diagnostics only; the abort must still happen
+            log.warning("gpu-watchdog: flight recorder dump failed: %s", e)
+
+    def _abort_process_group(self) -> None:
+        try:
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._abort_process_group()  # experimental API; see the module docstring
+        except Exception as e:
+            log.warning("gpu-watchdog: process group abort failed: %s", e)
+
+    def _save_and_ack(self, outcome: str) -> None:
+        with self._lock:
+            if self._saved:
+                return
+            self._saved = True
+            if self._callback is not None:
+                try:
+                    self._callback(self.last_step)
+                except Exception as e:
+                    log.error("gpu-watchdog: checkpoint callback failed: %s", e)
+                    outcome = "failed"
+            if self.control_dir is not None and self._request is not None:
+                write_json_atomic(self.control_dir / f"ack-{self.rank}.json",
+                                  {"id": self._request["id"], "rank": self.rank, "pid": os.getpid(),
+                                   "outcome": outcome, "step": self.last_step, "t": time.time()})
+
+    def _wait_for_peers(self) -> None:
+        """Hold this rank's exit until every client announced on this node has acked the request (bounded by
+        its ``grace_s``): the first rank to exit makes torchrun SIGTERM the others, which would cut short a
+        peer's save still in progress — typically rank 0's, the only one that writes."""
+        if self.control_dir is None or self._request is None:
+            return
+        ctl, rid = ControlDir(self.control_dir), str(self._request["id"])
+        deadline = time.monotonic() + float(self._request.get("grace_s", 60.0))
+        while time.monotonic() < deadline and not set(ctl.clients()) <= set(ctl.acks(rid)):
+            time.sleep(self.poll_s)
+
+    def close(self) -> None:
+        self._done.set()

@@ -1,0 +1,2 @@
+"""``gpu-watchdog launch``: one job started, supervised and restarted by this process.
+"""

@@ -1,0 +1,451 @@
+"""Process state through psutil: rank discovery, job identity from the environment, tree CPU and I/O.
+
+A process's environment is read once per (pid, create_time) and cached; a reused pid gets a fresh read, and a
+process without a rank of its own is read again each tick for its first 30 s (it may still exec into one).
+Vanished, zombie and access-denied processes are recorded or skipped, never raised out of a tick.
+
+Job ids: ``GPU_WATCHDOG_JOB_ID`` > ``SLURM_JOB_ID`` > ``TORCHELASTIC_RUN_ID`` > the rendezvous endpoint. torchrun
+sets ``TORCHELASTIC_RUN_ID=none`` when no ``--rdzv-id`` is given: that names no job, so its ranks are told apart
+by ``MASTER_ADDR:MASTER_PORT`` (``torchrun-HOST:PORT``, the same on every node of the job), or without a usable
+endpoint by their torchrun agent (``torchrun-pidPID-START``). Two rank processes that still claim the same
+(job, rank) are never merged: each launcher's ranks become ``JOB@LAUNCHER_PID`` and a ``DuplicateRank`` error
+is reported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+import psutil
+
+from gpu_watchdog.model import JobIdentity, ProcessSample, SampleError
+
+log = logging.getLogger("gpu_watchdog.sample.processes")
+
+# The launcher sets this in the job's environment; it wins over scheduler-given ids.
+JOB_ID_ENV = "GPU_WATCHDOG_JOB_ID"
+_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+_JOB_ID_SOURCES = (JOB_ID_ENV, "SLURM_JOB_ID", _RUN_ID_ENV)
+_RANK_SOURCES = ("RANK", "SLURM_PROCID")
+_REREAD_YOUNG_S = 30.0  # how long after its start a process without a rank of its own is read again (exec)
+_NO_RUN_ID = "none"  # torchrun's --rdzv-id default: every job launched without one says so
+_LAUNCHED_ID_PREFIX = "torchrun-"
+_MAX_JOB_ID = 128  # fallback.JOB_ID_RE: ^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$
+_NOT_ID_CHAR = re.compile(r"[^A-Za-z0-9._:@+-]")
+
+
+def _int_or_none(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _real_run_id(value: str | None) -> bool:
+    return value is not None and value.strip().lower() not in ("", _NO_RUN_ID)
+
+
+def endpoint_job_id(env: Mapping[str, str]) -> str | None:
+    """``torchrun-ADDR:PORT`` from ``MASTER_ADDR``/``MASTER_PORT``, or None without a usable endpoint.
+
+    Every node of a multi-node job sees the same endpoint (so incidents of one job still merge across nodes);
+    two single-node jobs on one node cannot share a listening port. Port 0 (``--master-port 0``) is no endpoint.
+    IPv6 addresses lose their brackets (``[::1]`` → ``::1``); characters a job id may not hold become ``_``.
+    """
+    addr = (env.get("MASTER_ADDR") or "").strip().strip("[]")
+    port = _int_or_none((env.get("MASTER_PORT") or "").strip() or None)
+    if not addr or port is None or not 0 < port < 65536:
+        return None
+    host = _NOT_ID_CHAR.sub("_", addr)
+    while ".." in host:  # never a path component like ".."
+        host = host.replace("..", "._")
+    job_id = f"{_LAUNCHED_ID_PREFIX}{host}:{port}"
+    if len(job_id) > _MAX_JOB_ID:  # a very long host name: a stable digest of it instead
+        job_id = f"{_LAUNCHED_ID_PREFIX}{hashlib.sha1(addr.encode()).hexdigest()[:20]}:{port}"
+    return job_id
+
+
+def _job_id_from_env(env: Mapping[str, str], has_rank: bool) -> str | None:
+    """The first id source that names a job. A torchrun rank without a real run id (``none``) takes its
+    rendezvous endpoint; without one it stays None here and the scanner names it after its agent."""
+    for key in _JOB_ID_SOURCES:
+        value = env.get(key)
+        if key == _RUN_ID_ENV:
+            if _real_run_id(value):
+                return value
+        elif value:
+            return value
+    if has_rank and _RUN_ID_ENV in env:
+        return endpoint_job_id(env)
+    return None
+
+
+def _wants_launcher_id(env: Mapping[str, str], ident: JobIdentity | None) -> bool:
+    """A torchrun rank whose environment names neither a job nor a usable endpoint: the scanner gives it its
+    agent's id (the parent process), which only the process table knows."""
+    return (ident is not None and ident.rank is not None and _RUN_ID_ENV in env
+            and _job_id_from_env(env, True) is None)
+
+
+def identity_from_env(env: Mapping[str, str]) -> JobIdentity | None:
+    """The job identity a process carries in its environment, or None when it is not a rank of a job.
+
+    A torchrun rank without a run id or endpoint is ``unknown`` here; ``ProcessScanner`` names it after its
+    torchrun agent."""
+    rank = next((_int_or_none(env.get(k)) for k in _RANK_SOURCES if env.get(k) is not None), None)
+    job_id = _job_id_from_env(env, rank is not None)
+    if rank is None and job_id is None:
+        return None
+    return JobIdentity(
+        job_id=job_id or "unknown",
+        rank=rank,
+        local_rank=_int_or_none(env.get("LOCAL_RANK", env.get("SLURM_LOCALID"))),
+        world_size=_int_or_none(env.get("WORLD_SIZE", env.get("SLURM_NTASKS"))),
+    )
+
+
+@dataclass
+class _Known:
+    proc: psutil.Process
+    create_time: float
+    identity: JobIdentity | None
+    env: Mapping[str, str] = field(default_factory=dict)
+    start: float = 0.0  # the process table's start token when this entry was made (see _process_table)
+    cmdline: tuple[str, ...] | None = None  # read once, on first use
+    launcher_scoped: bool = False  # a torchrun rank without run id or endpoint: named after its agent
+    launcher_id: str | None = None  # that name, fixed when first made (the agent may exit, the rank reparent)
+
+
+_LINUX = sys.platform.startswith("linux")
+
+
+def _process_table() -> dict[int, tuple[int, float]]:
+    """pid → (ppid, start token) for every process on the node; the token changes when a pid is reused.
+
+    Linux: one read of /proc/PID/stat per process (token: its start time in clock ticks). psutil's
+    ``process_iter(["ppid"])`` costs about three file reads per process and was most of a tick's CPU.
+    Elsewhere: psutil, with the create time as the token.
+    """
+    if not _LINUX:
+        return {p.pid: (p.info["ppid"] or 0, p.info["create_time"] or 0.0)
+                for p in psutil.process_iter(["ppid", "create_time"])}
+    out: dict[int, tuple[int, float]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fd = os.open(f"/proc/{name}/stat", os.O_RDONLY)
+            try:
+                data = os.read(fd, 4096)
+            finally:
+                os.close(fd)
+            # "pid (comm) state ppid ... starttime ...": comm may hold spaces and parentheses.
+            rest = data[data.rfind(b")") + 2:].split(b" ", 21)
+            out[int(name)] = (int(rest[1]), float(rest[19]))
+        except (OSError, IndexError, ValueError):
+            continue  # gone between the listing and the read
+    return out
+
+
+class ProcessScanner:
+    """Finds rank processes and reads their state once per tick.
+
+    Scope: with ``root_pid`` only that process and its descendants are considered (the launcher's job);
+    otherwise every process on the node whose environment names a rank (the daemon). ``extra_pids`` adds
+    processes named by someone else (NVML's compute processes, scheduler registrations).
+    """
+
+    def __init__(self, root_pid: int | None = None, env_filter: Iterable[str] = ()) -> None:
+        self.root_pid = root_pid
+        self._known: dict[int, _Known | None] = {}  # pid → cached process, None = not ours / unreadable
+        self._children: dict[int, tuple[float | None, psutil.Process]] = {}  # rank descendants: (start, handle)
+        self._keep_env = tuple(env_filter)  # env keys kept for consistency checks
+        # (claimed job id, launcher pid, launcher start) → the id its ranks were split off under; kept while the
+        # launcher has ranks, so that a split job keeps one id after the other claimant ends.
+        self._split: dict[tuple[str, int, float | None], str] = {}
+        self._dup_warned: set[tuple[str, int, tuple[int, ...]]] = set()  # (job, rank, pids) logged once
+
+    def env_of(self, pid: int) -> Mapping[str, str]:
+        k = self._known.get(pid)
+        return k.env if k else {}
+
+    def _lookup(self, pid: int, start: float | None, ppid: int, errors: list[SampleError]) -> _Known | None:
+        known = self._known.get(pid)
+        if known is not None:
+            # psutil caches create_time() in the Process object, so only the table's fresh start token can
+            # tell that this pid now belongs to another process.
+            if start is not None and known.start != start:
+                known = None
+            elif self._settled(known, ppid) or time.time() - known.create_time > _REREAD_YOUNG_S:
+                return known
+        elif pid in self._known:
+            return None
+        try:
+            proc = known.proc if known is not None else psutil.Process(pid)
+            ctime = known.create_time if known is not None else proc.create_time()
+            env = proc.environ()
+        except psutil.AccessDenied:
+            if known is not None:
+                return known
+            errors.append(SampleError("AccessDenied", f"environ of pid {pid}"))
+            self._known[pid] = None
+            return None
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            return known  # one that exited young keeps what it showed alive (a zombie rank is still a rank)
+        ident = identity_from_env(env)
+        kept = {k: v for k, v in env.items() if k.startswith(self._keep_env)} if self._keep_env else {}
+        known = _Known(proc, ctime, ident, kept, start if start is not None else 0.0,
+                       launcher_scoped=_wants_launcher_id(env, ident))
+        self._known[pid] = known
+        return known
+
+    def _settled(self, known: _Known, ppid: int) -> bool:
+        """Has this process shown its own rank? A fork carries its parent's environment until it execs the
+        real program (torchrun's workers, wrapper scripts): no RANK, or only the job id (under `launch`),
+        or the parent's very identity (torchrun under Slurm: the srun task's SLURM_PROCID). Until it shows
+        a rank of its own, a young process is read again every tick."""
+        ident = known.identity
+        if ident is None or ident.rank is None:
+            return False
+        parent = self._known.get(ppid)
+        return parent is None or parent.identity != ident
+
+    def _tree(self, ppids: Mapping[int, int]) -> dict[int, list[int]]:
+        children: dict[int, list[int]] = {}
+        for pid, ppid in ppids.items():
+            children.setdefault(ppid, []).append(pid)
+        return children
+
+    def _in_scope(self, ppids: Mapping[int, int]) -> set[int]:
+        if self.root_pid is None:
+            return set(ppids)
+        children = self._tree(ppids)
+        scope, stack = set(), [self.root_pid]
+        while stack:
+            pid = stack.pop()
+            if pid in scope:
+                continue
+            scope.add(pid)
+            stack.extend(children.get(pid, ()))
+        return scope
+
+    def sample(self, extra_pids: Iterable[int] = ()) -> tuple[tuple[ProcessSample, ...], list[SampleError]]:
+        """One read of every rank process in scope (plus ``extra_pids``), with tree-aggregated counters."""
+        errors: list[SampleError] = []
+        table = _process_table()
+        ppids = {pid: v[0] for pid, v in table.items()}
+        starts = {pid: v[1] for pid, v in table.items()}
+        # Forget vanished pids so the cache stays bounded.
+        for cache in (self._known, self._children):
+            for pid in [p for p in cache if p not in ppids]:
+                del cache[pid]
+        scope = self._in_scope(ppids)
+        extra = {p for p in extra_pids if p in ppids}
+        idents: dict[int, _Known] = {}
+        for pid in scope | extra:
+            known = self._lookup(pid, starts.get(pid), ppids.get(pid, 0), errors)
+            if known is not None and (known.identity is not None or pid in extra):
+                idents[pid] = known
+        children = self._tree(ppids)
+        launched = self._launcher_ids(idents, ppids, starts)
+        samples = []
+        for pid, known in idents.items():
+            parent = idents.get(ppids.get(pid, 0))
+            # A dataloader worker inherits RANK: only the topmost process of a (job, rank) is the rank.
+            is_rank = known.identity is not None and known.identity.rank is not None and not (
+                parent is not None and parent.identity == known.identity)
+            if not is_rank and pid not in extra:
+                continue
+            s = self._read(pid, known, ppids.get(pid, 0), children, starts, errors)
+            if s is not None:
+                job = s.job
+                if job is not None and pid in launched:
+                    job = replace(job, job_id=launched[pid])
+                samples.append(replace(s, is_rank=is_rank, job=job))
+        samples = self._separate_duplicates(samples, ppids, starts, errors)
+        samples.sort(key=lambda s: (s.job.job_id if s.job else "", s.job.rank if s.job and s.job.rank is not None
+                                    else -1, s.pid))
+        return tuple(samples), errors
+
+    def _launcher_ids(self, idents: Mapping[int, _Known], ppids: Mapping[int, int],
+                      starts: Mapping[int, float]) -> dict[int, str]:
+        """pid → job id for torchrun ranks that carry neither a run id nor an endpoint: named after their agent
+        (the rank's parent, with its start token against pid reuse). A rank's child with the rank's identity (a
+        dataloader worker) takes the rank's name."""
+        out: dict[int, str] = {}
+        for pid, known in idents.items():
+            if not known.launcher_scoped:
+                continue
+            top, seen = pid, {pid}
+            while True:  # up to the topmost process with this identity: the rank
+                parent = idents.get(ppids.get(top, 0))
+                nxt = ppids.get(top, 0)
+                if parent is None or parent.identity != known.identity or nxt in seen:
+                    break
+                top = nxt
+                seen.add(top)
+            rank = idents[top]
+            if not rank.launcher_scoped:
+                continue
+            if rank.launcher_id is None:
+                agent = ppids.get(top, 0)
+                rank.launcher_id = f"{_LAUNCHED_ID_PREFIX}pid{agent}-{int(starts.get(agent, 0.0))}"
+            out[pid] = rank.launcher_id
+        return out
+
+    def _separate_duplicates(self, samples: list[ProcessSample], ppids: Mapping[int, int],
+                             starts: Mapping[int, float], errors: list[SampleError]) -> list[ProcessSample]:
+        """Two rank processes that claim the same (job, rank) are two jobs, never one: the daemon-wide scanner
+        splits the job's ranks by their launcher (parent) into ``JOB@LAUNCHER_PID``; every tick it happens is a
+        ``DuplicateRank`` error. Under a root (``launch``) the tree is the job: reported, not split."""
+        for key in [k for k in self._split if k[2] is None or starts.get(k[1]) != k[2]]:
+            del self._split[key]  # the launcher is gone (or its pid was reused)
+        self._dup_warned = {w for w in self._dup_warned if any(p in ppids for p in w[2])}
+        claims: dict[tuple[str, int], list[ProcessSample]] = {}
+        for s in samples:
+            if s.is_rank and s.job is not None and s.job.rank is not None:
+                claims.setdefault((s.job.job_id, s.job.rank), []).append(s)
+        for (job_id, rank), claim in claims.items():
+            if len(claim) < 2:
+                continue
+            pids = tuple(sorted(c.pid for c in claim))
+            launchers = sorted({c.ppid for c in claim})
+            if len(launchers) < 2:
+                outcome = f"(launcher {launchers[0]}): one launcher, not split"
+            elif self.root_pid is not None:
+                outcome = f"(launchers {', '.join(map(str, launchers))}): one launched job, not split"
+            else:
+                outcome = f"(launchers {', '.join(map(str, launchers))}): watched as separate jobs"
+                for s in samples:  # every rank of the job goes with its launcher
+                    if s.is_rank and s.job is not None and s.job.job_id == job_id:
+                        self._split.setdefault((job_id, s.ppid, starts.get(s.ppid)), _split_job_id(job_id, s.ppid))
+            where = f"job {job_id} rank {rank} claimed by pids {', '.join(map(str, pids))} {outcome}"
+            errors.append(SampleError("DuplicateRank", where))
+            if (job_id, rank, pids) not in self._dup_warned:
+                self._dup_warned.add((job_id, rank, pids))
+                log.warning("%s", where)
+        if not self._split:
+            return samples
+        renamed: dict[int, tuple[str, str]] = {}  # rank pid → (claimed job id, its split id)
+        used = set()
+        for s in samples:
+            if s.is_rank and s.job is not None:
+                key = (s.job.job_id, s.ppid, starts.get(s.ppid))
+                split = self._split.get(key)
+                if split is not None:
+                    renamed[s.pid] = (s.job.job_id, split)
+                    used.add(key)
+        self._split = {k: v for k, v in self._split.items() if k in used}  # launchers whose ranks all ended
+        if not renamed:
+            return samples
+        out = []
+        for s in samples:
+            new = renamed.get(s.pid)
+            if new is None and s.job is not None and not s.is_rank:  # a rank's worker that NVML named
+                up, hops = s.ppid, 0
+                while up and up not in renamed and hops < 64:
+                    up, hops = ppids.get(up, 0), hops + 1
+                new = renamed.get(up)
+            if new is not None and s.job is not None and s.job.job_id == new[0]:
+                s = replace(s, job=replace(s.job, job_id=new[1]))
+            out.append(s)
+        return out
+
+    def _read(self, pid: int, known: _Known, ppid: int, children: Mapping[int, list[int]],
+              starts: Mapping[int, float], errors: list[SampleError]) -> ProcessSample | None:
+        proc = known.proc
+        try:
+            with proc.oneshot():
+                status = proc.status()
+                cpu = proc.cpu_times()
+                rss = proc.memory_info().rss
+                if known.cmdline is None and status != psutil.STATUS_ZOMBIE:
+                    known.cmdline = tuple(proc.cmdline())  # fixed for the process's life: read once
+                cmdline = known.cmdline or ()
+                io = _io_bytes(proc)
+                wakeups = proc.num_ctx_switches().voluntary  # /proc/PID/status: the main thread's own
+        except psutil.ZombieProcess:
+            return ProcessSample(pid, known.create_time, ppid, psutil.STATUS_ZOMBIE, 0.0, None, 0, (),
+                                 known.identity, exit_status=read_exit_status(pid))
+        except psutil.NoSuchProcess:
+            return None
+        except psutil.AccessDenied:
+            errors.append(SampleError("AccessDenied", f"pid {pid}"))
+            return None
+        cpu_total = cpu.user + cpu.system + cpu.children_user + cpu.children_system
+        io_total = io
+        stack = list(children.get(pid, ()))
+        while stack:  # live descendants (dataloader workers, compile workers) are part of the rank's work
+            child = stack.pop()
+            stack.extend(children.get(child, ()))
+            try:
+                cached = self._children.get(child)
+                if cached is None or cached[0] != starts.get(child):  # new, or the pid was reused
+                    cached = self._children[child] = (starts.get(child), psutil.Process(child))
+                c = cached[1]
+                ct = c.cpu_times()
+                cpu_total += ct.user + ct.system
+                cio = _io_bytes(c)
+                if io_total is not None and cio is not None:
+                    io_total += cio
+            except psutil.Error:
+                continue
+        return ProcessSample(pid=pid, create_time=known.create_time, ppid=ppid, status=status,
+                             cpu_time_s=cpu_total, io_bytes=io_total, rss_bytes=rss, cmdline=cmdline,
+                             job=known.identity, wakeups=wakeups, wchan=read_wchan(pid),
+                             exit_status=read_exit_status(pid) if status == psutil.STATUS_ZOMBIE else None)
+
+
+def _split_job_id(job_id: str, launcher: int) -> str:
+    """``JOB@LAUNCHER_PID``, cut to fit a job id's 128 characters."""
+    suffix = f"@{launcher}"
+    return job_id[:_MAX_JOB_ID - len(suffix)] + suffix
+
+
+def read_exit_status(pid: int) -> int | None:
+    """A zombie's exit status in waitpid form (/proc/PID/stat field 52, Linux ≥ 3.5), until its parent reaps it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[49])  # field 52 counted from 1; fields[0] here is field 3 (state)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def describe_exit(status: int | None) -> str:
+    """``exit code 3`` / ``killed by SIGKILL`` for a waitpid status; ``exit status unknown`` for None."""
+    import signal as _signal
+
+    if status is None:
+        return "exit status unknown (reaped by its parent before it was sampled)"
+    if status & 0x7F:
+        try:
+            return f"killed by {_signal.Signals(status & 0x7F).name}"
+        except ValueError:
+            return f"killed by signal {status & 0x7F}"
+    return f"exit code {(status >> 8) & 0xFF}"
+
+
+def read_wchan(pid: int, tid: int | None = None) -> str:
+    """The kernel wait channel of a thread (the main thread by default): ``""`` when unreadable."""
+    path = f"/proc/{pid}/wchan" if tid is None else f"/proc/{pid}/task/{tid}/wchan"
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _io_bytes(proc: psutil.Process) -> int | None:
+    try:
+        io = proc.io_counters()
+    except (psutil.AccessDenied, AttributeError):
+        return None
+    return int(io.read_chars + io.write_chars)  # type: ignore[attr-defined]  # Linux fields

@@ -1,0 +1,134 @@
+"""Incident directories: one per incident under ``<state_dir>/incidents/<id>/``.
+
+Each holds ``summary.json`` (the contract in DESIGN.md: id, job_id, kind, signature, onset, detected_at,
+culprit_ranks, collective, stacks_dir, actions, fallback — plus host, ranks, reason, advice, and ``finding``,
+the detector's own words, kept when ``reason`` is replaced by the stack diagnosis), ``stacks/`` (raw py-spy
+output per rank), ``report.txt`` (readable: culprit first, then the grouped stacks) and whatever else the
+recovery collected (Flight Recorder dumps, NCCL debug logs of the restart). ``summary.json`` is rewritten
+atomically after every change, so a crash never leaves half of it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpu_watchdog.atomic import note_write_error, write_atomic
+from gpu_watchdog.detect.detector import Finding
+from gpu_watchdog.errors import UsageError
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass
+class Incident:
+    dir: Path
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return str(self.summary["id"])
+
+    @property
+    def stacks_dir(self) -> Path:
+        return self.dir / "stacks"
+
+    def save(self) -> None:
+        """Write summary.json. A full or read-only state dir keeps the summary in memory (the next save tries
+        again, so it lands once space returns) instead of stopping the recovery that is writing it."""
+        self._write("summary.json", json.dumps(self.summary, indent=1, sort_keys=True) + "\n")
+
+    def _write(self, name: str, text: str) -> bool:
+        try:
+            (self.dir / "stacks").mkdir(parents=True, exist_ok=True)
+            write_atomic(self.dir / name, text)
+            return True
+        except OSError as e:
+            note_write_error(f"incident {self.id} ({self.dir / name})", e)
+            return False
+
+    def update(self, **fields: Any) -> None:
+        self.summary.update(fields)
+        self.save()
+
+    def begin_action(self, action: str, detail: str = "") -> dict[str, Any]:
+        """Log an action before it runs (ok = null), so a crash mid-action is visible and resumable."""
+        entry: dict[str, Any] = {"action": action, "at": time.time(), "ok": None, "detail": detail}
+        self.summary["actions"].append(entry)
+        self.save()
+        return entry
+
+    def end_action(self, entry: dict[str, Any], ok: bool, detail: str) -> None:
+        entry.update(ok=ok, detail=detail, done_at=time.time())
+        self.save()
+
+    def record_action(self, action: str, ok: bool, detail: str) -> None:
+        self.end_action(self.begin_action(action), ok, detail)
+
+    def write_report(self, text: str) -> None:
+        if not self._write("report.txt", text):
+            import sys
+
+            print(text, file=sys.stderr, flush=True)  # the report still reaches the console / journal
+
+
+class IncidentStore:
+    def __init__(self, state_dir: str | Path) -> None:
+        self.root = Path(state_dir) / "incidents"
+
+    def create(self, finding: Finding, host: str, now: float | None = None) -> Incident:
+        now = time.time() if now is None else now
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now))
+        job = re.sub(r"[^A-Za-z0-9._-]", "_", finding.job_id or "node")[:48]
+        base = f"{stamp}-{job}-{finding.kind}"
+        n = 0
+        while True:  # mkdir is the atomic claim of an id
+            iid = base if n == 0 else f"{base}-{n}"
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                (self.root / iid).mkdir()
+                break
+            except FileExistsError:
+                n += 1
+            except OSError as e:  # full or read-only: the incident lives in memory; saves retry the directory
+                note_write_error(f"incident directory {self.root / iid}", e)
+                break
+        d = self.root / iid
+        inc = Incident(d, {
+            "id": iid, "job_id": finding.job_id, "kind": finding.kind, "signature": finding.signature,
+            "onset": finding.onset, "detected_at": finding.confirmed_at, "host": host,
+            "ranks": list(finding.ranks), "culprit_ranks": list(finding.culprit_ranks), "collective": None,
+            "reason": finding.detail, "finding": finding.detail, "evidence": finding.evidence,
+            "devices": list(finding.devices),
+            "stacks_dir": str(d / "stacks"), "actions": [], "fallback": None, "advice": None,
+        })
+        inc.save()
+        return inc
+
+    def list(self) -> list[dict[str, Any]]:
+        """Every readable incident summary, oldest first (by detection time, then id)."""
+        out: list[dict[str, Any]] = []
+        if not self.root.is_dir():
+            return out
+        for d in self.root.iterdir():
+            try:
+                s = json.loads((d / "summary.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(s, dict) and "id" in s:
+                out.append(s)
+        out.sort(key=lambda s: (s.get("detected_at") or 0, s["id"]))
+        return out
+
+    def get(self, incident_id: str) -> Incident:
+        if not _ID_RE.match(incident_id):
+            raise UsageError(f"not an incident id: {incident_id!r}")
+        d = self.root / incident_id
+        try:
+            return Incident(d, json.loads((d / "summary.json").read_text()))
+        except FileNotFoundError:
+            raise UsageError(f"no incident {incident_id!r} in {self.root}") from None
