@@ -59,9 +59,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from gpu_watchdog.sample.backends import ProcBackend
 from gpu_watchdog.config.schema import DetectConfig
 from gpu_watchdog.detect.detector import DetectorState, step
+from gpu_watchdog.detect.replay import replay_trace
 from gpu_watchdog.model import (
     DeviceSample,
     GpuFault,
@@ -72,9 +72,9 @@ from gpu_watchdog.model import (
     RankStack,
     StackEvidence,
 )
+from gpu_watchdog.sample.backends import ProcBackend
 from gpu_watchdog.sample.processes import ProcessScanner
 from gpu_watchdog.sample.record import record
-from gpu_watchdog.detect.replay import replay_trace
 from gpu_watchdog.sample.trace import header, read_trace
 
 DATA = Path(__file__).resolve().parent

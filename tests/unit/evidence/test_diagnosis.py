@@ -13,8 +13,8 @@ from gloo_jobs import RunningJob, start_job
 from gpu_watchdog.evidence.analyze import analyze_dirs, write_rank_stacks
 from gpu_watchdog.evidence.classify import classify_threads
 from gpu_watchdog.evidence.diagnosis import RankContext, diagnose, format_ranks, stacks_progressed
-from gpu_watchdog.model import RankStack, StackEvidence
 from gpu_watchdog.evidence.stacks import DumpResult, dump_stacks
+from gpu_watchdog.model import RankStack, StackEvidence
 
 AR = "all_reduce (torch/distributed/distributed_c10d.py:3252)"
 BAR = "barrier (torch/distributed/distributed_c10d.py:5356)"

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 from gpu_watchdog.detect.detector import CLOCK_SLACK_S
+from repo_paths import REPO
 
-ROOT = Path(__file__).parents[1]
+ROOT = REPO
 TRAIN = ROOT / "tests" / "jobs" / "train.py"
 BIN = Path(sys.executable).parent
 RECORD_S = 20

@@ -10,18 +10,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 from gpu_watchdog.config.schema import DetectConfig
 from gpu_watchdog.detect.detector import Finding
-from gpu_watchdog.model import NodeSample
 from gpu_watchdog.detect.replay import replay_trace
+from gpu_watchdog.model import NodeSample
 from gpu_watchdog.sample.trace import read_trace
+from repo_paths import REPO, TESTS
 
-DATA = Path(__file__).parent / "data"
-DOC = Path(__file__).parents[1] / "docs" / "detection-latency.md"
+DATA = TESTS / "data"
+DOC = REPO / "docs" / "detection-latency.md"
 MANIFEST = json.loads((DATA / "corpus.json").read_text())
 TRACES = MANIFEST["traces"]
 CONFIGS = {"default": DetectConfig(), "test": dataclasses.replace(DetectConfig(), **MANIFEST["test_config"])}

@@ -6,9 +6,9 @@ import sys
 import time
 
 import pytest
+from gpu_watchdog.act.hooks import placeholder_values, render_argv, run_hook
 from gpu_watchdog.config.daemon import HookSpec, parse_daemon_sections
 from gpu_watchdog.errors import ConfigError, UsageError
-from gpu_watchdog.act.hooks import placeholder_values, render_argv, run_hook
 
 
 def test_builtin_types_and_defaults() -> None:

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 from gpu_watchdog import model
-from gpu_watchdog.config.schema import SECTIONS, FallbackConfig, FaultsConfig, _toml_value, load_config
 from gpu_watchdog.config.daemon import DaemonSettings, HookSpec
+from gpu_watchdog.config.schema import SECTIONS, FallbackConfig, FaultsConfig, _toml_value, load_config
+from repo_paths import REPO
 
-DOCS = Path(__file__).parents[1] / "docs"
+DOCS = REPO / "docs"
 CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
 
 

@@ -24,8 +24,8 @@ from gpu_watchdog.detect.consistency import ConfigWatch, check_ranks, relevant
 from gpu_watchdog.detect.detector import JobStatus
 from gpu_watchdog.launch.launcher import Launcher
 from launch_harness import base_env, read_events, start_launch, torchrun, write_config
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 SKEWED = REPO / "tests" / "jobs" / "skewed_env.py"
 TRAIN = REPO / "tests" / "jobs" / "train.py"
 CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
@@ -185,11 +185,11 @@ def test_a_rank_read_before_its_wrapper_execd_is_not_a_mismatch(tmp_path: Path) 
 
 
 def test_the_daemon_checks_every_jobs_ranks_and_reports_a_mismatch_once(tmp_path: Path) -> None:
-    from gpu_watchdog.daemon.service import Daemon
     from gpu_watchdog.config.daemon import DaemonSettings
+    from gpu_watchdog.daemon.service import Daemon
     from gpu_watchdog.export.metrics import AgentMetrics
-    from gpu_watchdog.model import JobIdentity, NodeSample, ProcessSample
     from gpu_watchdog.export.sdnotify import Notifier
+    from gpu_watchdog.model import JobIdentity, NodeSample, ProcessSample
 
     pids = {r: 4_100_000 + r for r in range(4)}  # no such processes: the scanner's copies are used
     envs = {pids[r]: rank_env(r) for r in range(4)}

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from gpu_watchdog.demo.runner import read_events
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "jobs" / "train.py"
 VENV_BIN = Path(sys.executable).parent
 

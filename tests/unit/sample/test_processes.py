@@ -14,9 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 from gloo_jobs import TRAIN, RunningJob, _torchrun
-from gpu_watchdog.sample import processes as processes_mod
-from gpu_watchdog.policy.fallback import validate_job_id
 from gpu_watchdog.model import JobIdentity, ProcessSample
+from gpu_watchdog.policy.fallback import validate_job_id
+from gpu_watchdog.sample import processes as processes_mod
 from gpu_watchdog.sample.processes import ProcessScanner, identity_from_env
 from waiting import wait_for
 

@@ -26,23 +26,31 @@ from typing import Any
 import psutil
 import pynvml
 import pytest
-from gpu_watchdog.sample.backends import NvmlBackend, choose_backend
-from gpu_watchdog.config.schema import AgentConfig, Config, FaultsConfig, RecoveryConfig, load_config
+from fake_nvml import FakeNvml, started
+from gpu_watchdog.act.faults import drain_reason
+from gpu_watchdog.act.recovery import EXIT_GPU_FAULT
 from gpu_watchdog.config.daemon import HookSpec
+from gpu_watchdog.config.schema import AgentConfig, Config, FaultsConfig, RecoveryConfig, load_config
 from gpu_watchdog.detect.detector import DetectorState, step
 from gpu_watchdog.errors import ConfigError
-from gpu_watchdog.policy.fallback import FallbackDecision
-from gpu_watchdog.act.faults import drain_reason
 from gpu_watchdog.launch.launcher import Launcher
 from gpu_watchdog.model import DeviceSample, GpuFault, GpuProcess, JobIdentity, NodeSample, ProcessSample
+from gpu_watchdog.policy.fallback import FallbackDecision
+from gpu_watchdog.sample.backends import NvmlBackend, choose_backend
 from gpu_watchdog.sample.processes import JOB_ID_ENV, ProcessScanner
-from gpu_watchdog.act.recovery import EXIT_GPU_FAULT
-from gpu_watchdog.sample.xid import XID, XID_APPLICATION, XidWatcher, attach_faults, is_draining, start_watcher, xid_fault
+from gpu_watchdog.sample.xid import (
+    XID,
+    XID_APPLICATION,
+    XidWatcher,
+    attach_faults,
+    is_draining,
+    start_watcher,
+    xid_fault,
+)
 from launch_harness import base_env, start_launch, write_config
 from nvml_standin import NvmlStandin
 from nvml_standin.fixtures import nvml_standin as _nvml_standin_fixture  # noqa: F401
 from nvml_standin.fixtures import nvml_standin_lib as _nvml_standin_lib_fixture  # noqa: F401
-from test_nvml_layer import FakeNvml, started
 from waiting import wait_for
 
 GIB = 1 << 30

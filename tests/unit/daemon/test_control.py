@@ -15,12 +15,13 @@ from pathlib import Path
 import psutil
 import pytest
 from daemon_helpers import GW, short_dir
+from gpu_watchdog.config.daemon import DaemonSettings, HookSpec
 from gpu_watchdog.config.schema import Config
 from gpu_watchdog.daemon.control import ControlServer, PeerCred, check_peer, handle_request, request
 from gpu_watchdog.daemon.service import Daemon
-from gpu_watchdog.config.daemon import DaemonSettings, HookSpec
 from gpu_watchdog.errors import UsageError
 from gpu_watchdog.export.sdnotify import Notifier
+from repo_paths import REPO
 from waiting import wait_for
 
 ROOT = PeerCred(1, 0, 0)
@@ -215,7 +216,7 @@ def test_hook_cli_against_real_daemon(base: Path) -> None:
 
 
 def test_slurm_prolog_epilog_with_standin_scontrol(base: Path) -> None:
-    repo = Path(__file__).resolve().parent.parent
+    repo = REPO
     (base / "c.toml").write_text(f'[agent]\nbackend = "proc"\nstate_dir = "{base / "state"}"\n'
                                  f'[daemon]\ncontrol_socket = "{base / "c.sock"}"\nsocket_group = ""\n'
                                  '[hooks.slurm-requeue]\ntype = "slurm-requeue"\n')

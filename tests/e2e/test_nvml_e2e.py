@@ -41,6 +41,7 @@ from launch_harness import (
 from nvml_standin import StandinState
 from nvml_standin.fixtures import nvml_standin as _nvml_standin_fixture  # noqa: F401
 from nvml_standin.fixtures import nvml_standin_lib as _nvml_standin_lib_fixture  # noqa: F401
+from repo_paths import TESTS
 
 NPROC = 4
 INTERVAL_S = 1.0  # agent.interval_s, the default
@@ -266,7 +267,7 @@ def test_gpu_lost_mid_run_is_a_gpu_fault_without_nccl_fallback(nvml_standin, tmp
     events, work = tmp_path / "events.jsonl", tmp_path / "job"
     work.mkdir()
     drained = tmp_path / "drain.jsonl"
-    hook = Path(__file__).with_name("hookbin") / "record_hook.py"
+    hook = TESTS / "hookbin" / "record_hook.py"
     cfg = write_config(tmp_path / "watchdog.toml", {
         "recovery": RECOVERY,
         "faults": {"drain_command": [sys.executable, str(hook), str(drained), "0", "{node}", "{gpu}", "{reason}"]},

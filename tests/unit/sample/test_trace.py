@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from gpu_watchdog.config.schema import DetectConfig
+from gpu_watchdog.detect.replay import replay_trace
 from gpu_watchdog.errors import EXIT_DATAERR, EXIT_NOINPUT, TraceError
 from gpu_watchdog.model import (
     DeviceSample,
@@ -23,7 +24,6 @@ from gpu_watchdog.model import (
     StackEvidence,
 )
 from gpu_watchdog.sample.record import only_job, record
-from gpu_watchdog.detect.replay import replay_trace
 from gpu_watchdog.sample.trace import FORMAT, VERSION, TraceWriter, read_trace, sample_record
 
 CLI = str(Path(sys.executable).with_name("gpu-watchdog"))

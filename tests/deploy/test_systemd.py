@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 from gpu_watchdog.errors import EXIT_CONFIG
+from repo_paths import REPO
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
+SYSTEMD = REPO / "systemd"
 UNIT = SYSTEMD / "gpu-watchdog.service"
 SYSUSERS = SYSTEMD / "gpu-watchdog.sysusers.conf"
 TMPFILES = SYSTEMD / "gpu-watchdog.tmpfiles.conf"

@@ -28,7 +28,8 @@ from typing import Any, TypeVar
 
 import psutil
 from gpu_watchdog.demo import runner as demo
-REPO = Path(__file__).resolve().parent.parent
+from repo_paths import REPO
+
 VENV_BIN = Path(sys.executable).parent
 CLI = str(VENV_BIN / "gpu-watchdog") if (VENV_BIN / "gpu-watchdog").exists() else "gpu-watchdog"
 TRAIN = REPO / "tests" / "jobs" / "train.py"

@@ -18,6 +18,7 @@ from typing import Any
 
 import pynvml
 import pytest
+from fake_nvml import FakeNvml
 from gpu_watchdog.cli import doctor
 from gpu_watchdog.cli.doctor import (
     FAIL,
@@ -35,7 +36,6 @@ from gpu_watchdog.cli.doctor import (
 from nvml_standin import NvmlStandin
 from nvml_standin.fixtures import nvml_standin as _nvml_standin_fixture  # noqa: F401
 from nvml_standin.fixtures import nvml_standin_lib as _nvml_standin_lib_fixture  # noqa: F401
-from test_nvml_layer import FakeNvml
 
 CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
 PY_SPY = str(Path(sys.executable).with_name("py-spy"))

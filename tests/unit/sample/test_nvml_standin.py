@@ -34,6 +34,7 @@ from nvml_standin import (
 )
 from nvml_standin.fixtures import nvml_standin as _nvml_standin_fixture  # noqa: F401
 from nvml_standin.fixtures import nvml_standin_lib as _nvml_standin_lib_fixture  # noqa: F401
+from repo_paths import TESTS
 
 #: The pynvml wrappers the agent calls.  test_required_symbols_cover_pynvml_wrappers derives from
 #: pynvml's own source which C symbols these resolve, so a pynvml upgrade that switches a wrapper to
@@ -587,7 +588,7 @@ def test_load_in_process_matches_soname(nvml_standin: NvmlStandin) -> None:
     assert nvml_standin.lib_path is not None
     env = dict(nvml_standin.env)
     env.pop("LD_LIBRARY_PATH")
-    tests_dir = str(Path(__file__).parent)
+    tests_dir = str(TESTS / "support")
     code = (
         f"import sys; sys.path.insert(0, {tests_dir!r})\n"
         "from nvml_standin import load_in_process\n"

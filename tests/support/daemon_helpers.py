@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import waiting
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 GW = str(Path(sys.executable).parent / "gpu-watchdog")
 HOOK = REPO / "tests" / "hookbin" / "record_hook.py"
 

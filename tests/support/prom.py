@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from repo_paths import REPO
 
 REQUIRE_ENV = "GPU_WATCHDOG_REQUIRE_PROMETHEUS"
-REPO = Path(__file__).resolve().parent.parent
 ALERTS = REPO / "prometheus" / "alerts.yml"
 ALERTS_TEST = REPO / "prometheus" / "alerts.test.yml"
 DASHBOARD = REPO / "grafana" / "dashboards" / "gpu-watchdog.json"
