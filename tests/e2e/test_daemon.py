@@ -161,10 +161,11 @@ class _FlakyBackend:
         pass
 
 
-def test_tick_survives_backend_fault_vanished_pid_and_gates_watchdog(tmp_path: Path) -> None:
+def test_tick_survives_backend_fault_vanished_pid_and_keeps_the_loop_alive(tmp_path: Path) -> None:
     from gpu_watchdog.config.daemon import DaemonSettings
     from gpu_watchdog.config.schema import Config
-    from gpu_watchdog.daemon.service import Daemon, validate_pids_live
+    from gpu_watchdog.daemon.registry import validate_pids_live
+    from gpu_watchdog.daemon.service import Daemon
 
     sent: list[str] = []
 
@@ -182,16 +183,16 @@ def test_tick_survives_backend_fault_vanished_pid_and_gates_watchdog(tmp_path: P
 
     d = Daemon(Config(), DaemonSettings(socket_group=""), tmp_path, backend=_FlakyBackend({1, 3}),
                notifier=N())  # type: ignore[arg-type]
-    d.health._ping = N().watchdog  # type: ignore[method-assign]
-    d.tick()  # NVML fault on the first tick: not ready, no ping
-    assert d.ticks_failed == 1 and "READY" not in sent and not d.health.maybe_ping(time.monotonic())
+    d.tick()  # NVML fault on the first tick: not ready, not healthy, but the loop runs (systemd may keep it)
+    assert d.ticks_failed == 1 and "READY" not in sent
+    assert d.health.status() == (False, "sampling failed: NVML_ERROR_GPU_IS_LOST") and d.health.loop_alive()
     p = subprocess.Popen(["sleep", "30"])
     d.register({"job_id": "j", "pids": validate_pids_live([p.pid]), "registered_by_uid": 0})
     p.kill()
     p.wait()  # the registered process vanishes
     d.tick()
     assert sent.count("READY") == 1 and d.ticks_ok == 1
-    assert d.health.maybe_ping(time.monotonic()) and "WATCHDOG" in sent
+    assert d.health.status() == (True, "ok")
     d.tick()  # another fault: the daemon keeps going
     d.tick()
     assert d.ticks_ok == 2 and d.ticks_failed == 2 and sent.count("READY") == 1
@@ -241,7 +242,7 @@ def test_gpu_fault_drains_the_node_once_and_never_for_an_application_xid(tmp_pat
     for _ in range(4):  # the fault lasts: it must be handled once
         d.tick()
         time.sleep(0.1)
-    d._pool.shutdown(wait=True)
+    d.wait_idle()
     runs = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
     if drains:
         assert len(runs) == 1 and runs[0][0] == d.host
@@ -250,3 +251,97 @@ def test_gpu_fault_drains_the_node_once_and_never_for_an_application_xid(tmp_pat
     kinds = [s["kind"] for s in d.incidents.list()]
     assert kinds == ["gpu_fault"]
     assert all(s.get("fallback") is None for s in d.incidents.list())  # never an NCCL fallback
+
+
+class _XidOnJobGpu:
+    """A GPU whose process is the job's rank (a real process), faulting with an application Xid from tick 2 on."""
+
+    name = "fake"
+
+    def __init__(self, pid: int, job_id: str) -> None:
+        import psutil
+
+        self.pid, self.job_id, self.n = pid, job_id, 0
+        self.create_time = psutil.Process(pid).create_time()
+
+    def sample(self):
+        from gpu_watchdog.model import DeviceSample, GpuFault, GpuProcess, JobIdentity, NodeSample, ProcessSample
+
+        self.n += 1
+        fault = GpuFault("xid_application", "Xid 13", xid=13) if self.n >= 2 else None
+        dev = DeviceSample(0, "GPU-app", "fake", util_percent=80.0, mem_used_bytes=8 << 30,
+                           processes=(GpuProcess(self.pid, 8 << 30),), fault=fault)
+        rank = ProcessSample(self.pid, self.create_time, 1, "sleeping", 1.0, 1000, 100 << 20,
+                             job=JobIdentity(self.job_id, 0, 0, 1), is_rank=True)
+        return NodeSample(t=time.time(), hostname="n", backend="fake", devices=(dev,), processes=(rank,))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("registered", [True, False])
+def test_an_application_xid_never_stops_a_job(tmp_path: Path, registered: bool) -> None:
+    """Even with daemon.stop_unregistered = true (which stops stalled unregistered jobs), an application Xid is
+    an incident only: the job's own error, the GPU serves on."""
+    from gpu_watchdog.config.daemon import DaemonSettings
+    from gpu_watchdog.config.schema import Config
+    from gpu_watchdog.daemon.registry import validate_pids_live
+    from gpu_watchdog.daemon.service import Daemon
+    from gpu_watchdog.export.sdnotify import Notifier
+
+    job = subprocess.Popen(["sleep", "60"])
+    try:
+        d = Daemon(Config(), DaemonSettings(socket_group="", control_socket="", stop_unregistered=True),
+                   tmp_path / "state", backend=_XidOnJobGpu(job.pid, "xid-job"), notifier=Notifier(None))
+        if registered:
+            d.register({"job_id": "xid-job", "pids": validate_pids_live([job.pid]), "registered_by_uid": 0})
+        for _ in range(4):
+            d.tick()
+        d.wait_idle()
+        assert job.poll() is None  # never signalled
+        [inc] = d.incidents.list()
+        assert (inc["kind"], inc["signature"], inc["xid"], inc["drain"]) == ("gpu_fault", "xid_application", 13,
+                                                                           False)
+        assert not [a for a in inc["actions"] if a["action"] in ("stop", "drain", "restart_hook")]
+        assert inc["outcome"] == "recorded (application Xid)"
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_a_broken_metrics_collector_stops_no_recovery_and_touches_no_other_incident(tmp_path: Path) -> None:
+    """Two manual restarts of a registered job, the second with a metrics collector that raises on every call:
+    both recoveries run to their end, each closes its own incident (no thread-local 'last incident')."""
+    from gpu_watchdog.config.daemon import DaemonSettings
+    from gpu_watchdog.config.schema import Config
+    from gpu_watchdog.daemon.registry import validate_pids_live
+    from gpu_watchdog.daemon.service import Daemon
+    from gpu_watchdog.export.sdnotify import Notifier
+
+    class Broken:
+        def __getattr__(self, name: str):
+            def fail(*_a: object, **_k: object) -> None:
+                raise RuntimeError(f"collector broke in {name}")
+            return fail
+
+    cfg = dataclasses.replace(Config(), recovery=dataclasses.replace(Config().recovery, stop_grace_s=2.0))
+    d = Daemon(cfg, DaemonSettings(socket_group="", control_socket=""), tmp_path / "state",
+               backend=_FlakyBackend(set()), notifier=Notifier(None))
+    outcomes = []
+    for broken in (False, True):
+        job = subprocess.Popen(["sleep", "60"])
+        try:
+            d.register({"job_id": "j", "pids": validate_pids_live([job.pid]), "registered_by_uid": 0})
+            d.ctx.metrics = Broken() if broken else None
+            d.tick()
+            assert d.manual_restart("j")
+            d.wait_idle()
+            assert job.wait(10) is not None  # stopped by the recovery
+        finally:
+            job.kill()
+            job.wait()
+        outcomes.append([(i["id"], i.get("outcome")) for i in d.incidents.list()])
+    first, second = outcomes
+    assert len(first) == 1 and len(second) == 2 and second[0] == first[0]
+    assert first[0][1] == second[1][1] == "restart hook failed or missing"  # it registered no hook
+    assert [r["outcome"] for r in d.store.incidents(10)] == ["restart hook failed or missing"] * 2

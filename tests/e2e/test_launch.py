@@ -25,18 +25,19 @@ from typing import Any
 
 import psutil
 import pytest
-from gpu_watchdog.act.recovery import EXIT_BUDGET_SPENT, RestartBudget
 from gpu_watchdog.act.stopper import JobProcess, job_tree, send_signal, stop_processes
 from gpu_watchdog.atomic import write_errors
 from gpu_watchdog.config.schema import FallbackConfig, FallbackLevel, RecoveryConfig
 from gpu_watchdog.demo import train as demo_job
 from gpu_watchdog.demo.runner import read_events
 from gpu_watchdog.detect.detector import Finding
-from gpu_watchdog.errors import UsageError
+from gpu_watchdog.errors import EXIT_BUDGET_SPENT, UsageError
 from gpu_watchdog.job import Client
 from gpu_watchdog.job.protocol import EXIT_ABORTED, EXIT_CHECKPOINTED, ControlDir
 from gpu_watchdog.policy import fallback
-from gpu_watchdog.policy.fallback import FallbackDecision, FallbackStore, decide, hang_place, validate_job_id
+from gpu_watchdog.policy.budget import RestartBudget
+from gpu_watchdog.policy.fallback import FallbackDecision, decide, hang_place, validate_job_id
+from gpu_watchdog.store.fallback import FallbackStore
 from gpu_watchdog.store.incidents import IncidentStore
 from repo_paths import REPO
 from waiting import wait_for

@@ -6,7 +6,8 @@ import sys
 import time
 
 import pytest
-from gpu_watchdog.act.hooks import placeholder_values, render_argv, run_hook
+from gpu_watchdog.act.hooks import run_hook
+from gpu_watchdog.policy.templates import placeholder_values, render_argv
 from gpu_watchdog.config.daemon import HookSpec, parse_daemon_sections
 from gpu_watchdog.errors import ConfigError, UsageError
 

@@ -23,6 +23,7 @@ from gpu_watchdog.config.schema import AgentConfig, Config
 from gpu_watchdog.detect.consistency import ConfigWatch, check_ranks, relevant
 from gpu_watchdog.detect.detector import JobStatus
 from gpu_watchdog.launch.launcher import Launcher
+from gpu_watchdog.model import NodeSample
 from launch_harness import base_env, read_events, start_launch, torchrun, write_config
 from repo_paths import REPO
 
@@ -103,12 +104,33 @@ class Scanner:
 PIDS = {r: 4_000_000 + r for r in range(4)}  # no such processes: the scanner's copies are used
 
 
-def launcher_with(tmp_path: Path, job_id: str, envs: dict[int, dict[str, str]]) -> tuple[Launcher, Any, Metrics]:
-    """A Launcher that never starts its job, and a stand-in backend whose scanner holds ``envs``."""
+class Checked:
+    """A Launcher that never starts its job, and the engine's launch-settings check over a stand-in backend whose
+    scanner holds ``envs``; each check's finding goes where the launcher sends it (an incident)."""
+
+    def __init__(self, tmp_path: Path, job_id: str, envs: dict[int, dict[str, str]], metrics: Metrics) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from gpu_watchdog.engine.loop import Engine
+
+        cfg = Config(agent=AgentConfig(hostname="n1"))
+        self.backend = type("B", (), {"scanner": Scanner(envs)})()
+        self.lc = Launcher(cfg, ["true"], state_dir=tmp_path, job_id=job_id, out=io.StringIO(), metrics=metrics)
+        self.engine = Engine(cfg, self.backend, self.lc.fallback, ThreadPoolExecutor(1), health=self.lc.health,
+                             metrics=metrics)
+        self.incidents = self.lc.incidents
+        self.config_watch = self.engine.config_watch(job_id)
+
+    def check(self, _backend: Any, status: JobStatus, t: float) -> None:
+        finding = self.engine.check_launch_settings(status, t)
+        if finding is not None:
+            self.lc.record(finding, NodeSample(t, "n1", "proc", (), ()))
+
+
+def launcher_with(tmp_path: Path, job_id: str, envs: dict[int, dict[str, str]]) -> tuple[Checked, Any, Metrics]:
     metrics = Metrics()
-    lc = Launcher(Config(agent=AgentConfig(hostname="n1")), ["true"], state_dir=tmp_path, job_id=job_id,
-                  out=io.StringIO(), metrics=metrics)
-    return lc, type("B", (), {"scanner": Scanner(envs)})(), metrics
+    checked = Checked(tmp_path, job_id, envs, metrics)
+    return checked, checked.backend, metrics
 
 
 def test_launcher_check_exports_the_digest_and_records_one_incident_per_mismatch(tmp_path: Path) -> None:
@@ -116,14 +138,14 @@ def test_launcher_check_exports_the_digest_and_records_one_incident_per_mismatch
     envs = {pids[r]: rank_env(r) for r in range(4)}
     lc, backend, metrics = launcher_with(tmp_path, "job-c", envs)
     status = JobStatus("job-c", ranks=(0, 1, 2, 3), rank_pids=pids)
-    lc._check_config(backend, status, 100.0)
+    lc.check(backend, status, 100.0)
     assert lc.incidents.list() == [] and metrics.configs[-1] == ("job-c", check_ranks(
         {r: rank_env(r) for r in range(4)}).digest)
     envs[pids[3]]["NCCL_P2P_DISABLE"] = "1"
-    lc._check_config(backend, status, 101.0)
+    lc.check(backend, status, 101.0)
     assert lc.incidents.list() == []  # seen once: maybe a rank read before it exec'd
-    lc._check_config(backend, status, 102.0)
-    lc._check_config(backend, status, 103.0)  # the same mismatch again: no second incident
+    lc.check(backend, status, 102.0)
+    lc.check(backend, status, 103.0)  # the same mismatch again: no second incident
     [inc] = lc.incidents.list()
     assert (inc["kind"], inc["signature"], inc["job_id"], inc["detected_at"]) == ("config_mismatch", "env_mismatch",
                                                                                   "job-c", 102.0)
@@ -152,14 +174,14 @@ def test_one_more_rank_with_the_same_mismatch_is_not_a_second_incident(tmp_path:
     assert not watch.due(full.rank_pids, env_of, 21.0) and watch.due(full.rank_pids, env_of, 22.0)
     assert watch.due(full.rank_pids, env_of, 23.0) and watch.due(full.rank_pids, env_of, 51.9)  # settling
     assert not watch.due(full.rank_pids, env_of, 52.0)  # CONFIG_SETTLE_S after the first comparison: done
-    lc._check_config(backend, partial, 100.0)
-    lc._check_config(backend, full, 101.0)
-    lc._check_config(backend, full, 102.0)
+    lc.check(backend, partial, 100.0)
+    lc.check(backend, full, 101.0)
+    lc.check(backend, full, 102.0)
     [inc] = lc.incidents.list()
     assert inc["detected_at"] == 101.0 and "ranks 0,1,2=(unset), rank 3=1" in inc["reason"]
     envs[pids[1]]["NCCL_PROTO"] = "Simple"  # a new disagreement is news
-    lc._check_config(backend, full, 103.0)
-    lc._check_config(backend, full, 104.0)
+    lc.check(backend, full, 103.0)
+    lc.check(backend, full, 104.0)
     assert len(lc.incidents.list()) == 2
 
 
@@ -175,10 +197,10 @@ def test_a_rank_read_before_its_wrapper_execd_is_not_a_mismatch(tmp_path: Path) 
     watch, t = lc.config_watch, 10.0
     while not watch.due(pids, backend.scanner.env_of, t):
         t += 1.0
-    lc._check_config(backend, status, t)
+    lc.check(backend, status, t)
     envs[pids[2]] = final[pids[2]]  # it exec'd
     assert watch.due(pids, backend.scanner.env_of, t + 1.0)
-    lc._check_config(backend, status, t + 1.0)
+    lc.check(backend, status, t + 1.0)
     assert lc.incidents.list() == []
     assert metrics.configs[-1] == ("job-w", check_ranks({r: final[pids[r]] for r in range(4)}).digest)
     assert metrics.configs[0][1] != metrics.configs[-1][1]

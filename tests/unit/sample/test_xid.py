@@ -27,12 +27,11 @@ import psutil
 import pynvml
 import pytest
 from fake_nvml import FakeNvml, started
-from gpu_watchdog.act.faults import drain_reason
-from gpu_watchdog.act.recovery import EXIT_GPU_FAULT
+from gpu_watchdog.policy.drain import drain_reason
 from gpu_watchdog.config.daemon import HookSpec
 from gpu_watchdog.config.schema import AgentConfig, Config, FaultsConfig, RecoveryConfig, load_config
 from gpu_watchdog.detect.detector import DetectorState, step
-from gpu_watchdog.errors import ConfigError
+from gpu_watchdog.errors import EXIT_GPU_FAULT, ConfigError
 from gpu_watchdog.launch.launcher import Launcher
 from gpu_watchdog.model import DeviceSample, GpuFault, GpuProcess, JobIdentity, NodeSample, ProcessSample
 from gpu_watchdog.policy.fallback import FallbackDecision
@@ -420,7 +419,7 @@ def launcher(cfg: Config, tmp_path: Path, hooks: dict[str, HookSpec] | None = No
 def policy_run(lc: Launcher, sample: NodeSample, child: subprocess.Popen[bytes]) -> tuple[int | None, list]:
     _, findings = step(DetectorState(), sample, lc.cfg.detect)
     [f] = findings
-    return lc.fault_policy.handle(f, child, sample), findings
+    return lc.gpu_fault(f, sample, child), findings
 
 
 def test_a_draining_xid_stops_the_job_drains_the_node_and_exits_74(tmp_path: Path,

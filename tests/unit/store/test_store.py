@@ -37,12 +37,10 @@ def test_wal_and_roundtrip(tmp_path: Path) -> None:
     assert s.actions("i1")[0]["finished_at"] is None  # logged before it runs
     s.end_action(seq, True, "exit 0")
     s.finish_incident("i1", "done")
-    s.put_fallback("j1", 1, "p2p", {"NCCL_P2P_DISABLE": "1"})
     s.close()
     s2 = Store(tmp_path)  # survives a reopen
     assert s2.jobs()["j1"]["checkpoint_opt_in"] is True
     assert s2.actions("i1")[0]["ok"] is True and s2.unfinished_incidents() == []
-    assert s2.fallback("j1")["env"] == {"NCCL_P2P_DISABLE": "1"}
 
 
 def test_corrupt_store_is_reported_and_daemon_keeps_working(tmp_path: Path) -> None:
@@ -108,8 +106,8 @@ def test_failing_and_missing_hooks_are_recorded(tmp_path: Path) -> None:
     hook = HookSpec("h", "command", ("/bin/sh", "-c", "echo nope; exit 7"), 5.0)
     d = _daemon(tmp_path / "state", hooks={"h": hook})
     inc = d.incidents.create(_finding(), "node")
-    assert not d._run_restart_hook(inc, "j1", "h", 1)
-    assert not d._run_restart_hook(inc, "j1", "gone", 1)
+    assert not d.run_restart_hook(inc, "j1", "h", 1)
+    assert not d.run_restart_hook(inc, "j1", "gone", 1)
     acts = d.store.actions(inc.id)
     assert "exit 7" in acts[0]["detail"] and "nope" in acts[0]["detail"] and acts[0]["ok"] is False
     assert "no longer in the config" in acts[1]["detail"]

@@ -1,76 +1,34 @@
-"""What ``launch`` does on a ``gpu_fault`` finding (a lost GPU, a reset-required GPU, or an Xid event).
+"""GPU faults (a lost GPU, a reset-required GPU, an Xid event), for ``launch`` and the daemon alike.
 
-No NCCL setting helps a broken GPU, and restarting on it just burns another timeout, so:
+No NCCL setting helps a broken GPU, and restarting on it just burns another timeout, so (``policy.respond``):
 
-- **draining** fault (``gpu_lost``, ``reset_required``, ``xid`` — any Xid not in ``faults.application_xids``)
-  on a GPU the launched job uses: record the incident (GPU, Xid, jobs on that GPU), stop the job with the
-  stop ladder (no checkpoint request: state computed on a faulted GPU is not worth saving), run the drain
-  hook, leave the job's fallback level untouched, and exit ``EXIT_GPU_FAULT`` (74) so the caller (a batch
-  script, the scheduler) runs the job elsewhere;
-- draining fault on a GPU the job does not use: record it and drain the node (running jobs may finish), but
-  keep supervising the job;
-- **application** Xid (``xid_application``): the incident only; the stall logic carries on as usual.
+- **draining** fault (``gpu_lost``, ``reset_required``, ``xid`` — any Xid not in ``faults.application_xids``):
+  record the incident (GPU, Xid, jobs on that GPU), stop the supervised jobs on that GPU with the stop ladder
+  (no checkpoint request: state computed on a faulted GPU is not worth saving), run the drain hook once per GPU
+  and leave the jobs' fallback levels untouched. What happens to a stopped job next is the caller's:
+  ``launch`` exits ``EXIT_GPU_FAULT`` (74), the daemon runs its restart hook so the scheduler places it elsewhere;
+- **application** Xid (``xid_application``): the incident only. The job is never stopped for it.
 
-The drain hook is ``faults.drain_hook`` (a ``[hooks.NAME]`` of the config) when set, else the argv
-``faults.drain_command`` (default: Slurm ``scontrol update nodename={node} state=drain reason=…``). Both run
-through ``gpu_watchdog.act.hooks.run_hook``: no shell, one argv element per template element, validated values,
-its own session, a timeout. The node is drained at most once per ``launch``.
+Both hooks run through ``act.hooks.run_hook``: no shell, one argv element per template element, validated
+values, their own session, a timeout.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
 
-from gpu_watchdog.config.schema import FaultsConfig
+from gpu_watchdog.act.hooks import HookResult, run_hook
+from gpu_watchdog.act.recovery import stop_job
+from gpu_watchdog.act.target import ActContext, JobTarget
 from gpu_watchdog.config.daemon import HookSpec
 from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.errors import WatchdogError
-from gpu_watchdog.policy.fallback import decide
-from gpu_watchdog.act.hooks import HookResult, placeholder_values, run_hook
-from gpu_watchdog.model import NodeSample
-from gpu_watchdog.act.recovery import EXIT_GPU_FAULT, job_processes
 from gpu_watchdog.evidence.report import render_report
-from gpu_watchdog.act.stopper import stop_processes
-from gpu_watchdog.sample.xid import is_draining
+from gpu_watchdog.model import NodeSample
+from gpu_watchdog.policy.drain import drain_reason, drain_spec, drain_values
+from gpu_watchdog.store.incidents import Incident
 
-if TYPE_CHECKING:
-    import subprocess
-
-_GPU_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,95}$")
-_REASON_BAD = re.compile(r"[^A-Za-z0-9 ._:,=/+-]")
-
-
-def drain_reason(signature: str, xid: int | None, gpu: str) -> str:
-    """A short reason for the scheduler (Slurm shows it in ``sinfo -R``): printable, no shell metacharacters."""
-    what = f"Xid {xid}" if xid is not None else signature.replace("_", " ")
-    return _REASON_BAD.sub("_", f"{what} on {gpu or 'a GPU'}")[:200]
-
-
-def drain_values(job_id: str, node: str, level: int, incident: str, reason: str, gpu: str,
-                 xid: int | None) -> dict[str, str]:
-    """Placeholder values for the drain argv; UsageError when one is not safe to substitute."""
-    from gpu_watchdog.errors import UsageError
-
-    values = placeholder_values(job_id, node, level, incident)
-    if gpu and not _GPU_RE.match(gpu):
-        raise UsageError(f"invalid GPU id {gpu!r}")
-    values.update(reason=_REASON_BAD.sub("_", reason)[:200], gpu=gpu, xid="" if xid is None else str(int(xid)))
-    return values
-
-
-def drain_spec(cfg: FaultsConfig, hooks: Mapping[str, HookSpec]) -> HookSpec | None:
-    """The hook that drains the node: ``faults.drain_hook`` when set, else ``faults.drain_command``; None when
-    neither is configured."""
-    if cfg.drain_hook:
-        spec = hooks.get(cfg.drain_hook)
-        if spec is None:
-            raise WatchdogError(f"faults.drain_hook: no [hooks.{cfg.drain_hook}] in the config")
-        return spec
-    if not cfg.drain_command:
-        return None
-    return HookSpec("drain_command", "command", tuple(cfg.drain_command), cfg.drain_timeout_s)
+GPU_FAULT_ADVICE = "GPU fault: no NCCL change helps; drain the node and run the job elsewhere"
 
 
 def run_drain(spec: HookSpec, values: Mapping[str, str]) -> HookResult:
@@ -79,105 +37,81 @@ def run_drain(spec: HookSpec, values: Mapping[str, str]) -> HookResult:
     return run_hook(spec, values, extra_env=extra)
 
 
-class FaultPolicy:
-    """The launcher's gpu_fault handling; ``handle`` returns an exit code for launch, or None to go on."""
+class GpuFaultHandler:
+    def __init__(self, ctx: ActContext, hooks: Mapping[str, HookSpec]) -> None:
+        self.ctx = ctx
+        self.hooks = hooks
 
-    def __init__(self, launcher: Any, hooks: Mapping[str, HookSpec] | None = None) -> None:
-        self.lc = launcher
-        self.hooks = dict(hooks or {})
-        self.drained: str | None = None  # the incident that drained the node
-
-    def _metric(self, name: str, *args: Any) -> None:
-        if self.lc.metrics is not None:
-            getattr(self.lc.metrics, name)(*args)
-
-    def handle(self, finding: Finding, child: subprocess.Popen[bytes], sample: NodeSample) -> int | None:
-        lc = self.lc
-        cfg = lc.cfg
+    def _open(self, finding: Finding, sample: NodeSample) -> tuple[Incident, str, int | None, list[str]]:
+        ctx = self.ctx
+        gpu = finding.devices[0] if finding.devices else ""
         devs = [d for d in sample.devices if d.uuid in finding.devices]
         fault = next((d.fault for d in devs if d.fault is not None), None)
         xid = fault.xid if fault is not None else None
-        gpu = finding.devices[0] if finding.devices else ""
         pids = {pid for d in devs for pid in d.pids}
         jobs = sorted({p.job.job_id for p in sample.processes if p.job is not None and p.pid in pids})
-        ours = lc.job_id in jobs
-        drain = is_draining(finding.signature)
+        inc = ctx.open_incident(finding)
+        inc.update(gpu=gpu, xid=xid, jobs=jobs, fallback=None)
+        ctx.metric("gpu_fault", gpu, xid if xid is not None else finding.signature)
+        ctx.say(f"GPU_FAULT on {gpu or 'a GPU'} ({finding.signature}{f', Xid {xid}' if xid is not None else ''}): "
+                f"{finding.detail}; incident {inc.id}")
+        return inc, gpu, xid, jobs
 
-        inc = lc.incidents.create(finding, lc.host)
-        inc.update(gpu=gpu, xid=xid, jobs=jobs, drain=drain, fallback=None)
-        self._metric("incident", finding.kind)
-        self._metric("gpu_fault", gpu, xid if xid is not None else finding.signature)
-        lc.say(f"GPU_FAULT on {gpu or 'a GPU'} ({finding.signature}{f', Xid {xid}' if xid is not None else ''}): "
-               f"{finding.detail}; incident {inc.id}")
-
-        if not drain:
-            inc.update(advice=f"Xid {xid} is an application error (faults.application_xids): no drain, no "
-                              "restart; look at the job's own error output")
-            inc.write_report(render_report(inc.summary, []))
-            lc.say("application Xid: incident recorded; the node is not drained and the job is watched on")
-            return None
-
-        advice = decide(cfg.fallback, lc.fallback.level(lc.job_id), "gpu_fault", None).advice
-        inc.update(advice=advice)
-        if not cfg.recovery.enabled:
-            inc.record_action("none", True, "recovery disabled: the job was not stopped, the node not drained")
-            inc.write_report(render_report(inc.summary, []))
-            lc.say("recovery disabled: watching on")
-            return None
-
-        if ours:
-            self._stop(inc, child)
-        self._drain(inc, finding.signature, xid, gpu)
-        if not ours:
-            inc.write_report(render_report(inc.summary, []))
-            lc.say(f"job {lc.job_id} does not use {gpu or 'that GPU'}: watching on")
-            return None
-        inc.record_action("exit", True, f"launch exits {EXIT_GPU_FAULT}: the job must run on another node "
-                                        "(its fallback level is unchanged)")
+    def record(self, finding: Finding, sample: NodeSample) -> Incident:
+        """An application Xid: the incident, nothing stopped, the node not drained."""
+        inc, _gpu, xid, _jobs = self._open(finding, sample)
+        inc.update(drain=False, advice=f"Xid {xid} is an application error (faults.application_xids): no drain, "
+                                       "no restart; look at the job's own error output")
         inc.write_report(render_report(inc.summary, []))
-        lc.say(f"giving up on this node: {advice} (exit {EXIT_GPU_FAULT})")
-        return EXIT_GPU_FAULT
+        inc.finish("recorded (application Xid)")
+        self.ctx.say("application Xid: incident recorded; the node is not drained and the job is watched on")
+        return inc
 
-    def _stop(self, inc: Any, child: subprocess.Popen[bytes]) -> None:
-        if child.poll() is not None:
-            inc.record_action("stop", True, f"the job had already exited with {child.returncode}")
-            return
-        grace = self.lc.cfg.recovery.stop_grace_s
-        procs = job_processes(child)
-        entry = inc.begin_action("stop", f"SIGTERM to {len(procs)} job processes, SIGKILL after {grace:.0f}s")
+    def drain(self, finding: Finding, sample: NodeSample, targets: Mapping[str, JobTarget]) -> tuple[Incident,
+                                                                                                  list[str]]:
+        """Stop the supervised jobs on the faulted GPU and drain the node; returns the incident and the ids of
+        the jobs stopped (the caller decides what becomes of them)."""
+        ctx = self.ctx
+        inc, gpu, xid, jobs = self._open(finding, sample)
+        hit = sorted((set(jobs) | ({finding.job_id} if finding.job_id else set())) & set(targets))
+        inc.update(drain=True, advice=GPU_FAULT_ADVICE, stopped_jobs=hit)
+        if not ctx.cfg.recovery.enabled:
+            inc.record_action("none", True, "recovery disabled: no job stopped, the node not drained")
+            inc.write_report(render_report(inc.summary, []))
+            inc.finish("recorded (recovery disabled)")
+            ctx.say("recovery disabled: watching on")
+            return inc, []
+        for job_id in hit:
+            # No wait for the GPU memory: a faulted GPU may never report it free, and the job runs elsewhere next.
+            stop_job(ctx, inc, targets[job_id], f"job {job_id}: ", wait_memory=False)
+        self._drain(inc, finding, gpu, xid, hit[0] if hit else "")
+        inc.write_report(render_report(inc.summary, []))
+        return inc, hit
 
-        def reap() -> None:
-            child.poll()
-
-        res = stop_processes(procs, grace, reap=reap)
-        child.poll()
-        inc.end_action(entry, res.ok, res.detail)
-        self._metric("action", "stop", res.ok)
-        self.lc.say(f"stopped the job: {res.detail}")
-
-    def _drain(self, inc: Any, signature: str, xid: int | None, gpu: str) -> None:
-        lc = self.lc
-        if self.drained is not None:
-            inc.record_action("drain", True, f"skipped: the node was already drained for incident {self.drained}")
+    def _drain(self, inc: Incident, finding: Finding, gpu: str, xid: int | None, job_id: str) -> None:
+        ctx = self.ctx
+        key = gpu or finding.signature  # a node drained for a GPU is drained: once per GPU
+        if key in ctx.drained:
+            inc.record_action("drain", True, "skipped: the node was already drained for this fault")
             return
         try:
-            spec = drain_spec(lc.cfg.faults, self.hooks)
-            values = drain_values(lc.job_id, lc.host, lc.fallback.level(lc.job_id), inc.id,
-                                  drain_reason(signature, xid, gpu), gpu, xid)
+            spec = drain_spec(ctx.cfg.faults, self.hooks)
+            values = drain_values(job_id or "node", ctx.host, ctx.fallback.level(job_id) if job_id else 0, inc.id,
+                                  drain_reason(finding.signature, xid, gpu), gpu, xid)
         except WatchdogError as e:
             inc.record_action("drain", False, f"not run: {e}")
-            self._metric("action", "drain", False)
-            lc.say(f"drain: not run: {e}")
+            ctx.metric("action", "drain", False)
+            ctx.say(f"drain: not run: {e}")
             return
         if spec is None:
             inc.record_action("drain", True, "skipped: no faults.drain_command or faults.drain_hook configured")
-            lc.say("drain: nothing configured (faults.drain_command is empty)")
+            ctx.say("drain: nothing configured (faults.drain_command is empty)")
             return
         entry = inc.begin_action("drain", f"{spec.name}: {' '.join(spec.argv)}")
         res = run_drain(spec, values)
         inc.end_action(entry, res.ok, res.detail())
         inc.update(drain_hook=res.to_json())
-        self._metric("action", "drain", res.ok)
+        ctx.metric("action", "drain", res.ok)
         if res.ok:
-            self.drained = inc.id
-        lc.say(f"drain: {res.detail()}")
+            ctx.drained.add(key)
+        ctx.say(f"drain: {res.detail()}")

@@ -10,7 +10,6 @@ group at the timeout and returns the exit code, the elapsed time and the tail of
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import time
@@ -18,11 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpu_watchdog.config.daemon import HookSpec
-from gpu_watchdog.errors import UsageError
-from gpu_watchdog.policy.fallback import validate_job_id
+from gpu_watchdog.policy.templates import render_argv
 
-_NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
-_INCIDENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 OUTPUT_TAIL_BYTES = 4096
 # The only variables a hook inherits from the daemon (plus GPU_WATCHDOG_* set per call).
 _PASS_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "KUBECONFIG", "SLURM_CONF")
@@ -52,22 +48,6 @@ class HookResult:
     def to_json(self) -> dict[str, object]:
         return {"argv": list(self.argv), "exit_code": self.exit_code, "timed_out": self.timed_out,
                 "elapsed_s": round(self.elapsed_s, 3), "output": self.output, "error": self.error}
-
-
-def placeholder_values(job_id: str, node: str, level: int, incident: str) -> dict[str, str]:
-    validate_job_id(job_id)
-    if not _NODE_RE.fullmatch(node):
-        raise UsageError(f"invalid node name {node!r}")
-    if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level < 1000:
-        raise UsageError(f"invalid fallback level {level!r}")
-    if incident and not _INCIDENT_RE.fullmatch(incident):
-        raise UsageError(f"invalid incident id {incident!r}")
-    return {"job_id": job_id, "node": node, "level": str(level), "incident": incident}
-
-
-def render_argv(template: tuple[str, ...], values: Mapping[str, str]) -> tuple[str, ...]:
-    """One output element per template element; values were validated by ``placeholder_values``."""
-    return tuple(element.format_map(dict(values)) for element in template)
 
 
 def run_hook(spec: HookSpec, values: Mapping[str, str], *, extra_env: Mapping[str, str] | None = None,

@@ -47,7 +47,7 @@ def job_tree(root_pid: int) -> list[JobProcess]:
     return out
 
 
-def _alive(jp: JobProcess) -> bool:
+def alive(jp: JobProcess) -> bool:
     try:
         p = psutil.Process(jp.pid)
         return p.create_time() == jp.create_time and p.status() != psutil.STATUS_ZOMBIE
@@ -88,19 +88,19 @@ def stop_processes(procs: Iterable[JobProcess], grace_s: float, poll_s: float = 
             send_signal(p, signal.SIGCONT)
         send_signal(p, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(p) for p in procs):
+    while time.monotonic() < deadline and any(alive(p) for p in procs):
         if reap:
             reap()
         time.sleep(poll_s)
-    after_term = [p for p in procs if _alive(p)]
+    after_term = [p for p in procs if alive(p)]
     for p in after_term:
         send_signal(p, signal.SIGKILL)
     deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and any(_alive(p) for p in after_term):
+    while time.monotonic() < deadline and any(alive(p) for p in after_term):
         if reap:
             reap()
         time.sleep(poll_s)
-    survivors = tuple(p.pid for p in after_term if _alive(p))
+    survivors = tuple(p.pid for p in after_term if alive(p))
     terminated = tuple(p.pid for p in procs if p not in after_term)
     killed = tuple(p.pid for p in after_term if p.pid not in survivors)
     detail = f"{len(terminated)} exited on SIGTERM, {len(killed)} needed SIGKILL"

@@ -170,7 +170,8 @@ def cmd_incidents(args: argparse.Namespace) -> int:
 
 def cmd_env(args: argparse.Namespace) -> int:
     from gpu_watchdog.config.schema import resolve_state_dir
-    from gpu_watchdog.policy.fallback import FallbackStore, export_lines, validate_job_id
+    from gpu_watchdog.policy.fallback import export_lines, validate_job_id
+    from gpu_watchdog.store.fallback import FallbackStore
 
     store = FallbackStore(args.state_dir or resolve_state_dir(_load_cfg(args)))
     data = store.load(validate_job_id(args.job))
@@ -183,8 +184,8 @@ def cmd_env(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from gpu_watchdog.config.schema import resolve_state_dir
     from gpu_watchdog.cli.doctor import run_doctor
+    from gpu_watchdog.config.schema import resolve_state_dir
 
     cfg = _load_cfg(args)
     state_dir = Path(args.state_dir) if args.state_dir else resolve_state_dir(cfg)

@@ -21,27 +21,36 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import signal as _signal
 import socket
 import stat
 import struct
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gpu_watchdog.config.daemon import DaemonSettings, socket_gid
+from gpu_watchdog.daemon.cgroups import cgroup_pids, validate_cgroup
+from gpu_watchdog.daemon.registry import validate_pids_live
 from gpu_watchdog.errors import UsageError, WatchdogError
 from gpu_watchdog.policy.fallback import validate_job_id
 
-if TYPE_CHECKING:
-    from gpu_watchdog.daemon.service import Daemon
+
+class Daemon(Protocol):
+    """What the control API asks of the daemon (daemon.service.Daemon)."""
+
+    settings: DaemonSettings
+    state_dir: Path
+
+    def registrations(self) -> dict[str, dict[str, Any]]: ...
+    def register(self, reg: dict[str, Any]) -> None: ...
+    def unregister(self, job_id: str) -> bool: ...
+    def manual_restart(self, job_id: str) -> bool: ...
+    def preempt(self, job_id: str, timeout_s: float) -> dict[str, Any]: ...
+    def status_report(self) -> dict[str, Any]: ...
+    def recent_incidents(self, limit: int) -> list[dict[str, Any]]: ...
 
 log = logging.getLogger("gpu_watchdog.daemon.control")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-_CGROUP_RE = re.compile(r"^/?[A-Za-z0-9._:@+=-]+(/[A-Za-z0-9._:@+=-]+)*$")
 OPS = ("job-start", "job-end", "preempt", "restart", "status", "incidents")
 MAX_PIDS = 4096
 
@@ -84,20 +93,6 @@ def check_peer(cred: PeerCred, settings: DaemonSettings, supplementary: set[int]
     if groups & set(settings.allowed_gids):
         return None
     return f"uid {cred.uid} gid {cred.gid} is not allowed (daemon.allowed_uids / daemon.allowed_gids)"
-
-
-def validate_cgroup(path: str) -> Path:
-    if not isinstance(path, str) or not _CGROUP_RE.fullmatch(path) or ".." in path.split("/"):
-        raise UsageError(f"invalid cgroup path {path!r}")
-    return CGROUP_ROOT / path.lstrip("/")
-
-
-def cgroup_pids(path: str) -> list[int]:
-    try:
-        text = (validate_cgroup(path) / "cgroup.procs").read_text()
-    except (OSError, UsageError):
-        return []
-    return [int(x) for x in text.split() if x.isdigit()]
 
 
 class ControlServer:
@@ -233,21 +228,17 @@ def _owned(daemon: Daemon, job_id: str, cred: PeerCred) -> dict[str, Any]:
 
 def handle_request(daemon: Daemon, req: dict[str, Any], cred: PeerCred) -> dict[str, Any]:
     """Validate and execute one request; UsageError → a refusal naming the field."""
-    from gpu_watchdog.daemon.service import validate_pids_live
 
     op = req.get("op")
     if op not in OPS:
         raise UsageError(f"op must be one of {', '.join(OPS)}, got {op!r}")
     if op == "status":
-        return {"ok": True, "status": daemon.status_line(), "store_problem": daemon.store.problem,
-                "jobs": {j: {"state": s.state, "ranks": list(s.ranks), "signature": s.signature}
-                         for j, s in daemon.state.jobs.items()},
-                "registered": sorted(daemon.registrations()), "hooks": sorted(daemon.settings.hooks)}
+        return {"ok": True, **daemon.status_report()}
     if op == "incidents":
         limit = req.get("limit", 20)
         if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= 1000:
             raise UsageError("limit must be an integer in 1..1000")
-        return {"ok": True, "incidents": daemon.store.incidents(limit)}
+        return {"ok": True, "incidents": daemon.recent_incidents(limit)}
     job_id = _job_id(req)
     if op == "job-start":
         unknown = set(req) - {"op", "job_id", "pids", "cgroup", "restart_hook", "checkpoint_opt_in"}
@@ -296,45 +287,7 @@ def handle_request(daemon: Daemon, req: dict[str, Any], cred: PeerCred) -> dict[
     timeout = req.get("timeout_s", daemon.settings.preempt_timeout_s)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise UsageError("timeout_s must be a number > 0")
-    return preempt(daemon, job_id, min(float(timeout), daemon.settings.preempt_timeout_s))
-
-
-def preempt(daemon: Daemon, job_id: str, timeout_s: float) -> dict[str, Any]:
-    """Ask a job to checkpoint now: through its in-job client when it has one, else with
-    ``recovery.checkpoint_signal`` when it opted in; wait at most ``timeout_s`` for the acknowledgement."""
-    from gpu_watchdog.job.protocol import ControlDir
-    from gpu_watchdog.act.stopper import send_signal
-
-    reg = daemon.registrations()[job_id]
-    control = ControlDir(daemon.state_dir / "run" / job_id)
-    clients = control.clients()
-    if clients:
-        rid = f"preempt-{int(time.time() * 1000)}"
-        control.request_checkpoint(rid, daemon.cfg.recovery.client_boundary_s)
-        deadline = time.monotonic() + timeout_s
-        acks: dict[int, dict[str, Any]] = {}
-        while time.monotonic() < deadline:
-            acks = control.acks(rid)
-            if set(acks) >= set(clients):
-                break
-            time.sleep(0.2)
-        missing = sorted(set(clients) - set(acks))
-        return {"ok": not missing, "job_id": job_id, "acks": {str(r): a.get("outcome") for r, a in acks.items()},
-                **({"error": f"no acknowledgement from ranks {missing} within {timeout_s:g}s"} if missing else {})}
-    sig_name = daemon.cfg.recovery.checkpoint_signal
-    if not (reg.get("checkpoint_opt_in") and sig_name):
-        return {"ok": False, "job_id": job_id,
-                "error": "the job has no in-job client and did not opt in to a checkpoint signal "
-                         "(checkpoint_opt_in + recovery.checkpoint_signal)"}
-    allowed = {p.pid: p for p in daemon.job_processes(job_id)}
-    status = daemon.state.jobs.get(job_id)
-    ranks = [allowed[pid] for pid in (status.rank_pids.values() if status else ()) if pid in allowed]
-    sent = [p.pid for p in ranks if send_signal(p, getattr(_signal, sig_name))]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(p.pid in {q.pid for q in daemon.job_processes(job_id)}
-                                              for p in ranks):
-        time.sleep(0.2)
-    return {"ok": bool(sent), "job_id": job_id, "signal": sig_name, "sent_to": sent}
+    return daemon.preempt(job_id, min(float(timeout), daemon.settings.preempt_timeout_s))
 
 
 # -- client ------------------------------------------------------------------------------------------

@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_watchdog.demo import train as demo_job
 from gpu_watchdog.config.schema import Config
-from gpu_watchdog.store.incidents import IncidentStore
+from gpu_watchdog.demo import train as demo_job
 from gpu_watchdog.launch.launcher import Launcher
+from gpu_watchdog.store.incidents import IncidentStore
 
 
 def demo_command(workdir: Path, nproc: int = 3, steps: int = 30, hang_at: int = 12,

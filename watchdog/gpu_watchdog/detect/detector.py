@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from gpu_watchdog.evidence.classify import kernel_wait
 from gpu_watchdog.config.schema import DetectConfig
+from gpu_watchdog.evidence.classify import kernel_wait
 from gpu_watchdog.evidence.diagnosis import RankContext, stacks_progressed
 from gpu_watchdog.model import DeviceSample, NodeSample, ProcessSample, StackEvidence
 

@@ -37,12 +37,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gpu_watchdog.atomic import note_write_error, write_atomic
-
+from gpu_watchdog.errors import EXIT_DATAERR, EXIT_NOINPUT, EXIT_OK, WatchdogError
 from gpu_watchdog.evidence.classify import classify_threads
 from gpu_watchdog.evidence.diagnosis import Diagnosis, diagnose, format_ranks
-from gpu_watchdog.errors import EXIT_DATAERR, EXIT_NOINPUT, EXIT_OK, WatchdogError
-from gpu_watchdog.model import RankStack
 from gpu_watchdog.evidence.stacks import DumpResult
+from gpu_watchdog.model import RankStack
 
 FORMAT_VERSION = 1
 

@@ -10,11 +10,10 @@ from dataclasses import dataclass, replace
 
 import psutil
 
-from gpu_watchdog.evidence.classify import classify_threads
 from gpu_watchdog.config.schema import StacksConfig
-from gpu_watchdog.detect.detector import JobStatus
-from gpu_watchdog.model import RankStack, StackEvidence
+from gpu_watchdog.evidence.classify import classify_threads
 from gpu_watchdog.evidence.stacks import DumpResult, dump_stacks
+from gpu_watchdog.model import RankStack, StackEvidence
 
 
 def dump_job(rank_pids: dict[int, int], cfg: StacksConfig) -> dict[int, DumpResult]:
@@ -38,12 +37,13 @@ def classify_results(results: dict[int, DumpResult]) -> list[RankStack]:
     return out
 
 
-def collect_stack_evidence(status: JobStatus, cfg: StacksConfig, sample_t: float) -> list[StackEvidence]:
+def collect_stack_evidence(job_id: str, rank_pids: dict[int, int], cfg: StacksConfig,
+                           sample_t: float) -> list[StackEvidence]:
     """One dump of the job's ranks, stamped with the time of the tick that asked for it: the detector's gaps
     between dumps are then whole tick intervals (a wall-clock stamp taken a few ms later would make a 3 s gap
     read as 2.99 s and cost a tick)."""
-    results = dump_job(dict(status.rank_pids), cfg)
-    return [StackEvidence(status.job_id, sample_t, tuple(classify_results(results)))]
+    results = dump_job(rank_pids, cfg)
+    return [StackEvidence(job_id, sample_t, tuple(classify_results(results)))]
 
 
 # States of a rank's main thread that may be waiting on its own worker processes (a queue, a pipe, an RPC poll).

@@ -58,8 +58,8 @@ from gpu_watchdog import __version__
 from gpu_watchdog.atomic import write_errors
 from gpu_watchdog.detect.detector import JOB_STATES, STALLED, SUSPECT, WAITING, JobStatus
 from gpu_watchdog.errors import EXIT_UNAVAILABLE, UsageError, WatchdogError
-from gpu_watchdog.model import NodeSample, SampleError
 from gpu_watchdog.evidence.stacks import OUTCOMES
+from gpu_watchdog.model import NodeSample, SampleError
 
 log = logging.getLogger(__name__)
 

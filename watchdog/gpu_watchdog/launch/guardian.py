@@ -1,12 +1,13 @@
 """The job never outlives ``launch``: a small guardian process stops it if ``launch`` dies, even by SIGKILL.
 
-``launch`` starts the job in a session of its own and, beside it, a guardian (``python -m gpu_watchdog.launch.guardian``,
-in another session, so a signal to the job or to the terminal never reaches it) whose stdin is a pipe that only
-``launch`` holds. When ``launch`` ends the run normally it writes ``done`` first and the guardian exits. When
-``launch`` dies any other way the pipe closes with nothing written: the guardian stops every process of the job's
-session (torchrun and its ranks stay in it; a rank that left it was already stopped by ``launch`` on its own
-tick) with the usual ladder — SIGCONT + SIGTERM, ``grace_s``, SIGKILL — and exits. Processes are matched by
-session id *and* start time no earlier than the session leader's, so a recycled session id is never hit.
+``launch`` starts the job in a session of its own and, beside it, a guardian (``python -m
+gpu_watchdog.launch.guardian``, in another session, so a signal to the job or to the terminal never reaches it)
+whose stdin is a pipe that only ``launch`` holds. When ``launch`` ends the run normally it writes ``done`` first and
+the guardian exits. When ``launch`` dies any other way the pipe closes with nothing written: the guardian stops
+every process of the job's session (torchrun and its ranks stay in it; a rank that left it was already stopped by
+``launch`` on its own tick) with the usual ladder — SIGCONT + SIGTERM, ``grace_s``, SIGKILL — and exits. Processes
+are matched by session id *and* start time no earlier than the session leader's, so a recycled session id is never
+hit.
 """
 
 from __future__ import annotations

@@ -9,18 +9,14 @@ stored in ``<state_dir>/jobs/<job>.json`` and dropped back to 0 after ``healthy_
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from gpu_watchdog.atomic import note_write_error
 from gpu_watchdog.config.schema import FallbackConfig
 from gpu_watchdog.errors import UsageError
-from gpu_watchdog.job.protocol import write_json_atomic
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
 SMALL_SHM_BYTES = 1 << 30  # NCCL without P2P moves data through /dev/shm (nccl#606)
@@ -138,51 +134,6 @@ def diagnostics_env(cfg: FallbackConfig, incident_dir: Path, base_env: dict[str,
         env["TORCH_FR_BUFFER_SIZE"] = "2000"
     env.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(incident_dir / "flight-recorder" / "rank-"))
     return env
-
-
-class FallbackStore:
-    """Per-job fallback level, crash-safe (temp + fsync + rename). A level that cannot be written (full or
-    read-only state dir) is kept in memory, so the next restart of this agent's job still gets it."""
-
-    def __init__(self, state_dir: str | Path) -> None:
-        self.root = Path(state_dir) / "jobs"
-        self._unsaved: dict[str, dict[str, Any]] = {}
-
-    def _path(self, job_id: str) -> Path:
-        return self.root / f"{validate_job_id(job_id)}.json"
-
-    def load(self, job_id: str) -> dict[str, Any]:
-        if job_id in self._unsaved:
-            return dict(self._unsaved[job_id])
-        try:
-            data = json.loads(self._path(job_id).read_text())
-        except (OSError, ValueError):
-            return {"job_id": job_id, "level": 0, "env": {}, "updated_at": None}
-        return data if isinstance(data, dict) else {"job_id": job_id, "level": 0, "env": {}, "updated_at": None}
-
-    def level(self, job_id: str) -> int:
-        return int(self.load(job_id).get("level", 0))
-
-    def save(self, job_id: str, decision: FallbackDecision, restart_env: dict[str, str],
-             now: float | None = None) -> None:
-        data = {"job_id": job_id, "level": decision.level, "name": decision.name, "env": restart_env,
-                "advice": decision.advice, "reason": decision.reason, "hang_place": decision.hang_place,
-                "updated_at": time.time() if now is None else now}
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(self._path(job_id), data)
-            self._unsaved.pop(job_id, None)
-        except OSError as e:
-            note_write_error(f"the fallback level of job {job_id} ({self._path(job_id)})", e)
-            self._unsaved[job_id] = data
-
-    def note_healthy(self, job_id: str, healthy_since: float, now: float, cfg: FallbackConfig) -> bool:
-        """Drop the job back to level 0 once it has run without a stall for ``healthy_reset_s``."""
-        data = self.load(job_id)
-        if data.get("level", 0) and now - healthy_since >= cfg.healthy_reset_s:
-            self.save(job_id, FallbackDecision(0, "none"), {}, now)
-            return True
-        return False
 
 
 def export_lines(env: dict[str, str]) -> str:

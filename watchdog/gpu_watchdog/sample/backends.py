@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -170,3 +170,12 @@ def choose_backend(name: str, *, root_pid: int | None = None, hostname: str = ""
         xids, note = start_watcher(reader, wait_ms=fc.event_wait_ms, application_xids=fc.application_xids)
         why += f"; {note}"
     return NvmlBackend(reader, scanner, host, extra_pids=extra, xids=xids), f"nvml backend ({why})"
+
+
+def gpu_memory_holders(backend: Backend) -> Callable[[], set[int]] | None:
+    """The pids holding GPU memory now, read through NVML (for the wait until a stopped job's memory is free);
+    None on a backend without GPUs."""
+    reader = getattr(backend, "reader", None)
+    if reader is None:
+        return None
+    return lambda: {p.pid for d in reader.read_all()[0] for p in d.processes}

@@ -7,9 +7,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from gpu_watchdog.sample.backends import Backend
 from gpu_watchdog.errors import UsageError
 from gpu_watchdog.model import NodeSample
+from gpu_watchdog.sample.backends import Backend
 from gpu_watchdog.sample.trace import TraceWriter
 
 

@@ -1,9 +1,10 @@
 """The daemon's crash-safe state: SQLite in WAL mode at ``<state_dir>/daemon.sqlite3``.
 
 Tables: ``jobs`` (registrations), ``incidents`` (one row per incident the daemon handles, with its phase),
-``actions`` (every action logged when it starts and again when it finishes) and ``fallback`` (levels
-reached per job; the overlay itself is also written to ``<state_dir>/jobs/<job>.json`` for
-``gpu-watchdog env --job ID``).
+``actions`` (every action logged when it starts and again when it finishes) and ``restart_budgets``.
+Fallback levels are not here: their one copy is the overlay file ``<state_dir>/jobs/<job>.json``
+(store/fallback.py) that ``gpu-watchdog env`` and restart hooks read. A ``fallback`` table left by an older
+version is ignored.
 
 Resume rule after a crash (``unfinished_incidents``): an action that started and never finished is
 *never re-run* when it has external side effects that may already have happened — the restart hook
@@ -60,13 +61,6 @@ CREATE INDEX IF NOT EXISTS actions_incident ON actions(incident_id);
 CREATE TABLE IF NOT EXISTS restart_budgets (
     job_id TEXT PRIMARY KEY,
     state TEXT NOT NULL,           -- JSON: recovery.RestartBudget.state()
-    updated_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS fallback (
-    job_id TEXT PRIMARY KEY,
-    level INTEGER NOT NULL,
-    name TEXT,
-    env TEXT NOT NULL,
     updated_at REAL NOT NULL
 );
 """
@@ -177,17 +171,6 @@ class Store:
     def forget_incident(self, incident_id: str) -> None:
         self._exec("DELETE FROM actions WHERE incident_id=?", (incident_id,))
         self._exec("DELETE FROM incidents WHERE id=?", (incident_id,))
-
-    # -- fallback ------------------------------------------------------------------------------------
-    def put_fallback(self, job_id: str, level: int, name: str, env: dict[str, str]) -> None:
-        self._exec("INSERT OR REPLACE INTO fallback VALUES (?,?,?,?,?)",
-                   (job_id, level, name, json.dumps(env), time.time()))
-
-    def fallback(self, job_id: str) -> dict[str, Any] | None:
-        rows = self._exec("SELECT level, name, env, updated_at FROM fallback WHERE job_id=?", (job_id,))
-        if not rows:
-            return None
-        return {"level": rows[0][0], "name": rows[0][1], "env": json.loads(rows[0][2]), "updated_at": rows[0][3]}
 
     # -- restart budgets -----------------------------------------------------------------------------
     def put_budget(self, job_id: str, state: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from gpu_watchdog.atomic import note_write_error, write_atomic
 from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.errors import UsageError
+from gpu_watchdog.store.db import Store
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -28,6 +29,8 @@ _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 class Incident:
     dir: Path
     summary: dict[str, Any] = field(default_factory=dict)
+    journal: Store | None = None  # the daemon's SQLite store: actions logged there before and after they run
+    _seqs: dict[int, int] = field(default_factory=dict, repr=False)
 
     @property
     def id(self) -> str:
@@ -57,14 +60,26 @@ class Incident:
 
     def begin_action(self, action: str, detail: str = "") -> dict[str, Any]:
         """Log an action before it runs (ok = null), so a crash mid-action is visible and resumable."""
+        seq = self.journal.begin_action(self.id, action, detail) if self.journal else None  # the durable record first
         entry: dict[str, Any] = {"action": action, "at": time.time(), "ok": None, "detail": detail}
         self.summary["actions"].append(entry)
+        if seq is not None:
+            self._seqs[id(entry)] = seq
         self.save()
         return entry
 
     def end_action(self, entry: dict[str, Any], ok: bool, detail: str) -> None:
         entry.update(ok=ok, detail=detail, done_at=time.time())
         self.save()
+        seq = self._seqs.pop(id(entry), None)
+        if seq is not None and self.journal is not None:
+            self.journal.end_action(seq, ok, detail)
+
+    def finish(self, outcome: str) -> None:
+        """The incident is over (nothing left to resume after a restart of the agent)."""
+        self.update(outcome=outcome, finished_at=time.time())
+        if self.journal is not None:
+            self.journal.finish_incident(self.id, outcome)
 
     def record_action(self, action: str, ok: bool, detail: str) -> None:
         self.end_action(self.begin_action(action), ok, detail)
@@ -77,8 +92,9 @@ class Incident:
 
 
 class IncidentStore:
-    def __init__(self, state_dir: str | Path) -> None:
+    def __init__(self, state_dir: str | Path, journal: Store | None = None) -> None:
         self.root = Path(state_dir) / "incidents"
+        self.journal = journal
 
     def create(self, finding: Finding, host: str, now: float | None = None) -> Incident:
         now = time.time() if now is None else now
@@ -105,8 +121,10 @@ class IncidentStore:
             "reason": finding.detail, "finding": finding.detail, "evidence": finding.evidence,
             "devices": list(finding.devices),
             "stacks_dir": str(d / "stacks"), "actions": [], "fallback": None, "advice": None,
-        })
+        }, self.journal)
         inc.save()
+        if self.journal is not None:
+            self.journal.add_incident(iid, finding.job_id, finding.kind, str(d))
         return inc
 
     def list(self) -> list[dict[str, Any]]:
@@ -129,6 +147,6 @@ class IncidentStore:
             raise UsageError(f"not an incident id: {incident_id!r}")
         d = self.root / incident_id
         try:
-            return Incident(d, json.loads((d / "summary.json").read_text()))
+            return Incident(d, json.loads((d / "summary.json").read_text()), self.journal)
         except FileNotFoundError:
             raise UsageError(f"no incident {incident_id!r} in {self.root}") from None

@@ -1,0 +1,130 @@
+"""An incident's evidence, gathered the same way for every stall: a fresh py-spy dump of every rank kept raw in
+the incident, the diagnosis that names the culprit, the workers of a culprit waiting on them, Flight Recorder
+dumps when the job configured them, and the readable report."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from gpu_watchdog.act.target import ActContext
+from gpu_watchdog.detect.detector import Finding, JobStatus
+from gpu_watchdog.evidence.analyze import write_rank_stacks
+from gpu_watchdog.evidence.collect import (
+    WAITS_ON_WORKERS,
+    blocked_workers,
+    classify_results,
+    dump_job,
+    dump_workers,
+    rank_workers,
+)
+from gpu_watchdog.evidence.diagnosis import Diagnosis, diagnose, format_ranks
+from gpu_watchdog.evidence.report import render_report
+from gpu_watchdog.model import NodeSample, RankStack
+from gpu_watchdog.store.incidents import Incident
+
+
+@dataclass(frozen=True)
+class Gathered:
+    stacks: tuple[RankStack, ...] = ()
+    diagnosis: Diagnosis | None = None
+    culprit: RankStack | None = None  # the stack the hang sits in (a blocked worker's when there is one)
+
+    def report(self, inc: Incident) -> None:
+        inc.write_report(render_report(inc.summary, list(self.stacks)))
+
+
+def _culprit_stack(diag: Diagnosis, stacks: list[RankStack]) -> RankStack | None:
+    by_rank = {s.rank: s for s in stacks}
+    return next((by_rank[r] for r in diag.culprit_ranks if r in by_rank), None)
+
+
+class EvidenceGatherer:
+    def __init__(self, ctx: ActContext) -> None:
+        self.ctx = ctx
+
+    def gather(self, inc: Incident, finding: Finding, status: JobStatus | None, sample: NodeSample) -> Gathered:
+        ctx, cfg = self.ctx, self.ctx.cfg
+        job_id = finding.job_id or ""
+        rank_pids = dict(status.rank_pids) if status else {}
+        if not rank_pids or not cfg.stacks.enabled:
+            out = Gathered()
+        else:
+            entry = inc.begin_action("dump_stacks")
+            t0 = time.monotonic()
+            results = dump_job(rank_pids, cfg.stacks)
+            world = max((p.job.world_size or 0 for p in sample.processes
+                         if p.job and p.job.job_id == job_id), default=0) or None
+            for rank, res in results.items():
+                write_rank_stacks(inc.dir, rank, ctx.host, res, world_size=world, job_id=job_id)
+                ctx.metric("pyspy_dump", res.outcome)
+            stacks = classify_results(results)
+            ok = sum(r.ok for r in results.values())
+            inc.end_action(entry, ok > 0, f"{ok}/{len(results)} ranks dumped in {time.monotonic() - t0:.2f}s"
+                           + "".join(f"; rank {r}: {res.detail}" for r, res in results.items() if not res.ok))
+            diag = diagnose(stacks, None, set(finding.ranks) - set(rank_pids))
+            inc.update(culprit_ranks=list(diag.culprit_ranks) or list(finding.culprit_ranks),
+                       collective=diag.collective, reason=diag.reason, desync=diag.desync,
+                       groups=[[k, list(v)] for k, v in diag.groups])
+            ctx.say(f"culprit: {diag.reason}")
+            culprit = _culprit_stack(diag, stacks)
+            if culprit is not None:
+                ctx.say(f"culprit rank {culprit.rank} stack: {culprit.signature}")
+            behind = self._workers(inc, diag, stacks, rank_pids, job_id)
+            out = Gathered(tuple(stacks), diag, behind or culprit)
+        self._flight_recorder(inc, rank_pids)
+        out.report(inc)
+        return out
+
+    def _workers(self, inc: Incident, diag: Diagnosis, stacks: list[RankStack], rank_pids: dict[int, int],
+                 job_id: str) -> RankStack | None:
+        """A culprit whose main thread waits on a queue, a pipe or a poll may be waiting on its own workers (vLLM's
+        generate(), Ray, multiprocessing): dump them; one blocked in a collective or a device sync is the hang
+        behind the process boundary, named in the incident with its pid and stack. Returns its stack."""
+        waiting = {s.rank: rank_pids[s.rank] for s in stacks
+                   if s.rank in diag.culprit_ranks and s.state in WAITS_ON_WORKERS and s.rank in rank_pids}
+        owners = {rank: pid for rank, pid in waiting.items() if rank_workers(pid)}
+        if not owners:
+            return None
+        entry = inc.begin_action("dump_workers", f"worker processes of {format_ranks(owners)}")
+        workers = dump_workers(owners, self.ctx.cfg.stacks)
+        for w in workers:
+            write_rank_stacks(inc.dir, w.rank, self.ctx.host, w.result, job_id=job_id, worker=True)
+        blocked = blocked_workers(workers)
+        inc.end_action(entry, True, f"{len(workers)} worker(s) dumped, {len(blocked)} blocked in a collective "
+                                    "or device sync")
+        if not blocked:
+            return None
+        inc.update(workers=[{"rank": w.rank, "pid": w.pid, "state": w.stack.state, "op": w.stack.op,
+                             "where": w.stack.where, "stack": w.stack.signature} for w in blocked])
+        first = blocked[0]
+        what = first.stack.op or first.stack.state
+        reason = (f"{diag.reason}; rank {first.rank} waits on its worker pid {first.pid}, blocked in {what} at "
+                  f"{first.stack.where}")
+        inc.update(reason=reason, collective=diag.collective or first.stack.op)
+        self.ctx.say(f"culprit: {reason}")
+        return first.stack
+
+    def _flight_recorder(self, inc: Incident, rank_pids: dict[int, int]) -> None:
+        from gpu_watchdog.evidence import flight_recorder as fr
+        env: dict[str, str] = {}
+        for pid in rank_pids.values():
+            try:
+                import psutil
+
+                env = psutil.Process(pid).environ()
+                break
+            except Exception:
+                continue
+        settings = fr.fr_settings(env)
+        if settings is None:
+            return
+        entry = inc.begin_action("flight_recorder")
+        try:
+            triggered = fr.trigger_dumps(settings, sorted(rank_pids))
+            time.sleep(1.0 if triggered else 0.0)
+            files = fr.collect_dumps(settings, inc.dir / "flight-recorder")
+            inc.end_action(entry, bool(files), f"{len(files)} dump(s) collected, {len(triggered)} triggered")
+        except Exception as e:  # diagnostics must never block recovery
+            inc.end_action(entry, False, f"flight recorder: {e}")
+

@@ -1,0 +1,72 @@
+"""The seam between the act stage and whoever runs a job: what recovery and GPU-fault handling need to know and
+do, without knowing whether ``launch`` started the job or the daemon found it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gpu_watchdog.act.stopper import JobProcess
+from gpu_watchdog.config.schema import Config
+from gpu_watchdog.detect.detector import Finding
+from gpu_watchdog.job.protocol import ControlDir
+from gpu_watchdog.policy.budget import RestartBudget
+from gpu_watchdog.store.fallback import FallbackStore
+from gpu_watchdog.store.incidents import Incident, IncidentStore
+
+log = logging.getLogger("gpu_watchdog.act")
+
+
+class JobTarget(Protocol):
+    """One job as the act stage sees it. ``launch`` builds it on its Popen; the daemon on a registration."""
+
+    job_id: str
+    control: ControlDir  # where the in-job client listens for checkpoint requests and writes its heartbeats
+    may_signal_checkpoint: bool  # whether ``recovery.checkpoint_signal`` may be sent (the job opted in)
+
+    def processes(self) -> list[JobProcess]:
+        """Every process the agent may signal for this job (each with its create time)."""
+        ...
+
+    def poll(self) -> int | None:
+        """None while the job still runs."""
+        ...
+
+    def restart(self, inc: Incident, level: int, shown: str) -> bool:
+        """Start the job's next run at fallback ``level`` (``shown``: its settings, for people), or hand that to
+        the scheduler; records the action in ``inc``. Returns whether a restart is under way."""
+        ...
+
+
+@dataclass
+class ActContext:
+    """What acting needs from the agent around it; the same object for every job of a daemon."""
+
+    cfg: Config
+    host: str
+    incidents: IncidentStore
+    fallback: FallbackStore
+    metrics: Any = None
+    say: Callable[[str], None] = log.info
+    gpu_pids: Callable[[], set[int]] | None = None  # processes holding GPU memory (NVML); None on the proc backend
+    drained: set[str] = field(default_factory=set)  # GPUs whose fault already drained the node
+
+    def metric(self, name: str, *args: Any) -> None:
+        """Count an event; a broken metrics collector is logged, never a reason to stop acting on a job."""
+        if self.metrics is None:
+            return
+        try:
+            getattr(self.metrics, name)(*args)
+        except Exception:
+            log.exception("metrics: %s failed", name)
+
+    def open_incident(self, finding: Finding) -> Incident:
+        """Every incident starts here, so the incidents counter counts every one written."""
+        inc = self.incidents.create(finding, self.host)
+        self.metric("incident", finding.kind)
+        return inc
+
+
+BudgetFor = Callable[[str], RestartBudget]

@@ -1,0 +1,147 @@
+"""The jobs registered with the daemon (scheduler prolog, preStop hook): which processes are whose, and which the
+daemon may ever signal.
+
+A job's processes are its registered pids (checked against the create time recorded at registration), their
+descendants, the processes of its cgroup, and the ranks whose environment names the job — and, for a job
+registered by a non-root user, only processes of that user. Never the daemon itself.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+import psutil
+
+from gpu_watchdog.act.stopper import JobProcess
+from gpu_watchdog.daemon.cgroups import cgroup_pids
+from gpu_watchdog.errors import UsageError
+from gpu_watchdog.model import NodeSample
+from gpu_watchdog.store.db import Store
+
+
+class Registry:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._lock = threading.RLock()
+        self._jobs: dict[str, dict[str, Any]] = store.jobs()
+
+    def registrations(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return {k: dict(v) for k, v in self._jobs.items()}
+
+    def get(self, job_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            reg = self._jobs.get(job_id)
+            return dict(reg) if reg is not None else None
+
+    def register(self, reg: dict[str, Any]) -> None:
+        with self._lock:
+            self.store.put_job(reg["job_id"], reg["pids"], reg.get("cgroup"), reg.get("restart_hook"),
+                               bool(reg.get("checkpoint_opt_in")), int(reg["registered_by_uid"]))
+            self._jobs[reg["job_id"]] = dict(reg, registered_at=time.time())
+
+    def unregister(self, job_id: str) -> bool:
+        with self._lock:
+            self._jobs.pop(job_id, None)
+            return self.store.delete_job(job_id)
+
+    def owned_pids(self) -> dict[int, str]:
+        """pid → registered job, for live registered pids (create time checked), their descendants and the
+        processes of the job's cgroup."""
+        out: dict[int, str] = {}
+        for job_id, reg in self.registrations().items():
+            roots = []
+            for rp in reg.get("pids") or []:
+                try:
+                    p = psutil.Process(rp["pid"])
+                    if p.create_time() == rp["create_time"]:
+                        roots.append(p)
+                except psutil.Error:
+                    continue
+            if reg.get("cgroup"):
+                for pid in cgroup_pids(reg["cgroup"]):
+                    try:
+                        roots.append(psutil.Process(pid))
+                    except psutil.Error:
+                        continue
+            for p in roots:
+                out[p.pid] = job_id
+                try:
+                    for c in p.children(recursive=True):
+                        out[c.pid] = job_id
+                except psutil.Error:
+                    continue
+        return out
+
+    def job_processes(self, job_id: str, sample: NodeSample | None) -> list[JobProcess]:
+        """Every process the daemon may signal for this job (see the module docstring)."""
+        reg = self.get(job_id)
+        if reg is None:
+            return []
+        pids = {pid for pid, j in self.owned_pids().items() if j == job_id}
+        if sample is not None:
+            pids |= {p.pid for p in sample.processes if p.is_rank and p.job and p.job.job_id == job_id}
+        owner = int(reg.get("registered_by_uid", 0))
+        out = []
+        for pid in sorted(pids):
+            if pid == os.getpid():
+                continue
+            try:
+                p = psutil.Process(pid)
+                if owner != 0 and p.uids().real != owner:
+                    continue
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                out.append(JobProcess(pid, p.create_time()))
+            except psutil.Error:
+                continue
+        return out
+
+    def attribute(self, sample: NodeSample) -> NodeSample:
+        """Ranks under a registered job's pids belong to that job, whatever their environment says. A job registered
+        by a non-root user may not adopt other users' processes that merely claim its id in their environment:
+        those become a job of their own ("<id>@uid<uid>")."""
+        owned = self.owned_pids()
+        if not owned:
+            return sample
+        nonroot = {j: int(r.get("registered_by_uid", 0)) for j, r in self.registrations().items()
+                   if int(r.get("registered_by_uid", 0)) != 0}
+        procs = []
+        for p in sample.processes:
+            if p.job is not None and p.pid in owned and p.job.job_id != owned[p.pid]:
+                p = replace(p, job=replace(p.job, job_id=owned[p.pid]))
+            elif p.job is not None and p.job.job_id in nonroot and p.pid not in owned:
+                uid = _uid_of(p.pid)
+                if uid != nonroot[p.job.job_id]:
+                    p = replace(p, job=replace(p.job, job_id=f"{p.job.job_id}@uid{uid}"))
+            procs.append(p)
+        return replace(sample, processes=tuple(procs))
+
+
+def _uid_of(pid: int) -> int:
+    try:
+        return int(psutil.Process(pid).uids().real)
+    except psutil.Error:
+        return -1
+
+
+def validate_pids_live(pids: list[int]) -> list[dict[str, Any]]:
+    """pid → {pid, create_time, uid} for live, non-zombie processes; UsageError names the first bad one."""
+    out = []
+    for pid in pids:
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
+            raise UsageError(f"not a pid: {pid!r}")
+        try:
+            p = psutil.Process(pid)
+            if p.status() == psutil.STATUS_ZOMBIE:
+                raise UsageError(f"pid {pid} is not a live process")
+            out.append({"pid": pid, "create_time": p.create_time(), "uid": p.uids().real})
+        except psutil.NoSuchProcess:
+            raise UsageError(f"pid {pid} is not a live process") from None
+        except psutil.AccessDenied:
+            raise UsageError(f"pid {pid}: access denied") from None
+    return out

@@ -1,0 +1,194 @@
+"""One sampling tick, the same for ``launch`` and the daemon.
+
+``Engine.tick()`` samples the node (a failure marks the agent down and skips the tick; it never raises),
+attributes processes to jobs, attaches the in-job client's step heartbeats, collects finished stack dumps,
+runs the pure detector, schedules new dumps off the sampling path, compares each job's launch settings,
+drops a job that stayed healthy long enough back to fallback level 0, and updates metrics and the loop's
+health. It returns what the tick saw; what to do about the findings is ``policy.respond``'s and the caller's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gpu_watchdog.config.schema import Config
+from gpu_watchdog.detect.consistency import ConfigWatch
+from gpu_watchdog.detect.detector import RUNNING, DetectorState, Finding, JobStatus, step
+from gpu_watchdog.evidence.collect import collect_stack_evidence
+from gpu_watchdog.export.health import LoopHealth
+from gpu_watchdog.model import NodeSample, StackEvidence
+from gpu_watchdog.sample.backends import Backend
+from gpu_watchdog.store.fallback import FallbackStore
+
+log = logging.getLogger("gpu_watchdog.engine")
+
+Heartbeats = Callable[[], Mapping[str, Mapping[int, int]]]  # job → rank → last step the in-job client reported
+
+
+@dataclass(frozen=True)
+class Tick:
+    """What one tick saw. ``ok`` False: sampling failed (``error``), nothing else ran."""
+
+    ok: bool
+    sample: NodeSample | None = None
+    jobs: Mapping[str, JobStatus] = field(default_factory=dict)
+    findings: tuple[Finding, ...] = ()
+    error: str = ""
+
+
+def _no_heartbeats() -> Mapping[str, Mapping[int, int]]:
+    return {}
+
+
+def _as_is(sample: NodeSample) -> NodeSample:
+    return sample
+
+
+class Engine:
+    def __init__(self, cfg: Config, backend: Backend, fallback: FallbackStore, pool: Executor, *,
+                 health: LoopHealth, metrics: Any = None, heartbeats: Heartbeats = _no_heartbeats,
+                 attribute: Callable[[NodeSample], NodeSample] = _as_is,
+                 on_dump_done: Callable[[], None] | None = None, say: Callable[[str], None] = log.info) -> None:
+        self.cfg = cfg  # replaced on a reload
+        self.backend = backend
+        self.fallback = fallback
+        self.health = health
+        self.metrics = metrics
+        self._pool = pool
+        self._heartbeats = heartbeats
+        self._attribute = attribute
+        self._on_dump_done = on_dump_done
+        self._say = say
+        self.state = DetectorState()
+        self.last_sample: NodeSample | None = None
+        self.ticks_ok = 0
+        self.ticks_failed = 0
+        self.last_error = ""
+        self._dumps: dict[str, Future[list[StackEvidence]]] = {}
+        self._watches: dict[str, ConfigWatch] = {}
+        self._healthy_since: dict[str, float] = {}
+
+    def new_run(self, job_id: str) -> None:
+        """The job was restarted: its new ranks start with a clean slate (detector, launch-settings check,
+        healthy time)."""
+        watch = self._watches.get(job_id)
+        if watch is not None:
+            watch.new_run()
+        self._healthy_since.pop(job_id, None)
+        self.state = replace(self.state, jobs={j: s for j, s in self.state.jobs.items() if j != job_id},
+                             ranks={k: o for k, o in self.state.ranks.items() if k[0] != job_id})
+
+    def tick(self) -> Tick:
+        t0 = time.process_time()
+        try:
+            sample = self._attribute(self.backend.sample())
+        except Exception as e:  # NVML wedged or faulted, a psutil hiccup: a bad tick, never a dead agent
+            return self._failed(f"sampling failed: {e}")
+        sample = with_heartbeats(sample, self._heartbeats())
+        state, findings = step(self.state, sample, self.cfg.detect, self._finished_dumps())
+        self.state, self.last_sample = state, sample
+        self._schedule_dumps(sample.t)
+        findings.extend(self._check_configs(sample.t))
+        self._note_healthy(state.jobs)
+        self._forget_ended(state.jobs)
+        if self.metrics is not None:
+            self.metrics.sample_duration(time.process_time() - t0)
+            self.metrics.nvml_errors(sample.errors)
+            self.metrics.update(sample, state.jobs, {j: self.fallback.level(j) for j in state.jobs})
+        self.ticks_ok += 1
+        self.health.tick_ok()
+        return Tick(True, sample, state.jobs, tuple(findings))
+
+    def _failed(self, error: str) -> Tick:
+        if not self.ticks_failed or error != self.last_error:  # once per streak of the same failure
+            log.warning("%s", error)
+        self.ticks_failed += 1
+        self.last_error = error
+        self.health.tick_failed(error)
+        if self.metrics is not None:
+            self.metrics.set_up(False)
+        return Tick(False, error=error)
+
+    def _finished_dumps(self) -> list[StackEvidence]:
+        out: list[StackEvidence] = []
+        for job_id, fut in list(self._dumps.items()):
+            if not fut.done():
+                continue
+            del self._dumps[job_id]
+            try:
+                out.extend(fut.result())
+            except Exception as e:  # a failed dump is missing evidence, not a crash
+                log.warning("stack dump of job %s failed: %s", job_id, e)
+        return out
+
+    def _schedule_dumps(self, t: float) -> None:
+        if not self.cfg.stacks.enabled:
+            return
+        for js in self.state.jobs.values():
+            if js.needs_stacks and js.job_id not in self._dumps:
+                fut = self._pool.submit(collect_stack_evidence, js.job_id, dict(js.rank_pids), self.cfg.stacks, t)
+                if self._on_dump_done is not None:
+                    fut.add_done_callback(lambda _f, wake=self._on_dump_done: wake())
+                self._dumps[js.job_id] = fut
+
+    def _check_configs(self, t: float) -> list[Finding]:
+        """Every job's ranks on this node must share their launch settings: the digest goes to the metrics
+        (an alert compares nodes), a new mismatch becomes a finding."""
+        scanner = getattr(self.backend, "scanner", None)
+        if scanner is None:
+            return []
+        out = []
+        for js in self.state.jobs.values():
+            if self.config_watch(js.job_id).due(js.rank_pids, scanner.env_of, t):
+                finding = self.check_launch_settings(js, t)
+                if finding is not None:
+                    out.append(finding)
+        return out
+
+    def config_watch(self, job_id: str) -> ConfigWatch:
+        return self._watches.setdefault(job_id, ConfigWatch())
+
+    def check_launch_settings(self, js: JobStatus, t: float) -> Finding | None:
+        """Compare the job's ranks' launch settings now: the digest to the metrics, a finding when a mismatch
+        is news (detect.consistency.ConfigWatch)."""
+        report, finding = self.config_watch(js.job_id).check(js, getattr(self.backend, "scanner", None), t)
+        if self.metrics is not None:
+            self.metrics.job_config(js.job_id, report.digest)
+        return finding
+
+    def _note_healthy(self, jobs: Mapping[str, JobStatus]) -> None:
+        """A job running without a stall for ``fallback.healthy_reset_s`` drops back to fallback level 0."""
+        now = time.time()
+        for job_id, js in jobs.items():
+            if js.state != RUNNING:
+                self._healthy_since[job_id] = now
+                continue
+            since = self._healthy_since.setdefault(job_id, now)
+            if self.fallback.note_healthy(job_id, since, now, self.cfg.fallback):
+                self._say(f"job {job_id} healthy for {self.cfg.fallback.healthy_reset_s:.0f}s: "
+                          "fallback level back to 0")
+
+    def _forget_ended(self, jobs: Mapping[str, JobStatus]) -> None:
+        for job_id in set(self._watches) - set(jobs):
+            del self._watches[job_id]
+            if self.metrics is not None:
+                self.metrics.forget_job(job_id)
+        for job_id in set(self._healthy_since) - set(jobs):
+            del self._healthy_since[job_id]
+
+
+def with_heartbeats(sample: NodeSample, steps: Mapping[str, Mapping[int, int]]) -> NodeSample:
+    """Attach each job's in-job client step heartbeats to that job's rank processes."""
+    if not any(steps.values()):
+        return sample
+    procs = tuple(
+        replace(p, heartbeat_step=steps[p.job.job_id][p.job.rank])
+        if p.is_rank and p.job and p.job.rank is not None and p.job.rank in steps.get(p.job.job_id, {}) else p
+        for p in sample.processes
+    )
+    return replace(sample, processes=procs)

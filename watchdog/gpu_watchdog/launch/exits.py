@@ -1,0 +1,98 @@
+"""Which rank died first, and how: the evidence of a ``rank_exited`` incident under ``launch``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+_TEARDOWN = (signal.SIGTERM, signal.SIGKILL)  # what torchrun sends the surviving workers
+
+
+def first_to_exit(exits: dict[int, tuple[float, int | None]]) -> tuple[int, ...]:
+    """The rank(s) that failed: of the exits seen within a second of the first, those that did not end by
+    torchrun's teardown signals; else the earliest ones seen."""
+    if not exits:
+        return ()
+    first_t = min(t for t, _ in exits.values())
+    early = {r: st for r, (t, st) in exits.items() if t - first_t < 1.0}
+    own = tuple(sorted(r for r, st in early.items() if st is not None and (st & 0x7F) not in _TEARDOWN))
+    return own or tuple(sorted(r for r, (t, _) in exits.items() if t - first_t < 0.01))
+
+
+class ExitWatch:
+    """Which rank died first, and how. torchrun reaps a dead worker within its monitor interval (0.1 s) and then
+    tears the others down, all between two sampling ticks. This thread holds a pidfd per rank and sleeps in
+    poll(2) until one becomes readable — the rank exited — then reads the zombie's exit status before torchrun
+    reaps it: no CPU while the job runs. Without pidfds (Linux < 5.3) it reads /proc/PID/stat every ``poll_s``."""
+
+    def __init__(self, poll_s: float = 0.05) -> None:
+        self.poll_s = poll_s
+        self.exits: dict[int, tuple[float, int | None]] = {}  # rank → (when seen exited, its exit status if caught)
+        self._ranks: dict[int, int] = {}  # rank → pid, set by the sampling loop
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="exit-watch", daemon=True)
+        self._thread.start()
+
+    def watch(self, rank_pids: dict[int, int]) -> None:
+        with self._lock:
+            self._ranks.update(rank_pids)
+
+    def _exited(self, rank: int, pid: int) -> None:
+        from gpu_watchdog.sample.processes import read_exit_status
+
+        self.exits.setdefault(rank, (time.time(), read_exit_status(pid)))
+
+    def _run(self) -> None:
+        import select
+
+        poller = select.poll() if hasattr(os, "pidfd_open") else None
+        fds: dict[int, tuple[int, int]] = {}  # pidfd → (rank, pid)
+        known: set[int] = set()
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    new = [(r, pid) for r, pid in self._ranks.items() if r not in known]
+                for rank, pid in new:
+                    known.add(rank)
+                    if poller is not None:
+                        try:
+                            fd = os.pidfd_open(pid)
+                        except ProcessLookupError:
+                            self._exited(rank, pid)
+                            continue
+                        except OSError:  # no pidfd support here: read /proc instead
+                            poller = None
+                            continue
+                        fds[fd] = (rank, pid)
+                        poller.register(fd, select.POLLIN)
+                if poller is None:
+                    self._read_proc()
+                    self._stop.wait(self.poll_s)
+                    continue
+                for fd, _event in poller.poll(200):  # wakes at once on an exit; 200 ms to pick up new ranks
+                    poller.unregister(fd)
+                    os.close(fd)
+                    self._exited(*fds.pop(fd))
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _read_proc(self) -> None:
+        with self._lock:
+            ranks = [(r, pid) for r, pid in self._ranks.items() if r not in self.exits]
+        for rank, pid in ranks:
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+            except OSError:
+                self.exits[rank] = (time.time(), None)
+                continue
+            if zombie:
+                self._exited(rank, pid)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
