@@ -22,6 +22,8 @@ import urllib.request
 from collections.abc import Callable
 
 from gpu_watchdog.detect.detector import JobStatus
+from gpu_watchdog.export.health import LoopHealth
+from gpu_watchdog.export.http import serve
 from gpu_watchdog.export.metrics import AgentMetrics
 from gpu_watchdog.model import DeviceSample, GpuProcess, JobIdentity, NodeSample, ProcessSample, SampleError
 from prometheus_client import CollectorRegistry
@@ -121,7 +123,7 @@ def main() -> int:
     report("scrape: generate_latest (with process_*)", *timeit(lambda: generate_latest(m.registry), args.repeat))
     report("scrape: generate_latest (snapshot+counters)", *timeit(lambda: generate_latest(bare.registry),
                                                                    args.repeat))
-    with m.serve("127.0.0.1:0") as srv:
+    with serve("127.0.0.1:0", m.registry, LoopHealth(60.0)) as srv:
         def http() -> bytes:
             with urllib.request.urlopen(f"{srv.url}/metrics", timeout=10) as r:
                 return r.read()

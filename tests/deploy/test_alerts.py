@@ -14,6 +14,8 @@ from typing import Any
 
 import prom
 import pytest
+from gpu_watchdog.export.health import LoopHealth
+from gpu_watchdog.export.http import serve
 
 REPO = prom.REPO
 PROVISIONING = REPO / "grafana" / "provisioning"
@@ -151,7 +153,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[prom.Promet
     """A real Prometheus (alert rules loaded) scraping a served, fully populated AgentMetrics every second."""
     prom.require("prometheus")
     m = prom.populated_metrics()
-    srv = m.serve("127.0.0.1:0")
+    srv = serve("127.0.0.1:0", m.registry, LoopHealth(60.0))
     try:
         with prom.Prometheus(tmp_path_factory.mktemp("prom"), [f"127.0.0.1:{srv.port}"],
                              rule_files=[prom.ALERTS]) as p:

@@ -172,7 +172,8 @@ def test_a_healthy_job_drops_back_to_fallback_level_zero(supervise: Callable[...
     assert FallbackStore(state).load(JOB)["level"] == 0  # read back from disk by a new reader
 
 
-def test_a_job_healthy_for_less_than_the_reset_time_keeps_its_level(supervise: Callable[..., int], tmp_path: Path) -> None:
+def test_a_job_healthy_for_less_than_the_reset_time_keeps_its_level(supervise: Callable[..., int],
+                                                                     tmp_path: Path) -> None:
     """The healthy counterpart: a job seen for less than healthy_reset_s keeps its level."""
     state = tmp_path / "state"
     FallbackStore(state).save(JOB, FallbackDecision(2, "no-ll128", {"NCCL_PROTO": "^LL128"}), {"NCCL_PROTO": "^LL128"})

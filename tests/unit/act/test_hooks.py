@@ -7,9 +7,9 @@ import time
 
 import pytest
 from gpu_watchdog.act.hooks import run_hook
-from gpu_watchdog.policy.templates import placeholder_values, render_argv
 from gpu_watchdog.config.daemon import HookSpec, parse_daemon_sections
 from gpu_watchdog.errors import ConfigError, UsageError
+from gpu_watchdog.policy.templates import placeholder_values, render_argv
 
 
 def test_builtin_types_and_defaults() -> None:

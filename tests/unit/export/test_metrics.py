@@ -1,36 +1,22 @@
-"""gpu_watchdog.export.metrics: the snapshot collector, counters, caps, /healthz, and a real promtool lint."""
+"""gpu_watchdog.export.metrics: the snapshot collector, counters, caps, and a real promtool lint of a scrape."""
 
 from __future__ import annotations
 
 import threading
-import urllib.error
 import urllib.request
 from typing import Any
 
 import prom
 import pytest
 from gpu_watchdog.detect.detector import JobStatus
-from gpu_watchdog.errors import EXIT_UNAVAILABLE, UsageError
-from gpu_watchdog.export.metrics import (
-    DEFAULT_PORT,
-    OVERFLOW,
-    PYSPY_OUTCOMES,
-    AgentMetrics,
-    MetricsServeError,
-    parse_addr,
-)
+from gpu_watchdog.export.health import LoopHealth
+from gpu_watchdog.export.http import serve
+from gpu_watchdog.export.metrics import OVERFLOW, PYSPY_OUTCOMES, AgentMetrics
 from gpu_watchdog.model import DeviceSample, NodeSample, SampleError
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 T0 = 1_700_000_000.0
-
-
-class FakeClock:
-    def __init__(self, t: float = 100.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def gpu(i: int, **kw: Any) -> DeviceSample:
@@ -54,6 +40,21 @@ def gpu_labels(i: int) -> dict[str, str]:
 
 def series(m: AgentMetrics, name: str) -> list[dict[str, str]]:
     return [s.labels for fam in m.registry.collect() for s in fam.samples if s.name == name]
+
+
+def scraped(m: AgentMetrics, name: str) -> list[float]:
+    """``name``'s values in the text a scrape gets (render() is what /metrics serves a plain client)."""
+    return [s.value for fam in text_string_to_metric_families(m.render().decode()) for s in fam.samples
+            if s.name == name]
+
+
+def scrape_over_http(m: AgentMetrics) -> str:
+    health = LoopHealth(10.0)
+    health.tick_ok()
+    with serve("127.0.0.1:0", m.registry, health) as srv:
+        with urllib.request.urlopen(f"{srv.url}/metrics", timeout=10) as r:
+            assert r.status == 200
+            return r.read().decode()
 
 
 # -- the snapshot collector -------------------------------------------------------------------------------
@@ -214,12 +215,16 @@ def test_job_config_digest_replaces_and_forgets() -> None:
     assert series(m, "gpu_watchdog_job_config_info") == []
 
 
-def test_set_up_false_until_the_next_sample() -> None:
+def test_up_is_0_while_sampling_fails_until_the_next_update() -> None:
     m = AgentMetrics()
+    m.update(node(gpu(0)), {}, {})
+    assert scraped(m, "gpu_watchdog_up") == [1.0]
+    m.set_up(False)  # the backend's sample() raised
+    assert scraped(m, "gpu_watchdog_up") == [0.0]
+    assert scraped(m, "gpu_watchdog_up") == [0.0]  # scraping does not reset it; only a sample does
     m.set_up(False)
-    assert value(m, "gpu_watchdog_up") == 0.0
-    m.update(node(), {}, {})
-    assert value(m, "gpu_watchdog_up") == 1.0
+    m.update(node(gpu(0)), {}, {})
+    assert scraped(m, "gpu_watchdog_up") == [1.0]
 
 
 def test_pyspy_outcomes_match_the_stacks_module() -> None:
@@ -286,12 +291,10 @@ def test_registering_and_scraping_never_call_nvml_or_psutil(monkeypatch: pytest.
         backend.sample()
     except AssertionError:
         m.set_up(False)
-    with m.serve("127.0.0.1:0") as srv:
-        for _ in range(3):
-            with urllib.request.urlopen(f"{srv.url}/metrics", timeout=10) as r:
-                text = r.read().decode()
-        assert 'gpu_watchdog_gpu_stalled{Hostname="node1",UUID="GPU-0",gpu="0"} 1.0' in text
-        assert "gpu_watchdog_up 0.0" in text
+    for _ in range(3):
+        text = scrape_over_http(m)
+    assert 'gpu_watchdog_gpu_stalled{Hostname="node1",UUID="GPU-0",gpu="0"} 1.0' in text
+    assert "gpu_watchdog_up 0.0" in text
 
 
 def test_registration_does_not_collect(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -330,99 +333,9 @@ def test_concurrent_updates_and_scrapes() -> None:
     assert not errors
 
 
-# -- serving -----------------------------------------------------------------------------------------------
-def _get(url: str, accept: str | None = None) -> tuple[int, str, str]:
-    req = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.headers["Content-Type"], r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers["Content-Type"], e.read().decode()
-
-
-def test_healthz_follows_the_last_sample_age() -> None:
-    mono = FakeClock(100.0)
-    m = AgentMetrics(interval_s=1.0, health_intervals=5, monotonic=mono)
-    with m.serve("127.0.0.1:0") as srv:
-        code, _, body = _get(f"{srv.url}/healthz")
-        assert (code, body) == (200, "starting: no sample yet\n")
-        mono.t = 106.0
-        code, _, body = _get(f"{srv.url}/healthz")
-        assert code == 503 and "no sample" in body
-        m.update(node(), {}, {})
-        assert _get(f"{srv.url}/healthz")[:3:2] == (200, "ok\n")
-        mono.t = 110.9
-        assert _get(f"{srv.url}/healthz")[0] == 200
-        mono.t = 111.0
-        code, _, body = _get(f"{srv.url}/healthz")
-        assert code == 503 and body.startswith("last sample 5.0 s ago")
-        m.update(node(), {}, {})
-        m.set_up(False)
-        code, _, body = _get(f"{srv.url}/healthz")
-        assert code == 503 and "backend failed" in body
-
-
-def test_healthz_stays_up_during_a_bounded_recovery_only() -> None:
-    """Recovery holds the launcher's loop (checkpoint grace, stop ladder): healthy until its bound, then not."""
-    mono = FakeClock(100.0)
-    m = AgentMetrics(interval_s=1.0, health_intervals=5, monotonic=mono)
-    m.update(node(), {}, {})
-    m.recovering(30.0)
-    mono.t = 120.0  # no sample for 20 s, but a recovery is under way
-    assert m.health() == (True, "recovering a job (sampling paused)")
-    mono.t = 131.0  # past the bound: a wedged recovery is unhealthy
-    assert m.health()[0] is False
-    m.recovering(None)
-    m.update(node(), {}, {})
-    assert m.health() == (True, "ok")
-
-
-def test_metrics_endpoint_formats_and_404() -> None:
-    m = AgentMetrics()
-    m.update(node(gpu(0)), {}, {})
-    with m.serve("127.0.0.1:0") as srv:
-        code, ctype, body = _get(f"{srv.url}/metrics")
-        assert code == 200 and ctype.startswith("text/plain") and "gpu_watchdog_up 1.0" in body
-        code, ctype, body = _get(f"{srv.url}/metrics", accept="application/openmetrics-text; version=1.0.0")
-        assert code == 200 and ctype.startswith("application/openmetrics-text") and body.endswith("# EOF\n")
-        assert _get(f"{srv.url}/nope")[0] == 404
-        assert _get(f"{srv.url}/")[0] == 200
-
-
-def test_bind_error_is_one_clear_line() -> None:
-    m = AgentMetrics()
-    with m.serve("127.0.0.1:0") as srv:
-        with pytest.raises(MetricsServeError) as ei:
-            m.serve(f"127.0.0.1:{srv.port}")
-    msg = str(ei.value)
-    assert "\n" not in msg and f"127.0.0.1:{srv.port}" in msg and "cannot listen" in msg
-    assert ei.value.exit_code == EXIT_UNAVAILABLE
-
-
-@pytest.mark.parametrize("addr,expected", [
-    ("127.0.0.1:9408", ("127.0.0.1", 9408)), (":9408", ("0.0.0.0", 9408)), ("[::1]:0", ("::1", 0)),
-    ("localhost:1", ("localhost", 1)),
-])
-def test_parse_addr(addr: str, expected: tuple[str, int]) -> None:
-    assert parse_addr(addr) == expected
-
-
-@pytest.mark.parametrize("addr", ["9408", "host:", "host:port", "host:70000", "::1:9408", ""])
-def test_parse_addr_rejects(addr: str) -> None:
-    with pytest.raises(UsageError, match="--metrics-addr"):
-        parse_addr(addr)
-
-
-def test_default_port_is_not_dcgm_exporters() -> None:
-    assert DEFAULT_PORT == 9408
-
-
 # -- promtool ----------------------------------------------------------------------------------------------
 def test_promtool_check_metrics_on_a_live_scrape() -> None:
     prom.require("promtool")
-    m = prom.populated_metrics()
-    with m.serve("127.0.0.1:0") as srv:
-        code, _, text = _get(f"{srv.url}/metrics")
-    assert code == 200
+    text = scrape_over_http(prom.populated_metrics())
     r = prom.promtool("check", "metrics", stdin=text)
     assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr

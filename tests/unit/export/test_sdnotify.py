@@ -1,4 +1,5 @@
-"""sd_notify client and watchdog gating, against real unix datagram sockets (what systemd binds)."""
+"""sd_notify client, and the loop-gated watchdog pings it sends, against real unix datagram sockets (what
+systemd binds)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gpu_watchdog.export.sdnotify import LoopHealth, Notifier, Pinger, watchdog_interval_s
+from gpu_watchdog.export.health import LoopHealth, Pinger
+from gpu_watchdog.export.sdnotify import Notifier, watchdog_interval_s
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -215,47 +217,36 @@ def test_from_env_unset_environment(path_receiver: Receiver) -> None:
     n.close()
 
 
-def test_loop_health_with_injected_clock() -> None:
-    pings: list[int] = []
-    h = LoopHealth(lambda: pings.append(1), max_age_s=5.0)
-    assert h.maybe_ping(100.0) is False  # no good tick yet: nothing to vouch for
-    assert h.age_s(100.0) is None
-    h.tick_ok(100.0)
-    assert h.maybe_ping(101.0) and h.maybe_ping(105.0)  # age 5.0 is still fine
-    assert h.maybe_ping(105.1) is False  # loop wedged
-    h.tick_ok(99.0)  # a late, older report does not move the clock back
-    assert h.age_s(105.1) == pytest.approx(5.1)
-    h.tick_ok(106.0)
-    assert h.maybe_ping(106.5) is True  # recovered
-    assert (len(pings), h.pings_sent, h.pings_withheld) == (3, 3, 2)
-    with pytest.raises(ValueError):
-        LoopHealth(lambda: None, max_age_s=0)
-
-
 def test_pinger_thread_pings_while_loop_ticks_and_stops_when_it_wedges(
         path_receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NOTIFY_SOCKET", path_receiver.notify_socket)
     monkeypatch.setenv("WATCHDOG_USEC", "100000")  # WatchdogSec=0.1s -> ping every 50 ms
     n = Notifier.from_env()
     assert n.watchdog_interval_s == 0.05
-    health = LoopHealth(n.watchdog, max_age_s=0.3)
+    health = LoopHealth(max_age_s=0.3)
 
-    # The "sampling loop": a real thread ticking every 20 ms until it wedges on `hang`.
+    # The "sampling loop": a real thread ticking every 20 ms (every other tick a failed sample, which must not
+    # stop the pings) until it wedges on `ticking`.
     ticking = threading.Event()
     ticking.set()
     stop = threading.Event()
 
     def sampling_loop() -> None:
+        ok = True
         while not stop.is_set():
             ticking.wait()  # cleared == wedged (e.g. an NVML call that never returns)
-            health.tick_ok(time.monotonic())
+            if ok:
+                health.tick_ok()
+            else:
+                health.tick_failed("NVML lost")
+            ok = not ok
             time.sleep(0.02)
 
     loop = threading.Thread(target=sampling_loop, daemon=True)
     loop.start()
     n.ready("up")
     assert path_receiver.next() == {"READY": "1", "STATUS": "up"}
-    pinger = Pinger(health, n.watchdog_interval_s).start()
+    pinger = Pinger(health, n.watchdog, n.watchdog_interval_s).start()
     try:
         healthy = path_receiver.drain(1.5)
         assert len(healthy) >= 5, healthy  # ~30 expected at 50 ms; 5 leaves room for a loaded machine
@@ -264,9 +255,9 @@ def test_pinger_thread_pings_while_loop_ticks_and_stops_when_it_wedges(
         ticking.clear()  # the loop wedges
         time.sleep(health.max_age_s + 0.5)
         path_receiver.drain(0.05)  # pings sent before the age ran out
-        withheld_before = health.pings_withheld
+        withheld_before = pinger.pings_withheld
         assert path_receiver.drain(1.0) == []  # no pings: systemd would now kill and restart us
-        assert health.pings_withheld - withheld_before >= 5
+        assert pinger.pings_withheld - withheld_before >= 5
 
         ticking.set()  # the loop recovers
         assert len(path_receiver.drain(1.5)) >= 5
@@ -282,9 +273,9 @@ def test_pinger_thread_pings_while_loop_ticks_and_stops_when_it_wedges(
 def test_pinger_messages_carry_main_pid(path_receiver: Receiver) -> None:
     """NotifyAccess=main accepts the pinger thread: a thread's datagrams carry the process pid."""
     n = Notifier(path_receiver.notify_socket)
-    health = LoopHealth(n.watchdog, max_age_s=60)
-    health.tick_ok(time.monotonic())
-    pinger = Pinger(health, 0.05).start()
+    health = LoopHealth(max_age_s=60)
+    health.tick_ok()
+    pinger = Pinger(health, n.watchdog, 0.05).start()
     try:
         got = path_receiver.recv()
         assert got is not None
@@ -292,22 +283,3 @@ def test_pinger_messages_carry_main_pid(path_receiver: Receiver) -> None:
     finally:
         pinger.stop()
         n.close()
-
-
-def test_pinger_survives_a_failing_ping(caplog: pytest.LogCaptureFixture) -> None:
-    calls: list[float] = []
-
-    def ping() -> None:
-        calls.append(time.monotonic())
-        raise RuntimeError("boom")
-
-    health = LoopHealth(ping, max_age_s=60)
-    health.tick_ok(time.monotonic())
-    with caplog.at_level(logging.ERROR, logger="gpu_watchdog.export.sdnotify"):
-        pinger = Pinger(health, 0.02).start()
-        deadline = time.monotonic() + 2
-        while len(calls) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        pinger.stop()
-    assert len(calls) >= 3
-    assert "watchdog ping failed" in caplog.text

@@ -27,13 +27,13 @@ import psutil
 import pynvml
 import pytest
 from fake_nvml import FakeNvml, started
-from gpu_watchdog.policy.drain import drain_reason
 from gpu_watchdog.config.daemon import HookSpec
 from gpu_watchdog.config.schema import AgentConfig, Config, FaultsConfig, RecoveryConfig, load_config
 from gpu_watchdog.detect.detector import DetectorState, step
 from gpu_watchdog.errors import EXIT_GPU_FAULT, ConfigError
 from gpu_watchdog.launch.launcher import Launcher
 from gpu_watchdog.model import DeviceSample, GpuFault, GpuProcess, JobIdentity, NodeSample, ProcessSample
+from gpu_watchdog.policy.drain import drain_reason
 from gpu_watchdog.policy.fallback import FallbackDecision
 from gpu_watchdog.sample.backends import NvmlBackend, choose_backend
 from gpu_watchdog.sample.processes import JOB_ID_ENV, ProcessScanner

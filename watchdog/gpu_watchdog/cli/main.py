@@ -110,6 +110,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 def cmd_launch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from gpu_watchdog.export.health import LoopHealth
+    from gpu_watchdog.export.http import start_metrics
     from gpu_watchdog.launch.launcher import Launcher
 
     cmd = list(args.cmd)
@@ -123,23 +125,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
         from gpu_watchdog.config.daemon import load_daemon_config
 
         hooks = load_daemon_config(args.config)[1].hooks
-    metrics, server = _start_metrics(cfg)
+    health = LoopHealth.for_interval(cfg.agent.interval_s)
+    metrics, server = start_metrics(cfg, health)
     try:
         return Launcher(cfg, cmd, state_dir=Path(args.state_dir) if args.state_dir else None, job_id=args.job_id,
-                        metrics=metrics, hooks=hooks).run()
+                        metrics=metrics, health=health, hooks=hooks).run()
     finally:
         if server is not None:
             server.stop()
-
-
-def _start_metrics(cfg: Any) -> tuple[Any, Any]:
-    """AgentMetrics and its HTTP server when agent.metrics_addr / --metrics-addr is set, else (None, None)."""
-    if not cfg.agent.metrics_addr:
-        return None, None
-    from gpu_watchdog.export.metrics import AgentMetrics
-
-    metrics = AgentMetrics(interval_s=cfg.agent.interval_s)
-    return metrics, metrics.serve(cfg.agent.metrics_addr)
 
 
 def cmd_incidents(args: argparse.Namespace) -> int:

@@ -499,13 +499,14 @@ def _now_utc() -> Any:
 
 def main_run(config_path: str | None, overrides: dict[str, Any]) -> int:
     cfg, settings = load_daemon_config(config_path, overrides)  # ConfigError → exit 78 naming the key
-    from gpu_watchdog.cli.main import _start_metrics
     from gpu_watchdog.config.schema import resolve_state_dir
+    from gpu_watchdog.export.http import start_metrics
 
-    metrics, server = _start_metrics(cfg)
+    health = LoopHealth.for_interval(cfg.agent.interval_s)  # one health for /healthz and the systemd pings
+    metrics, server = start_metrics(cfg, health)
     try:
         return Daemon(cfg, settings, resolve_state_dir(cfg), config_path=config_path, overrides=overrides,
-                      metrics=metrics).run()
+                      metrics=metrics, health=health).run()
     finally:
         if server is not None:
             server.stop()

@@ -1,10 +1,8 @@
-"""Prometheus metrics for the agent: a snapshot collector, counters, histograms, and a tiny HTTP server.
+"""Prometheus metrics for the agent: a snapshot collector, counters and histograms on one registry.
 
-Default listen address: ``0.0.0.0:9408`` for the daemon (``agent.metrics_addr`` / ``--metrics-addr``);
-9408 rather than dcgm-exporter's 9400 so both run side by side on a node. ``launch`` serves nothing unless
-``--metrics-addr`` is given. Endpoints: ``/metrics`` (Prometheus text or OpenMetrics, by ``Accept``) and
-``/healthz`` (200 ``ok`` while the last sample is younger than ``health_intervals`` × ``interval_s``, else
-503 with the reason).
+Served by export/http.py (``/metrics`` via prometheus_client's WSGI app, default ``0.0.0.0:9408``, next to
+dcgm-exporter's 9400); ``/healthz`` there answers from export/health.py's LoopHealth, not from here.
+``gpu_watchdog_up`` is 0 while sampling fails (``set_up(False)``) until the next ``update()``.
 
 A scrape never calls NVML or psutil: the sampling loop hands each tick's result to ``update()``, which
 only stores references; the collector turns the latest snapshot into series when Prometheus asks
@@ -40,31 +38,23 @@ Series (alert rules: prometheus/alerts.yml; dashboard: grafana/dashboards/gpu-wa
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
-from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import choose_encoder, generate_latest
+from prometheus_client.exposition import generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
 from gpu_watchdog import __version__
 from gpu_watchdog.atomic import write_errors
 from gpu_watchdog.detect.detector import JOB_STATES, STALLED, SUSPECT, WAITING, JobStatus
-from gpu_watchdog.errors import EXIT_UNAVAILABLE, UsageError, WatchdogError
 from gpu_watchdog.evidence.stacks import OUTCOMES
 from gpu_watchdog.model import NodeSample, SampleError
 
 log = logging.getLogger(__name__)
-
-DEFAULT_PORT = 9408
-DEFAULT_ADDR = f"0.0.0.0:{DEFAULT_PORT}"
 
 # Label sets that read 0 from the first scrape, so increase() sees the first event.
 INCIDENT_KINDS = ("stall", "gpu_fault", "config_mismatch", "rank_exited")
@@ -77,25 +67,6 @@ DETECTION_LATENCY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 
 
 _STATE_ORDER = {STALLED: 0, SUSPECT: 1, WAITING: 2}  # exported first when over the job cap
 _MAX_LABEL_LEN = 128
-
-
-class MetricsServeError(WatchdogError):
-    """The metrics endpoint cannot listen (address in use, not allowed, unknown host)."""
-
-    exit_code = EXIT_UNAVAILABLE
-
-
-def parse_addr(addr: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:9408``, ``:9408`` = all interfaces) → (host, port); UsageError naming the flag."""
-    text = addr.strip()
-    host, sep, port_s = text.rpartition(":")
-    if not sep or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
-        raise UsageError(f"--metrics-addr must be HOST:PORT (e.g. 127.0.0.1:{DEFAULT_PORT}), got {addr!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise UsageError(f"--metrics-addr: write an IPv6 host in brackets ([::1]:{DEFAULT_PORT}), got {addr!r}")
-    return host or "0.0.0.0", int(port_s)
 
 
 class _LabelCap:
@@ -122,7 +93,6 @@ class _Snapshot:
     sample: NodeSample
     jobs: Mapping[str, JobStatus]
     fallback_levels: Mapping[str, int]
-    at_mono: float  # time.monotonic() when update() stored it (for /healthz)
 
 
 def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
@@ -248,25 +218,20 @@ class AgentMetrics:
     """
 
     def __init__(self, registry: CollectorRegistry | None = None, *, interval_s: float = 1.0,
-                 health_intervals: float = 10.0, max_jobs: int = 64, max_ranks: int = 64,
-                 process_metrics: bool | None = None, version: str = __version__,
-                 clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
-        """``process_metrics``: add prometheus_client's process_* collector (default: only when the registry
-        is our own, since a shared registry may already have one)."""
+                 max_jobs: int = 64, max_ranks: int = 64, process_metrics: bool | None = None,
+                 version: str = __version__, clock: Callable[[], float] = time.time) -> None:
+        """``interval_s``: the loop's tick period, kept for readers (the /healthz threshold lives in
+        LoopHealth). ``process_metrics``: add prometheus_client's process_* collector (default: only when the
+        registry is our own, since a shared registry may already have one)."""
         own = registry is None
         self.registry = registry if registry is not None else CollectorRegistry()
         self.interval_s = interval_s
-        self.health_intervals = health_intervals
         self.max_jobs = max_jobs
         self.max_ranks = max_ranks
         self.version = version
-        self._monotonic = monotonic
         self._started_at = clock()
-        self._started_mono = monotonic()
         self._snapshot: _Snapshot | None = None
         self._up = True
-        self._busy_until: float | None = None  # a bounded recovery holds the loop: healthy meanwhile
         self._lock = threading.Lock()
         self._job_config: dict[str, str] = {}
         r = self.registry
@@ -304,7 +269,7 @@ class AgentMetrics:
     def update(self, sample: NodeSample, jobs: Mapping[str, JobStatus],
                fallback_levels: Mapping[str, int] | None = None) -> None:
         """Store the latest tick for the collector (cheap: no series are built here)."""
-        snap = _Snapshot(sample, dict(jobs), dict(fallback_levels or {}), self._monotonic())
+        snap = _Snapshot(sample, dict(jobs), dict(fallback_levels or {}))
         for job_id in jobs:  # restarts{job_id} reads 0 from the job's first scrape on
             label = self._job_cap(job_id)
             if label != OVERFLOW:
@@ -364,117 +329,7 @@ class AgentMetrics:
         with self._lock:
             return dict(self._job_config)
 
-    # -- health and serving -----------------------------------------------------------------------------
-    def recovering(self, max_s: float | None) -> None:
-        """The loop is busy recovering a job for at most ``max_s`` (None: done). Samples pause meanwhile, but
-        the agent is alive: /healthz stays 200 until that bound, so a liveness probe won't kill it mid-recovery."""
-        self._busy_until = None if max_s is None else self._monotonic() + max_s
-
-    def health(self) -> tuple[bool, str]:
-        """(healthy, reason): the last sample (or, before the first, the start) is recent enough."""
-        limit = self.health_intervals * self.interval_s
-        if self._busy_until is not None and self._monotonic() < self._busy_until:
-            return True, "recovering a job (sampling paused)"
-        snap = self._snapshot
-        if snap is None:
-            age = self._monotonic() - self._started_mono
-            return (age < limit, "starting: no sample yet" if age < limit
-                    else f"no sample in the {age:.0f} s since start (limit {limit:g} s)")
-        age = self._monotonic() - snap.at_mono
-        if age >= limit:
-            return False, f"last sample {age:.1f} s ago (limit {limit:g} s)"
-        if not self._up:
-            return False, "the sampling backend failed"
-        return True, "ok"
-
+    # -- exposition -----------------------------------------------------------------------------------
     def render(self) -> bytes:
         """The Prometheus text exposition of the registry (what /metrics serves to a plain client)."""
         return generate_latest(self.registry)
-
-    def serve(self, addr: str) -> MetricsServer:
-        """Serve /metrics and /healthz on ``HOST:PORT`` (port 0: any free port) from a daemon thread."""
-        host, port = parse_addr(addr)
-        return MetricsServer(self, host, port)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # headers and body go out as separate writes: no 40 ms delayed-ACK stall
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        m = self.server.metrics
-        path = urlsplit(self.path).path
-        status = 200
-        if path == "/metrics":
-            encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
-            try:
-                body = encoder(m.registry)
-            except Exception as e:  # a broken collector must not kill the server thread
-                log.exception("metrics: collect failed")
-                status, ctype, body = 500, "text/plain; charset=utf-8", f"collect failed: {e}\n".encode()
-        elif path == "/healthz":
-            ok, reason = m.health()
-            status, ctype, body = (200 if ok else 503), "text/plain; charset=utf-8", (reason + "\n").encode()
-        elif path == "/":
-            ctype, body = "text/html; charset=utf-8", (
-                b'<html><body><h1>gpu-watchdog</h1><a href="/metrics">/metrics</a> '
-                b'<a href="/healthz">/healthz</a></body></html>\n')
-        else:
-            status, ctype, body = 404, "text/plain; charset=utf-8", b"not found\n"
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (signature of the base class)
-        log.debug("metrics http: " + format, *args)
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    metrics: AgentMetrics
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-
-class MetricsServer:
-    """A running /metrics endpoint. ``stop()`` (or leaving the ``with`` block) closes it."""
-
-    def __init__(self, metrics: AgentMetrics, host: str, port: int) -> None:
-        cls = _Server6 if ":" in host else _Server
-        try:
-            self._httpd = cls((host, port), _Handler)
-        except OSError as e:
-            why = e.strerror or str(e)
-            raise MetricsServeError(f"--metrics-addr {_fmt(host, port)}: cannot listen: {why}") from None
-        self._httpd.metrics = metrics
-        self.host = host
-        self.port = int(self._httpd.server_address[1])
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.5},
-                                        name="gpu-watchdog-metrics", daemon=True)
-        self._thread.start()
-        log.info("metrics: serving /metrics and /healthz on %s", self.url)
-
-    @property
-    def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else ("::1" if self.host == "::" else self.host)
-        return f"http://{_fmt(host, self.port)}"
-
-    def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> MetricsServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def _fmt(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

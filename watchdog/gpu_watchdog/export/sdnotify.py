@@ -1,23 +1,23 @@
-"""A dependency-free sd_notify(3) client, plus the loop-health gate behind the systemd watchdog pings.
+"""A dependency-free sd_notify(3) client.
 
 ``Notifier.from_env()`` reads ``NOTIFY_SOCKET`` (an absolute path, or ``@name`` for the abstract
 namespace); without it every call is a no-op, so the daemon code never checks whether it runs under
 systemd. Send errors are never raised: the first failure of an outage is logged at warning, the
 rest at debug, and the methods return ``False``.
 
-The systemd watchdog must prove that the *sampling loop* is alive, not merely that some thread
-of the process still runs. So the sampling loop calls ``LoopHealth.tick_ok(now)`` after every good
-tick, and a separate pinger (``Pinger`` thread, or any scheduler job) calls
-``LoopHealth.maybe_ping(now)``, which sends ``WATCHDOG=1`` only while the last good tick is younger
-than ``max_age_s``. A wedged loop (NVML call hung, deadlock) stops the pings and systemd restarts the
-daemon ``WatchdogSec`` later.
+The systemd watchdog must prove that the *sampling loop* is alive, not merely that some thread of the
+process still runs, so ``WATCHDOG=1`` is sent by export/health.py's ``Pinger``, gated on
+``LoopHealth.loop_alive()``; a wedged loop stops the pings and systemd restarts the daemon ``WatchdogSec``
+later.
 
 Typical wiring in ``gpu-watchdog run``::
 
     notifier = Notifier.from_env(unset_environment=True)   # children (hooks, py-spy) don't inherit it
-    health = LoopHealth(notifier.watchdog, max_age_s=max(10.0, 5 * cfg.agent.interval_s))
-    pinger = Pinger(health, notifier.watchdog_interval_s) if notifier.watchdog_interval_s else None
-    ... first good tick: health.tick_ok(time.monotonic()); notifier.ready("watching 8 GPUs")
+    health = LoopHealth.for_interval(cfg.agent.interval_s)
+    if notifier.watchdog_interval_s:
+        pinger = Pinger(health, notifier.watchdog, notifier.watchdog_interval_s)
+    ... each tick: health.tick_ok() or health.tick_failed(why)
+    ... first good tick: notifier.ready("watching 8 GPUs")
     ... pinger.start() ... on SIGHUP: notifier.reloading(); reload; notifier.ready()
     ... shutdown: notifier.stopping(); pinger.stop()
 """
@@ -30,11 +30,11 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LoopHealth", "Notifier", "Pinger", "watchdog_interval_s"]
+__all__ = ["Notifier", "watchdog_interval_s"]
 
 _KEY_RE = re.compile(r"[A-Z][A-Z0-9_]*\Z")
 _ENV_KEYS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
@@ -160,7 +160,7 @@ class Notifier:
         return self.send(RELOADING=1, MONOTONIC_USEC=time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000)
 
     def watchdog(self) -> bool:
-        """Keep-alive ping: ``WATCHDOG=1``. Call it through LoopHealth.maybe_ping, not directly."""
+        """Keep-alive ping: ``WATCHDOG=1``. Send it from export.health.Pinger, which checks the loop first."""
         return self.send(WATCHDOG=1)
 
     def status(self, line: str) -> bool:
@@ -185,83 +185,3 @@ class Notifier:
 
     def __repr__(self) -> str:
         return f"Notifier({self.address!r}, watchdog_interval_s={self.watchdog_interval_s!r})"
-
-
-class LoopHealth:
-    """Gates the watchdog pings on the sampling loop's progress. Pure: the clock is passed in.
-
-    ``tick_ok(now)`` after each good tick; ``maybe_ping(now)`` from the pinger calls ``ping()``
-    only while ``now - last good tick <= max_age_s``. Before the first good tick nothing is sent
-    (systemd arms the watchdog only after READY=1).
-    """
-
-    def __init__(self, ping: Callable[[], object], max_age_s: float) -> None:
-        if not max_age_s > 0:
-            raise ValueError(f"max_age_s must be > 0, got {max_age_s!r}")
-        self._ping = ping
-        self.max_age_s = float(max_age_s)
-        self._last_ok: float | None = None
-        self._lock = threading.Lock()
-        self.pings_sent = 0
-        self.pings_withheld = 0
-
-    def tick_ok(self, now: float) -> None:
-        with self._lock:
-            if self._last_ok is None or now > self._last_ok:
-                self._last_ok = now
-
-    def age_s(self, now: float) -> float | None:
-        """Seconds since the last good tick, or None before the first one."""
-        with self._lock:
-            last = self._last_ok
-        return None if last is None else max(0.0, now - last)
-
-    def healthy(self, now: float) -> bool:
-        age = self.age_s(now)
-        return age is not None and age <= self.max_age_s
-
-    def maybe_ping(self, now: float) -> bool:
-        """Ping if the loop is healthy; returns whether a ping was sent."""
-        if not self.healthy(now):
-            with self._lock:
-                self.pings_withheld += 1
-            return False
-        self._ping()
-        with self._lock:
-            self.pings_sent += 1
-        return True
-
-
-class Pinger:
-    """A daemon thread calling ``health.maybe_ping(clock())`` every ``interval_s`` seconds.
-
-    It has no work of its own, so it keeps running when the sampling loop is stuck; LoopHealth
-    decides whether that still earns a ping.
-    """
-
-    def __init__(self, health: LoopHealth, interval_s: float, *,
-                 clock: Callable[[], float] = time.monotonic, name: str = "sd-watchdog") -> None:
-        if not interval_s > 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
-        self.health = health
-        self.interval_s = float(interval_s)
-        self._clock = clock
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def start(self) -> Pinger:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float | None = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.health.maybe_ping(self._clock())
-            except Exception:  # a bug in ping() must not kill the thread silently
-                log.exception("watchdog ping failed")
-            self._stop.wait(self.interval_s)
