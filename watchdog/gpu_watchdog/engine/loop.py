@@ -88,7 +88,7 @@ class Engine:
         try:
             sample = self._attribute(self.backend.sample())
         except Exception as e:  # NVML wedged or faulted, a psutil hiccup: a bad tick, never a dead agent
-            return self._failed(f"sampling failed: {e}")
+            return self._failed(str(e) or type(e).__name__)
         sample = with_heartbeats(sample, self._heartbeats())
         state, findings = step(self.state, sample, self.cfg.detect, self._finished_dumps())
         self.state, self.last_sample = state, sample
@@ -104,12 +104,13 @@ class Engine:
         self.health.tick_ok()
         return Tick(True, sample, state.jobs, tuple(findings))
 
-    def _failed(self, error: str) -> Tick:
+    def _failed(self, cause: str) -> Tick:
+        error = f"sampling failed: {cause}"
         if not self.ticks_failed or error != self.last_error:  # once per streak of the same failure
             log.warning("%s", error)
         self.ticks_failed += 1
         self.last_error = error
-        self.health.tick_failed(error)
+        self.health.tick_failed(cause)
         if self.metrics is not None:
             self.metrics.set_up(False)
         return Tick(False, error=error)
