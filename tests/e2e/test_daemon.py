@@ -162,8 +162,7 @@ class _FlakyBackend:
 
 
 def test_tick_survives_backend_fault_vanished_pid_and_gates_watchdog(tmp_path: Path) -> None:
-    from gpu_watchdog.config.daemon import DaemonSettings
-    from gpu_watchdog.config.schema import Config
+    from gpu_watchdog.config.schema import Config, DaemonSettings
     from gpu_watchdog.daemon.service import Daemon, validate_pids_live
 
     sent: list[str] = []
@@ -225,8 +224,7 @@ def test_gpu_fault_drains_the_node_once_and_never_for_an_application_xid(tmp_pat
                                                                           drains: bool) -> None:
     import sys
 
-    from gpu_watchdog.config.daemon import DaemonSettings
-    from gpu_watchdog.config.schema import Config, FaultsConfig
+    from gpu_watchdog.config.schema import Config, DaemonSettings, FaultsConfig
     from gpu_watchdog.daemon.service import Daemon
     from gpu_watchdog.model import GpuFault
 

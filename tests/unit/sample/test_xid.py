@@ -29,8 +29,8 @@ import pytest
 from fake_nvml import FakeNvml, started
 from gpu_watchdog.act.faults import drain_reason
 from gpu_watchdog.act.recovery import EXIT_GPU_FAULT
-from gpu_watchdog.config.daemon import HookSpec
-from gpu_watchdog.config.schema import AgentConfig, Config, FaultsConfig, RecoveryConfig, load_config
+from gpu_watchdog.config.load import load_config
+from gpu_watchdog.config.schema import AgentConfig, Config, FaultsConfig, HookSpec, RecoveryConfig
 from gpu_watchdog.detect.detector import DetectorState, step
 from gpu_watchdog.errors import ConfigError
 from gpu_watchdog.launch.launcher import Launcher

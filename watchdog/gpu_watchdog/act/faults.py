@@ -23,16 +23,15 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpu_watchdog.config.schema import FaultsConfig
-from gpu_watchdog.config.daemon import HookSpec
+from gpu_watchdog.act.hooks import HookResult, placeholder_values, run_hook
+from gpu_watchdog.act.recovery import EXIT_GPU_FAULT, job_processes
+from gpu_watchdog.act.stopper import stop_processes
+from gpu_watchdog.config.schema import FaultsConfig, HookSpec
 from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.errors import WatchdogError
-from gpu_watchdog.policy.fallback import decide
-from gpu_watchdog.act.hooks import HookResult, placeholder_values, run_hook
-from gpu_watchdog.model import NodeSample
-from gpu_watchdog.act.recovery import EXIT_GPU_FAULT, job_processes
 from gpu_watchdog.evidence.report import render_report
-from gpu_watchdog.act.stopper import stop_processes
+from gpu_watchdog.model import NodeSample
+from gpu_watchdog.policy.fallback import decide
 from gpu_watchdog.sample.xid import is_draining
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpu_watchdog.config.daemon import HookSpec
+from gpu_watchdog.config.schema import HookSpec
 from gpu_watchdog.errors import UsageError
 from gpu_watchdog.policy.fallback import validate_job_id
 

@@ -18,6 +18,7 @@ A non-root peer may only end, preempt or restart jobs it registered.
 
 from __future__ import annotations
 
+import grp
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpu_watchdog.config.daemon import DaemonSettings, socket_gid
+from gpu_watchdog.config.schema import DaemonSettings
 from gpu_watchdog.errors import UsageError, WatchdogError
 from gpu_watchdog.policy.fallback import validate_job_id
 
@@ -84,6 +85,17 @@ def check_peer(cred: PeerCred, settings: DaemonSettings, supplementary: set[int]
     if groups & set(settings.allowed_gids):
         return None
     return f"uid {cred.uid} gid {cred.gid} is not allowed (daemon.allowed_uids / daemon.allowed_gids)"
+
+
+def socket_gid(settings: DaemonSettings) -> int | None:
+    """The gid of ``daemon.socket_group``; None when it is empty or no such group exists (the socket keeps the
+    daemon's group)."""
+    if not settings.socket_group:
+        return None
+    try:
+        return grp.getgrnam(settings.socket_group).gr_gid
+    except KeyError:
+        return None
 
 
 def validate_cgroup(path: str) -> Path:
@@ -242,7 +254,7 @@ def handle_request(daemon: Daemon, req: dict[str, Any], cred: PeerCred) -> dict[
         return {"ok": True, "status": daemon.status_line(), "store_problem": daemon.store.problem,
                 "jobs": {j: {"state": s.state, "ranks": list(s.ranks), "signature": s.signature}
                          for j, s in daemon.state.jobs.items()},
-                "registered": sorted(daemon.registrations()), "hooks": sorted(daemon.settings.hooks)}
+                "registered": sorted(daemon.registrations()), "hooks": sorted(daemon.cfg.hooks)}
     if op == "incidents":
         limit = req.get("limit", 20)
         if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= 1000:
@@ -254,9 +266,9 @@ def handle_request(daemon: Daemon, req: dict[str, Any], cred: PeerCred) -> dict[
         if unknown:
             raise UsageError(f"unknown field {sorted(unknown)[0]!r}")
         hook = req.get("restart_hook")
-        if hook is not None and (not isinstance(hook, str) or hook not in daemon.settings.hooks):
+        if hook is not None and (not isinstance(hook, str) or hook not in daemon.cfg.hooks):
             raise UsageError(f"unknown restart_hook {hook!r}: hooks are defined in the daemon's config only "
-                             f"(known: {', '.join(sorted(daemon.settings.hooks)) or 'none'})")
+                             f"(known: {', '.join(sorted(daemon.cfg.hooks)) or 'none'})")
         opt_in = req.get("checkpoint_opt_in", False)
         if not isinstance(opt_in, bool):
             raise UsageError("checkpoint_opt_in must be true or false")
@@ -302,8 +314,8 @@ def handle_request(daemon: Daemon, req: dict[str, Any], cred: PeerCred) -> dict[
 def preempt(daemon: Daemon, job_id: str, timeout_s: float) -> dict[str, Any]:
     """Ask a job to checkpoint now: through its in-job client when it has one, else with
     ``recovery.checkpoint_signal`` when it opted in; wait at most ``timeout_s`` for the acknowledgement."""
-    from gpu_watchdog.job.protocol import ControlDir
     from gpu_watchdog.act.stopper import send_signal
+    from gpu_watchdog.job.protocol import ControlDir
 
     reg = daemon.registrations()[job_id]
     control = ControlDir(daemon.state_dir / "run" / job_id)

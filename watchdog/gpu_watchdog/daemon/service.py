@@ -33,26 +33,26 @@ from typing import Any
 
 import psutil
 
-from gpu_watchdog.evidence.analyze import write_rank_stacks
-from gpu_watchdog.sample.backends import Backend, choose_backend
-from gpu_watchdog.config.schema import Config
-from gpu_watchdog.detect.consistency import CONSISTENCY_ENV, ConfigWatch
-from gpu_watchdog.config.daemon import DaemonSettings, load_daemon_config
-from gpu_watchdog.detect.detector import STALLED, DetectorState, Finding, JobStatus, step
-from gpu_watchdog.evidence.diagnosis import diagnose
-from gpu_watchdog.errors import ConfigError, UsageError, WatchdogError
-from gpu_watchdog.evidence.collect import classify_results, collect_stack_evidence, dump_job
-from gpu_watchdog.policy.fallback import FallbackDecision, FallbackStore, validate_job_id
 from gpu_watchdog.act.faults import drain_reason, drain_spec, drain_values, run_drain
 from gpu_watchdog.act.hooks import placeholder_values, render_argv, run_hook
-from gpu_watchdog.store.incidents import Incident, IncidentStore
+from gpu_watchdog.act.recovery import Recovery, RestartBudget
+from gpu_watchdog.act.stopper import JobProcess, stop_processes
+from gpu_watchdog.config.load import load_config
+from gpu_watchdog.config.schema import Config, DaemonSettings
+from gpu_watchdog.detect.consistency import CONSISTENCY_ENV, ConfigWatch
+from gpu_watchdog.detect.detector import STALLED, DetectorState, Finding, JobStatus, step
+from gpu_watchdog.errors import ConfigError, UsageError, WatchdogError
+from gpu_watchdog.evidence.analyze import write_rank_stacks
+from gpu_watchdog.evidence.collect import classify_results, collect_stack_evidence, dump_job
+from gpu_watchdog.evidence.diagnosis import diagnose
+from gpu_watchdog.export.sdnotify import LoopHealth, Notifier, Pinger
 from gpu_watchdog.job.protocol import ControlDir
 from gpu_watchdog.model import NodeSample, StackEvidence
-from gpu_watchdog.act.recovery import Recovery, RestartBudget
-from gpu_watchdog.export.sdnotify import LoopHealth, Notifier, Pinger
-from gpu_watchdog.act.stopper import JobProcess, stop_processes
-from gpu_watchdog.store.db import Store
+from gpu_watchdog.policy.fallback import FallbackDecision, FallbackStore, validate_job_id
+from gpu_watchdog.sample.backends import Backend, choose_backend
 from gpu_watchdog.sample.xid import is_draining
+from gpu_watchdog.store.db import Store
+from gpu_watchdog.store.incidents import Incident, IncidentStore
 
 log = logging.getLogger("gpu_watchdog.daemon.service")
 
@@ -457,7 +457,7 @@ class Daemon:
         self._finish(inc, "restart hook ran" if ok else "restart hook failed or missing")
 
     def _run_restart_hook(self, inc: Incident, job_id: str, hook_name: str | None, level: int) -> bool:
-        spec = self.settings.hooks.get(hook_name or "")
+        spec = self.cfg.hooks.get(hook_name or "")
         if spec is None:
             why = (f"restart hook {hook_name!r} is no longer in the config" if hook_name
                    else "the job registered no restart hook")
@@ -492,7 +492,7 @@ class Daemon:
             if key in self._drained:
                 return
             self._drained.add(key)
-        spec = drain_spec(self.cfg.faults, self.settings.hooks)
+        spec = drain_spec(self.cfg.faults, self.cfg.hooks)
         inc = self.incidents.create(replace(finding, kind="gpu_fault"), self.host)
         gpu = finding.devices[0] if finding.devices else ""
         dev = next((d for d in sample.devices if d.uuid == gpu), None)
@@ -661,14 +661,14 @@ class Daemon:
     def reload(self) -> bool:
         self.notifier.reloading()
         try:
-            cfg, settings = load_daemon_config(self.config_path, self.overrides)
+            cfg = load_config(self.config_path, self.overrides)
         except ConfigError as e:
             log.error("reload: keeping the old config: %s", e)
             self.notifier.ready(self.status_line())
             return False
-        if settings.control_socket != self.settings.control_socket:
+        if cfg.daemon.control_socket != self.settings.control_socket:
             log.warning("reload: daemon.control_socket changes only on a restart")
-        self.cfg, self.settings = cfg, dataclasses.replace(settings, control_socket=self.settings.control_socket)
+        self.cfg, self.settings = cfg, dataclasses.replace(cfg.daemon, control_socket=self.settings.control_socket)
         if self._control is not None:
             self._control.settings = self.settings
         if self._scheduler is not None:
@@ -779,13 +779,13 @@ def validate_pids_live(pids: list[int]) -> list[dict[str, Any]]:
 
 
 def main_run(config_path: str | None, overrides: dict[str, Any]) -> int:
-    cfg, settings = load_daemon_config(config_path, overrides)  # ConfigError → exit 78 naming the key
+    cfg = load_config(config_path, overrides)  # ConfigError → exit 78 naming the key
     from gpu_watchdog.cli.main import _start_metrics
     from gpu_watchdog.config.schema import resolve_state_dir
 
     metrics, server = _start_metrics(cfg)
     try:
-        return Daemon(cfg, settings, resolve_state_dir(cfg), config_path=config_path, overrides=overrides,
+        return Daemon(cfg, cfg.daemon, resolve_state_dir(cfg), config_path=config_path, overrides=overrides,
                       metrics=metrics).run()
     finally:
         if server is not None:
