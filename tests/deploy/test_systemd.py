@@ -233,7 +233,7 @@ def test_missing_tool_skips_locally_but_fails_in_ci(monkeypatch: pytest.MonkeyPa
 
 
 def test_example_config_is_valid() -> None:
-    from gpu_watchdog.config.schema import load_config
+    from gpu_watchdog.config.load import load_config
 
     tomllib.loads(EXAMPLE_CONFIG.read_text())
     load_config(EXAMPLE_CONFIG)  # raises ConfigError naming the key if a key is wrong

@@ -162,8 +162,7 @@ class _FlakyBackend:
 
 
 def test_tick_survives_backend_fault_vanished_pid_and_keeps_the_loop_alive(tmp_path: Path) -> None:
-    from gpu_watchdog.config.daemon import DaemonSettings
-    from gpu_watchdog.config.schema import Config
+    from gpu_watchdog.config.schema import Config, DaemonSettings
     from gpu_watchdog.daemon.registry import validate_pids_live
     from gpu_watchdog.daemon.service import Daemon
 
@@ -226,8 +225,7 @@ def test_gpu_fault_drains_the_node_once_and_never_for_an_application_xid(tmp_pat
                                                                           drains: bool) -> None:
     import sys
 
-    from gpu_watchdog.config.daemon import DaemonSettings
-    from gpu_watchdog.config.schema import Config, FaultsConfig
+    from gpu_watchdog.config.schema import Config, DaemonSettings, FaultsConfig
     from gpu_watchdog.daemon.service import Daemon
     from gpu_watchdog.model import GpuFault
 
@@ -283,8 +281,7 @@ class _XidOnJobGpu:
 def test_an_application_xid_never_stops_a_job(tmp_path: Path, registered: bool) -> None:
     """Even with daemon.stop_unregistered = true (which stops stalled unregistered jobs), an application Xid is
     an incident only: the job's own error, the GPU serves on."""
-    from gpu_watchdog.config.daemon import DaemonSettings
-    from gpu_watchdog.config.schema import Config
+    from gpu_watchdog.config.schema import Config, DaemonSettings
     from gpu_watchdog.daemon.registry import validate_pids_live
     from gpu_watchdog.daemon.service import Daemon
     from gpu_watchdog.export.sdnotify import Notifier
@@ -312,8 +309,7 @@ def test_an_application_xid_never_stops_a_job(tmp_path: Path, registered: bool) 
 def test_a_broken_metrics_collector_stops_no_recovery_and_touches_no_other_incident(tmp_path: Path) -> None:
     """Two manual restarts of a registered job, the second with a metrics collector that raises on every call:
     both recoveries run to their end, each closes its own incident (no thread-local 'last incident')."""
-    from gpu_watchdog.config.daemon import DaemonSettings
-    from gpu_watchdog.config.schema import Config
+    from gpu_watchdog.config.schema import Config, DaemonSettings
     from gpu_watchdog.daemon.registry import validate_pids_live
     from gpu_watchdog.daemon.service import Daemon
     from gpu_watchdog.export.sdnotify import Notifier

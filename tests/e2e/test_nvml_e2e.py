@@ -422,7 +422,7 @@ def test_record_nvml_trace_replays_to_the_live_finding(nvml_standin, tmp_path):
     again = subprocess.run([CLI, "replay", "--config", str(cfg), "--json", str(trace)], capture_output=True,
                            text=True, check=True)
     assert again.stdout == replay.stdout
-    from gpu_watchdog.config.schema import load_config
+    from gpu_watchdog.config.load import load_config
     from gpu_watchdog.detect.replay import replay_trace
 
     assert [x.to_json() for x in replay_trace(trace, load_config(cfg).detect)] == json.loads(replay.stdout)

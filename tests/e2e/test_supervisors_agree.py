@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpu_watchdog.config.daemon import DaemonSettings
-from gpu_watchdog.config.schema import AgentConfig, Config, FallbackConfig
+from gpu_watchdog.config.schema import AgentConfig, Config, DaemonSettings, FallbackConfig
 from gpu_watchdog.daemon.registry import validate_pids_live
 from gpu_watchdog.daemon.service import Daemon
 from gpu_watchdog.export.metrics import AgentMetrics

@@ -9,18 +9,20 @@ import sys
 from pathlib import Path
 
 import pytest
+from gpu_watchdog.config.load import config_from_dict, load_config
+from gpu_watchdog.config.render import render_toml
 from gpu_watchdog.config.schema import (
     SECTIONS,
     AgentConfig,
     Config,
+    DaemonSettings,
     DetectConfig,
     FallbackConfig,
     FallbackLevel,
+    FaultsConfig,
+    HookSpec,
     RecoveryConfig,
     StacksConfig,
-    config_from_dict,
-    load_config,
-    render_toml,
 )
 from gpu_watchdog.errors import EXIT_CONFIG, EXIT_USAGE, ConfigError
 
@@ -84,7 +86,9 @@ def _scalar_keys() -> list[tuple[str, str, object]]:
     out = []
     for name, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
-            out.append((name, f.name, getattr(cls(), f.name)))
+            default = getattr(cls(), f.name)
+            if isinstance(default, (bool, int, float, str)):
+                out.append((name, f.name, default))
     return out
 
 
@@ -143,6 +147,26 @@ def test_booleans_are_not_numbers_and_floats_are_not_integers(tmp_path: Path) ->
      "fallback.levels[1]"),
     ("[[fallback.levels]]\nname = 'a'\nadvice = 3\n", "fallback.levels[0].advice"),
     ("[[fallback.levels]]\nname = 'a'\nenv = { 'A-B' = '1' }\n", "fallback.levels[0].env.A-B"),
+    ("[faults]\napplication_xids = [0]\n", "faults.application_xids"),
+    ("daemon = 5\n", "[daemon]"),
+    ("[daemon]\ncontrol_socket = 'run/c.sock'\n", "daemon.control_socket"),
+    ("[daemon]\ncontrol_socket = '/" + "x" * 120 + "'\n", "daemon.control_socket"),
+    ("[daemon]\nallowed_uids = ['root']\n", "daemon.allowed_uids"),
+    ("[daemon]\nallowed_uids = 1000\n", "daemon.allowed_uids"),
+    ("[daemon]\nallowed_gids = [-1]\n", "daemon.allowed_gids"),
+    ("[daemon]\nallowed_gids = [true]\n", "daemon.allowed_gids"),
+    ("[daemon]\nmax_request_bytes = 2.5\n", "daemon.max_request_bytes"),
+    ("[daemon]\npreempt_timeout_s = nan\n", "daemon.preempt_timeout_s"),
+    ("hooks = 5\n", "[hooks]"),
+    ("[hooks]\nh = 5\n", "[hooks.h]"),
+    ("[hooks.'a b']\nargv = ['x']\n", "hooks.a b"),
+    ("[hooks.h]\ntype = ['command']\n", "hooks.h.type"),
+    ("[hooks.h]\nargv = 'rm -rf'\n", "hooks.h.argv"),
+    ("[hooks.h]\nargv = ['x', \"a\\u0000b\"]\n", "hooks.h.argv[1]"),
+    ("[hooks.h]\nargv = ['x']\ntimeout_s = 0\n", "hooks.h.timeout_s"),
+    ("[hooks.h]\nargv = ['x']\ntimeout_s = 86401\n", "hooks.h.timeout_s"),
+    ("[hooks.h]\nargv = ['x']\ntimeout_s = true\n", "hooks.h.timeout_s"),
+    ("[faults]\ndrain_hook = 'drain'\n[hooks.requeue]\ntype = 'slurm-requeue'\n", "faults.drain_hook"),
 ])
 def test_range_and_shape_errors_name_the_key(tmp_path: Path, text: str, key: str) -> None:
     with pytest.raises(ConfigError) as ei:
@@ -165,6 +189,8 @@ def test_good_checkpoint_signals(sig: str) -> None:
     ("[agent]\nintervall_s = 1\n", "agent.intervall_s"),
     ("[detect]\nconfirm_after = 8\n", "detect.confirm_after"),
     ("[fallback]\nlevel = []\n", "fallback.level"),
+    ("[daemon]\nsocket = '/x'\n", "daemon.socket"),
+    ("[hooks.h]\nargv = ['x']\nshell = true\n", "hooks.h.shell"),
 ])
 def test_unknown_keys(tmp_path: Path, text: str, key: str) -> None:
     with pytest.raises(ConfigError, match="unknown key " + re.escape(key)):
@@ -195,23 +221,129 @@ def test_file_problems(tmp_path: Path) -> None:
         load_config(write(tmp_path, "[agent\n"))
 
 
+# -- [daemon] and [hooks.NAME] ------------------------------------------------------------------------
+def test_daemon_and_hooks_are_part_of_the_config(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, """
+[daemon]
+control_socket = ""
+allowed_uids = [1000, 1001]
+max_request_bytes = 4096
+preempt_timeout_s = 5
+[hooks.sr]
+type = "slurm-requeue"
+[hooks.k]
+type = "k8s-delete-pod"
+[hooks.c]
+argv = ["/bin/true", "{job_id}"]
+timeout_s = 5
+"""), {"daemon.socket_group": ""})
+    assert cfg.daemon == DaemonSettings(control_socket="", socket_group="", allowed_uids=(1000, 1001),
+                                        max_request_bytes=4096, preempt_timeout_s=5.0)
+    assert isinstance(cfg.daemon.preempt_timeout_s, float)
+    assert cfg.hooks["sr"] == HookSpec("sr", "slurm-requeue", ("scontrol", "requeue", "{job_id}"), 60.0)
+    assert cfg.hooks["k"].argv[:3] == ("kubectl", "delete", "pod")
+    assert cfg.hooks["c"] == HookSpec("c", "command", ("/bin/true", "{job_id}"), 5.0)
+    assert Config().daemon == DaemonSettings() and Config().hooks == {}
+
+
+@pytest.mark.parametrize(("argv", "key"), [
+    (["rm", "{cmd}"], "hooks.h.argv[1]"),
+    (["rm", "{job_id!r}"], "hooks.h.argv[1]"),
+    (["rm", "{job_id:>99}"], "hooks.h.argv[1]"),
+    (["rm", "{job_id.__class__}"], "hooks.h.argv[1]"),
+    (["rm", "{0}"], "hooks.h.argv[1]"),
+    (["{job_id}"], "hooks.h.argv[0]"),
+    ([""], "hooks.h.argv[0]"),
+    ([], "hooks.h.argv"),
+    (["rm", "{"], "hooks.h.argv[1]"),
+])
+def test_bad_hook_templates_name_the_element(argv: list[str], key: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        config_from_dict({"hooks": {"h": {"argv": argv}}})
+
+
+def test_unknown_hook_type_and_command_without_argv() -> None:
+    with pytest.raises(ConfigError, match=r"hooks\.h\.type must be one of command, slurm-requeue"):
+        config_from_dict({"hooks": {"h": {"type": "sh"}}})
+    with pytest.raises(ConfigError, match=r"hooks\.h\.argv must be a non-empty array"):
+        config_from_dict({"hooks": {"h": {}}})
+
+
+def test_hooks_and_drain_command_have_their_own_placeholders() -> None:
+    """One template validator, two placeholder sets: a drain knows the fault, a restart hook the level."""
+    drain = config_from_dict({"faults": {"drain_command": ["/bin/d", "{reason}", "{gpu}", "{xid}", "{node}"]}})
+    assert drain.faults.drain_command[1:] == ("{reason}", "{gpu}", "{xid}", "{node}")
+    hook = config_from_dict({"hooks": {"h": {"argv": ["/bin/h", "{level}", "{job_id}", "{node}", "{incident}"]}}})
+    assert hook.hooks["h"].argv[1] == "{level}"
+    with pytest.raises(ConfigError, match=r"faults\.drain_command\[1\]: unknown placeholder \{level\}"):
+        config_from_dict({"faults": {"drain_command": ["/bin/d", "{level}"]}})
+    with pytest.raises(ConfigError, match=r"hooks\.h\.argv\[1\]: unknown placeholder \{reason\}"):
+        config_from_dict({"hooks": {"h": {"argv": ["/bin/h", "{reason}"]}}})
+
+
+def test_drain_hook_is_checked_against_the_hooks(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, '[faults]\ndrain_hook = "d"\n[hooks.d]\nargv = ["/bin/d", "{node}"]\n'))
+    assert cfg.faults.drain_hook == "d" and cfg.hooks["d"].argv == ("/bin/d", "{node}")
+    with pytest.raises(ConfigError, match=r"faults\.drain_hook names no \[hooks\.d\]"):
+        load_config(write(tmp_path, '[faults]\ndrain_hook = "d"\n'))
+
+
 # -- `config show` round trip --------------------------------------------------------------------------
-def test_render_round_trips_the_defaults() -> None:
-    assert config_from_dict(_toml(render_toml(Config()))) == Config()
+WEIRD = 'we"ird\\ \'q\' \u00e9\U0001f600\x7f\t\n\x01'  # quotes, backslash, unicode, DEL, control characters
+
+# Every key of every section set to a value other than its default (test_every_key_is_set_in_FULL checks).
+FULL = Config(
+    agent=AgentConfig(interval_s=0.25, backend="proc", state_dir="/var/tmp/gw \"state\"", hostname=WEIRD,
+                      metrics_addr="[::1]:9999"),
+    detect=DetectConfig(util_idle_max_percent=0.0, mem_held_min_bytes=0, proc_rss_held_min_bytes=1,
+                        spin_util_min_percent=99.5, spin_power_max_ratio=1.0, spin_power_max_w=61.5,
+                        spin_traffic_max_bytes_per_s=0.0, progress_cpu_min_cores=0.25,
+                        progress_io_min_bytes_per_s=1e-3, progress_wakeups_min_per_s=7.0, progress_min_window_s=0.75,
+                        suspect_after_s=1.5, confirm_after_s=8.0, stack_confirm_gap_s=1e6, waiting_timeout_s=1e20,
+                        clear_after_s=4.0, waiting_stack_interval_s=30.0),
+    stacks=StacksConfig(enabled=False, py_spy="/opt/py spy/py-spy", timeout_s=2.5, concurrency=4, native=True,
+                        nonblocking=False),
+    recovery=RecoveryConfig(enabled=False, checkpoint_signal="SIGUSR2", checkpoint_grace_s=0.0, stop_grace_s=5.0,
+                            memory_release_timeout_s=7.5, max_restarts=0, restart_window_s=60.0,
+                            max_no_progress_restarts=5, client_boundary_s=1.5, restart_on_crash=True),
+    fallback=FallbackConfig(levels=(FallbackLevel("x", {"NCCL_PROTO": "^LL"}, WEIRD), FallbackLevel("y \u00e9", {})),
+                            network_env={"NCCL_SOCKET_IFNAME": "=eth \"0\""}, diagnostics_env={},
+                            healthy_reset_s=5.0),
+    faults=FaultsConfig(xid_events=False, event_wait_ms=100, application_xids=(13, 79),
+                        drain_command=("/usr/bin/drain", "--node={node}", "{reason} \u00e9 \\{{x}}"),
+                        drain_hook="node-drain", drain_timeout_s=9.0),
+    daemon=DaemonSettings(control_socket="/tmp/gw/c.sock", socket_group="", allowed_uids=(1000, 1001),
+                          allowed_gids=(2000,), allow_root=False, max_request_bytes=4096, preempt_timeout_s=5.0,
+                          stop_unregistered=True, incident_max_age_days=1.5, incident_max_total_mb=64.0,
+                          housekeeping_interval_s=30.0),
+    hooks={
+        "node-drain": HookSpec("node-drain", "command", ("/usr/local/bin/drain", "{node}", "'{incident}'"), 15.0),
+        "requeue": HookSpec("requeue", "slurm-requeue", ("scontrol", "requeue", "--lvl={level}", "{job_id}"), 120.0),
+        "k8s_pod": HookSpec("k8s_pod", "k8s-delete-pod", ("kubectl", "delete", "pod", "{job_id}"), 86400.0),
+    },
+)
 
 
-def test_render_round_trips_a_customised_config() -> None:
-    cfg = dataclasses.replace(
-        Config(),
-        agent=dataclasses.replace(AgentConfig(), hostname='we"ird\\host \u00e9\U0001f600\x7f',
-                                  metrics_addr="127.0.0.1:9999"),
-        detect=dataclasses.replace(DetectConfig(), confirm_after_s=8.0, spin_power_max_w=60.0),
-        recovery=dataclasses.replace(RecoveryConfig(), checkpoint_signal="SIGUSR1"),
-        fallback=FallbackConfig(levels=(FallbackLevel("x", {"NCCL_PROTO": "^LL"}, "line one\nline 'two'\t"),),
-                                network_env={"NCCL_SOCKET_IFNAME": "=eth"}, diagnostics_env={},
-                                healthy_reset_s=5.0),
-    )
-    assert config_from_dict(_toml(render_toml(cfg))) == cfg
+def test_every_key_is_set_in_FULL() -> None:
+    """A key added to the schema must be added to FULL too, so the round trip below covers it."""
+    for name, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert getattr(getattr(FULL, name), f.name) != getattr(cls(), f.name), f"{name}.{f.name}"
+    assert {h.type for h in FULL.hooks.values()} == {"command", "slurm-requeue", "k8s-delete-pod"}
+    assert FULL.faults.drain_hook in FULL.hooks
+
+
+@pytest.mark.parametrize("cfg", [
+    Config(),
+    FULL,
+    dataclasses.replace(FULL, fallback=FallbackConfig(levels=())),  # an empty ladder is not the default ladder
+], ids=["defaults", "every-key", "no-levels"])
+def test_render_round_trips_through_load_config(tmp_path: Path, cfg: Config) -> None:
+    text = render_toml(cfg)
+    assert config_from_dict(_toml(text)) == cfg
+    (tmp_path / "shown.toml").write_text(text, encoding="utf-8")
+    assert load_config(tmp_path / "shown.toml") == cfg
+    assert "[daemon]" in text and all(f"[hooks.{name}]" in text for name in cfg.hooks)
 
 
 def _toml(text: str) -> dict:
@@ -222,14 +354,31 @@ def _toml(text: str) -> dict:
     return tomllib.loads(text)
 
 
-def test_config_show_output_round_trips_through_load_config(tmp_path: Path) -> None:
-    src = write(tmp_path, "[detect]\nconfirm_after_s = 8.0\n[fallback]\nnetwork_env = { NCCL_SOCKET_IFNAME = 'ib0' }\n")
-    out = subprocess.run([CLI, "config", "show", "--config", str(src)], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+def _show(config: Path) -> str:
+    r = subprocess.run([CLI, "config", "show", "--config", str(config)], capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr.decode()
+    return r.stdout.decode("utf-8")
+
+
+@pytest.mark.parametrize("source", ["hand-written", "every-key"])
+def test_config_show_output_loads_back_to_the_same_output(tmp_path: Path, source: str) -> None:
+    """`config show` output saved and given back through --config prints the same text (drain_hook set)."""
+    text = ("[detect]\nconfirm_after_s = 8.0\n[fallback]\nnetwork_env = { NCCL_SOCKET_IFNAME = 'ib0' }\n"
+            "[faults]\ndrain_hook = 'node-drain'\n[hooks.node-drain]\nargv = ['/bin/drain', '{node}']\n"
+            "[hooks.requeue]\ntype = 'slurm-requeue'\n[daemon]\nallowed_uids = [1000]\n"
+            if source == "hand-written" else render_toml(FULL))
+    src = tmp_path / "src.toml"
+    src.write_text(text, encoding="utf-8")
+    out = _show(src)
     shown = tmp_path / "shown.toml"
-    shown.write_text(out)
+    shown.write_bytes(out.encode("utf-8"))
+    assert _show(shown) == out
     assert load_config(shown) == load_config(src)
-    assert load_config(shown).detect.confirm_after_s == 8.0
+    if source == "every-key":
+        assert load_config(shown) == FULL
+    else:
+        assert "[daemon]\n" in out and "[hooks.node-drain]\n" in out and "[hooks.requeue]\n" in out
+        assert load_config(shown).hooks["requeue"].argv == ("scontrol", "requeue", "{job_id}")
 
 
 # -- the console script ------------------------------------------------------------------------------

@@ -15,8 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from daemon_helpers import GW, short_dir
-from gpu_watchdog.config.daemon import DaemonSettings, HookSpec
-from gpu_watchdog.config.schema import Config
+from gpu_watchdog.config.schema import Config, DaemonSettings, HookSpec
 from gpu_watchdog.daemon.control import ControlServer, PeerCred, check_peer, handle_request, request
 from gpu_watchdog.daemon.service import Daemon
 from gpu_watchdog.errors import UsageError
@@ -37,9 +36,9 @@ def base():
 
 @pytest.fixture
 def daemon(base: Path) -> Daemon:
-    settings = DaemonSettings(control_socket=str(base / "c.sock"), socket_group="", allowed_uids=(4242,),
-                              hooks={"requeue": HookSpec("requeue", "command", ("/bin/true", "{job_id}"), 5.0)})
-    return Daemon(Config(), settings, base / "state", notifier=Notifier(None))
+    cfg = Config(daemon=DaemonSettings(control_socket=str(base / "c.sock"), socket_group="", allowed_uids=(4242,)),
+                 hooks={"requeue": HookSpec("requeue", "command", ("/bin/true", "{job_id}"), 5.0)})
+    return Daemon(cfg, cfg.daemon, base / "state", notifier=Notifier(None))
 
 
 @pytest.fixture

@@ -207,7 +207,7 @@ def test_a_rank_read_before_its_wrapper_execd_is_not_a_mismatch(tmp_path: Path) 
 
 
 def test_the_daemon_checks_every_jobs_ranks_and_reports_a_mismatch_once(tmp_path: Path) -> None:
-    from gpu_watchdog.config.daemon import DaemonSettings
+    from gpu_watchdog.config.schema import DaemonSettings
     from gpu_watchdog.daemon.service import Daemon
     from gpu_watchdog.export.metrics import AgentMetrics
     from gpu_watchdog.export.sdnotify import Notifier

@@ -27,8 +27,8 @@ import psutil
 import pynvml
 import pytest
 from fake_nvml import FakeNvml, started
-from gpu_watchdog.config.daemon import HookSpec
-from gpu_watchdog.config.schema import AgentConfig, Config, FaultsConfig, RecoveryConfig, load_config
+from gpu_watchdog.config.load import load_config
+from gpu_watchdog.config.schema import AgentConfig, Config, FaultsConfig, HookSpec, RecoveryConfig
 from gpu_watchdog.detect.detector import DetectorState, step
 from gpu_watchdog.errors import EXIT_GPU_FAULT, ConfigError
 from gpu_watchdog.launch.launcher import Launcher

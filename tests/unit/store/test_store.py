@@ -9,16 +9,16 @@ import time
 from pathlib import Path
 
 import pytest
-from gpu_watchdog.config.daemon import DaemonSettings, HookSpec
-from gpu_watchdog.config.schema import Config
+from gpu_watchdog.config.schema import Config, DaemonSettings, HookSpec
 from gpu_watchdog.daemon.service import Daemon
 from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.export.sdnotify import Notifier
 from gpu_watchdog.store.db import Store
 
 
-def _daemon(state: Path, **kw: object) -> Daemon:
-    return Daemon(Config(), DaemonSettings(socket_group="", **kw), state, notifier=Notifier(None))  # type: ignore[arg-type]
+def _daemon(state: Path, hooks: dict[str, HookSpec] | None = None, **kw: object) -> Daemon:
+    cfg = Config(daemon=DaemonSettings(socket_group="", **kw), hooks=hooks or {})  # type: ignore[arg-type]
+    return Daemon(cfg, cfg.daemon, state, notifier=Notifier(None))
 
 
 def _finding(job: str = "j1") -> Finding:

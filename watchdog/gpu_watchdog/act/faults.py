@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from gpu_watchdog.act.hooks import HookResult, run_hook
 from gpu_watchdog.act.recovery import stop_job
 from gpu_watchdog.act.target import ActContext, JobTarget
-from gpu_watchdog.config.daemon import HookSpec
+from gpu_watchdog.config.schema import HookSpec
 from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.errors import WatchdogError
 from gpu_watchdog.evidence.report import render_report

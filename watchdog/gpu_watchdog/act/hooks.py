@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpu_watchdog.config.daemon import HookSpec
+from gpu_watchdog.config.schema import HookSpec
 from gpu_watchdog.policy.templates import render_argv
 
 OUTPUT_TAIL_BYTES = 4096

@@ -8,19 +8,14 @@ import os
 import sys
 from typing import Any
 
+from gpu_watchdog.cli.args import add_common_options, config_overrides, pid_arg, positive_float
 from gpu_watchdog.errors import EXIT_FAILURE, UsageError
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from gpu_watchdog.daemon.service import main_run
 
-    overrides: dict[str, Any] = {}
-    if args.backend:
-        overrides["agent.backend"] = args.backend
-    if args.state_dir:
-        overrides["agent.state_dir"] = args.state_dir
-    if args.metrics_addr is not None:
-        overrides["agent.metrics_addr"] = args.metrics_addr
+    overrides = config_overrides(args)
     if args.socket:
         overrides["daemon.control_socket"] = args.socket
     return main_run(args.config, overrides)
@@ -32,12 +27,12 @@ def _socket_path(args: argparse.Namespace) -> str:
     env = os.environ.get("GPU_WATCHDOG_SOCKET")
     if env:
         return env
-    from gpu_watchdog.config.daemon import load_daemon_config
+    from gpu_watchdog.config.load import load_config
 
-    _cfg, settings = load_daemon_config(args.config)
-    if not settings.control_socket:
+    socket_path = load_config(args.config).daemon.control_socket
+    if not socket_path:
         raise UsageError("daemon.control_socket is empty in the config: the daemon has no control API")
-    return settings.control_socket
+    return socket_path
 
 
 def cmd_hook(args: argparse.Namespace) -> int:
@@ -75,10 +70,8 @@ def cmd_hook(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    from gpu_watchdog.cli.main import _common, _pid, _positive_float
-
     r = sub.add_parser("run", help="the node daemon (systemd service)")
-    _common(r, backend=True, state_dir=True, metrics=True)
+    add_common_options(r, backend=True, state_dir=True, metrics=True)
     r.add_argument("--socket", metavar="PATH", help="control socket (default: daemon.control_socket)")
     r.set_defaults(func=cmd_run)
 
@@ -87,11 +80,11 @@ def register(sub: Any) -> None:
     h.add_argument("--config", metavar="F", help="read daemon.control_socket from this config")
     h.add_argument("--socket", metavar="PATH", help="control socket (default: $GPU_WATCHDOG_SOCKET, then config)")
     h.add_argument("--job-id", metavar="ID")
-    h.add_argument("--pid", type=_pid, action="append", metavar="PID", help="a process of the job (repeatable)")
+    h.add_argument("--pid", type=pid_arg, action="append", metavar="PID", help="a process of the job (repeatable)")
     h.add_argument("--cgroup", metavar="PATH", help="the job's cgroup (relative to /sys/fs/cgroup)")
     h.add_argument("--restart-hook", metavar="NAME", help="a hook name from the daemon's config")
     h.add_argument("--checkpoint", action="store_true", help="the job opts in to checkpoint requests")
-    h.add_argument("--timeout", type=_positive_float, metavar="S", help="preempt: longest wait for the ack")
+    h.add_argument("--timeout", type=positive_float, metavar="S", help="preempt: longest wait for the ack")
     h.add_argument("--limit", type=int, default=20, help="incidents: how many")
     h.add_argument("--json", action="store_true", help="print the daemon's JSON reply")
     h.set_defaults(func=cmd_hook)

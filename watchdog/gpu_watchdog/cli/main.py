@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from gpu_watchdog import __version__
+from gpu_watchdog.cli.args import add_common_options, config_overrides, pid_arg, positive_float
 from gpu_watchdog.errors import EXIT_USAGE, UsageError, WatchdogError
 
 
@@ -23,38 +24,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return v
-
-
-def _pid(text: str) -> int:
-    if not text.isdigit() or int(text) <= 0:
-        raise argparse.ArgumentTypeError(f"not a pid: {text!r}")
-    return int(text)
-
-
 def _load_cfg(args: argparse.Namespace) -> Any:
-    from gpu_watchdog.config.schema import load_config
+    """The one read of the config file for a command: the file plus the command line's overrides."""
+    from gpu_watchdog.config.load import load_config
 
-    overrides = {}
-    if getattr(args, "backend", None):
-        overrides["agent.backend"] = args.backend
-    if getattr(args, "state_dir", None):
-        overrides["agent.state_dir"] = args.state_dir
-    if getattr(args, "metrics_addr", None) is not None:
-        overrides["agent.metrics_addr"] = args.metrics_addr
-    return load_config(args.config, overrides)
+    return load_config(args.config, config_overrides(args))
 
 
 # -- commands ---------------------------------------------------------------------------------------
 def cmd_config_show(args: argparse.Namespace) -> int:
-    from gpu_watchdog.config.schema import render_toml
+    from gpu_watchdog.config.render import render_toml
 
     sys.stdout.write(render_toml(_load_cfg(args)))
     return 0
@@ -119,17 +98,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         cmd = cmd[1:]
     if not cmd:
         raise UsageError("launch needs a command: gpu-watchdog launch [options] -- CMD ARGS...")
-    cfg = _load_cfg(args)
-    hooks = None
-    if cfg.faults.drain_hook:  # the drain hook is a [hooks.NAME] of the same file
-        from gpu_watchdog.config.daemon import load_daemon_config
-
-        hooks = load_daemon_config(args.config)[1].hooks
-    health = LoopHealth.for_interval(cfg.agent.interval_s)
+    cfg = _load_cfg(args)  # read once: faults.drain_hook names one of cfg.hooks (the loader checked that)
+    health = LoopHealth.for_interval(cfg.agent.interval_s)  # one health for /healthz and the loop
     metrics, server = start_metrics(cfg, health)
     try:
         return Launcher(cfg, cmd, state_dir=Path(args.state_dir) if args.state_dir else None, job_id=args.job_id,
-                        metrics=metrics, health=health, hooks=hooks).run()
+                        metrics=metrics, health=health, hooks=cfg.hooks).run()
     finally:
         if server is not None:
             server.stop()
@@ -192,18 +166,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # -- parser -----------------------------------------------------------------------------------------
-def _common(p: argparse.ArgumentParser, backend: bool = False, state_dir: bool = False,
-            metrics: bool = False) -> None:
-    p.add_argument("--config", metavar="F", help="TOML config file (default: built-in defaults)")
-    if state_dir:
-        p.add_argument("--state-dir", metavar="D", help="where incidents and state live")
-    if backend:
-        p.add_argument("--backend", choices=("auto", "nvml", "proc"),
-                       help="auto: NVML when a GPU is present, else proc")
-    if metrics:
-        p.add_argument("--metrics-addr", metavar="HOST:PORT", help="serve /metrics and /healthz here")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gpu-watchdog", description=__doc__.split("\n")[0])
     p.add_argument("--version", action="version", version=f"gpu-watchdog {__version__}")
@@ -215,28 +177,28 @@ def build_parser() -> argparse.ArgumentParser:
     csub = c.add_subparsers(dest="config_command", metavar="show", parser_class=_Parser)
     csub.required = True
     show = csub.add_parser("show", help="print the effective config as TOML")
-    _common(show)
+    add_common_options(show)
     show.set_defaults(func=cmd_config_show)
 
     r = sub.add_parser("record", help="sample the node and write a trace")
-    _common(r, backend=True)
-    r.add_argument("--duration", type=_positive_float, required=True, metavar="S")
+    add_common_options(r, backend=True)
+    r.add_argument("--duration", type=positive_float, required=True, metavar="S")
     r.add_argument("--output", required=True, metavar="F")
-    r.add_argument("--interval", type=_positive_float, metavar="S", help="default: agent.interval_s")
+    r.add_argument("--interval", type=positive_float, metavar="S", help="default: agent.interval_s")
     r.add_argument("--job", metavar="JOB_ID", help="keep only this job's processes and devices (default: all)")
     r.set_defaults(func=cmd_record)
 
     rp = sub.add_parser("replay", help="run the detector over a trace")
-    _common(rp)
+    add_common_options(rp)
     rp.add_argument("trace")
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=cmd_replay)
 
     d = sub.add_parser("dump-stacks", help="dump the Python stacks of processes with py-spy, in parallel")
-    d.add_argument("pids", nargs="+", type=_pid, metavar="PID")
+    d.add_argument("pids", nargs="+", type=pid_arg, metavar="PID")
     d.add_argument("--native", action="store_true", help="include native frames")
     d.add_argument("--json", action="store_true")
-    d.add_argument("--timeout", type=_positive_float, default=5.0, metavar="S", help="per-pid timeout")
+    d.add_argument("--timeout", type=positive_float, default=5.0, metavar="S", help="per-pid timeout")
     d.set_defaults(func=cmd_dump_stacks)
 
     a = sub.add_parser("analyze", help="merge incident directories from several nodes; name the culprit")
@@ -245,31 +207,31 @@ def build_parser() -> argparse.ArgumentParser:
     a.set_defaults(func=cmd_analyze)
 
     la = sub.add_parser("launch", help="run a job under the watchdog; restart it on stalls")
-    _common(la, backend=True, state_dir=True, metrics=True)
+    add_common_options(la, backend=True, state_dir=True, metrics=True)
     la.add_argument("--job-id", help="stable job id (fallback level is kept per job id)")
     la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
     la.set_defaults(func=cmd_launch)
 
     inc = sub.add_parser("incidents", help="list incidents, or show one")
-    _common(inc, state_dir=True)
+    add_common_options(inc, state_dir=True)
     inc.add_argument("action", nargs="?", choices=("list", "show"), default="list")
     inc.add_argument("id", nargs="?")
     inc.add_argument("--json", action="store_true")
     inc.set_defaults(func=cmd_incidents)
 
     e = sub.add_parser("env", help="print a job's fallback overlay as export lines (for restart scripts)")
-    _common(e, state_dir=True)
+    add_common_options(e, state_dir=True)
     e.add_argument("--job", required=True, metavar="ID")
     e.set_defaults(func=cmd_env)
 
     doc = sub.add_parser("doctor", help="preflight checks: NVML, py-spy/ptrace, /dev/shm, kernel, state dir")
-    _common(doc, state_dir=True)
+    add_common_options(doc, state_dir=True)
     doc.add_argument("--p2p", action="store_true", help="also test all_reduce across local GPUs (GPU boxes)")
     doc.add_argument("--json", action="store_true")
     doc.set_defaults(func=cmd_doctor)
 
     dm = sub.add_parser("demo", help="a real hang on a CPU job, found and recovered (no GPU needed)")
-    _common(dm, backend=True)
+    add_common_options(dm, backend=True)
     dm.add_argument("--keep", metavar="DIR", help="work in DIR and keep it")
     dm.set_defaults(func=cmd_demo)
 

@@ -1,2 +1,3 @@
-"""One TOML config: the schema of every section, one loader, and ``config show``'s rendering.
+"""One TOML config: ``schema`` (the dataclasses and defaults), ``load`` (the one loader), ``templates`` (argv
+template checks), ``render`` (``config show``). No module here imports one that imports it back.
 """

@@ -1,27 +1,15 @@
-"""One TOML config file; every key has a documented default (docs/config.md) and is validated by name.
+"""The config schema: every section's dataclass with its documented default (docs/config.md).
 
-A bad value raises ConfigError naming the key (exit 78). ``gpu-watchdog config show`` prints the result.
+Only data lives here, so every other module (the loader, the renderer, the stages that read a section) can
+import it without importing each other. Validation is in ``config.load``, rendering in ``config.render``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
 import os
-import signal
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from gpu_watchdog.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -125,7 +113,9 @@ class RecoveryConfig:
 DEFAULT_APPLICATION_XIDS: tuple[int, ...] = (13, 31, 43, 45, 68, 94)
 DEFAULT_DRAIN_COMMAND: tuple[str, ...] = ("scontrol", "update", "nodename={node}", "state=drain",
                                           "reason=gpu-watchdog: {reason}")
+# The placeholders an argv template may use (config.templates checks them; act.hooks / act.faults fill them).
 DRAIN_PLACEHOLDERS = ("node", "reason", "job_id", "incident", "gpu", "xid")
+HOOK_PLACEHOLDERS = ("job_id", "node", "level", "incident")
 
 
 @dataclass(frozen=True)
@@ -138,210 +128,73 @@ class FaultsConfig:
     drain_timeout_s: float = 60.0  # drain_command's timeout (a drain_hook has its own timeout_s)
 
 
+DEFAULT_SOCKET = "/run/gpu-watchdog/control.sock"
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    """``[daemon]``: the node daemon's control socket, who may use it, and housekeeping (``run`` only)."""
+
+    control_socket: str = DEFAULT_SOCKET  # empty: no control API
+    socket_group: str = "gpu-watchdog"  # group of the socket (mode 0660); empty: the daemon's group
+    allowed_uids: tuple[int, ...] = ()  # peers allowed besides root
+    allowed_gids: tuple[int, ...] = ()  # peers whose primary or supplementary group is one of these
+    allow_root: bool = True  # root (uid 0) is always allowed; false only for tests
+    max_request_bytes: int = 65536
+    preempt_timeout_s: float = 60.0  # longest wait for a job's checkpoint acknowledgement
+    stop_unregistered: bool = False  # stop stalled jobs nobody registered (there is no way to restart them)
+    incident_max_age_days: float = 30.0  # housekeeping: incident directories older than this are removed
+    incident_max_total_mb: float = 2048.0  # ... and the oldest go until all incidents fit in this
+    housekeeping_interval_s: float = 600.0
+
+
+# [hooks.NAME] types and the argv each one gets when the table gives none ("command" must give one).
+HOOK_TYPES: dict[str, tuple[str, ...]] = {
+    "command": (),
+    "slurm-requeue": ("scontrol", "requeue", "{job_id}"),
+    "k8s-delete-pod": ("kubectl", "delete", "pod", "{job_id}", "--wait=false"),
+}
+HOOK_MAX_TIMEOUT_S = 86400.0
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    """One ``[hooks.NAME]``: an argv template (never a shell) that the control API or a drain selects by name."""
+
+    name: str
+    type: str
+    argv: tuple[str, ...]
+    timeout_s: float = 60.0
+
+
 @dataclass(frozen=True)
 class Config:
+    """The whole file: what ``config.load.load_config`` returns and ``config.render.render_toml`` prints."""
+
     agent: AgentConfig = field(default_factory=AgentConfig)
     detect: DetectConfig = field(default_factory=DetectConfig)
     stacks: StacksConfig = field(default_factory=StacksConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     fallback: FallbackConfig = field(default_factory=FallbackConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    daemon: DaemonSettings = field(default_factory=DaemonSettings)
+    hooks: Mapping[str, HookSpec] = field(default_factory=dict)  # [hooks.NAME] by NAME
 
 
+# The sections that are one table each, in file order; ``[hooks.NAME]`` (a table of tables) comes last.
 SECTIONS: dict[str, type] = {
     "agent": AgentConfig,
     "detect": DetectConfig,
     "stacks": StacksConfig,
     "recovery": RecoveryConfig,
+    "fallback": FallbackConfig,
+    "faults": FaultsConfig,
+    "daemon": DaemonSettings,
 }
-
-_CHOICES = {"agent.backend": ("auto", "nvml", "proc")}
-# Keys that may be zero; every other number must be > 0.
-_MAY_BE_ZERO = {"detect.spin_power_max_w", "detect.util_idle_max_percent", "detect.proc_rss_held_min_bytes",
-                "detect.mem_held_min_bytes", "recovery.max_restarts", "detect.progress_io_min_bytes_per_s",
-                "recovery.checkpoint_grace_s", "detect.spin_traffic_max_bytes_per_s"}
-_RATIOS = {"detect.spin_power_max_ratio"}
-
-
-def _is_host_port(text: str) -> bool:
-    host, sep, port = text.rpartition(":")
-    return bool(sep and host and port.isdigit() and int(port) <= 65535)
-
-
-def _is_signal_name(text: str) -> bool:
-    return text.startswith("SIG") and not text.startswith("SIG_") and isinstance(
-        getattr(signal, text, None), signal.Signals)
-
-
-# Non-empty strings with a format: (check, what the message says it must be).
-_STRING_CHECKS = {
-    "agent.metrics_addr": (_is_host_port, "HOST:PORT (or empty)"),
-    "recovery.checkpoint_signal": (_is_signal_name, "a signal name such as SIGUSR1 (or empty)"),
-}
-_PERCENTS = {"detect.util_idle_max_percent", "detect.spin_util_min_percent"}
-
-
-def _check_value(key: str, value: Any, default: Any) -> Any:
-    """Type- and range-check one scalar key against the type of its default."""
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ConfigError(f"config: {key} must be true or false, got {value!r}")
-        return value
-    if isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config: {key} must be an integer, got {value!r}")
-    elif isinstance(default, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"config: {key} must be a number, got {value!r}")
-        value = float(value)
-        if not math.isfinite(value):
-            raise ConfigError(f"config: {key} must be a finite number, got {value!r}")
-    elif isinstance(default, str):
-        if not isinstance(value, str):
-            raise ConfigError(f"config: {key} must be a string, got {value!r}")
-        if key in _CHOICES and value not in _CHOICES[key]:
-            raise ConfigError(f"config: {key} must be one of {', '.join(_CHOICES[key])}, got {value!r}")
-        if key in _STRING_CHECKS and value and not _STRING_CHECKS[key][0](value):
-            raise ConfigError(f"config: {key} must be {_STRING_CHECKS[key][1]}, got {value!r}")
-        return value
-    if value < 0 or (value == 0 and key not in _MAY_BE_ZERO):
-        raise ConfigError(f"config: {key} must be {'>= 0' if key in _MAY_BE_ZERO else '> 0'}, got {value!r}")
-    if key in _RATIOS and value > 1:
-        raise ConfigError(f"config: {key} must be between 0 and 1, got {value!r}")
-    if key in _PERCENTS and value > 100:
-        raise ConfigError(f"config: {key} must be a percentage (0-100), got {value!r}")
-    return value
-
-
-def _load_section(name: str, cls: type, table: Any) -> Any:
-    if not isinstance(table, dict):
-        raise ConfigError(f"config: [{name}] must be a table")
-    defaults = cls()
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in table:
-        if key not in known:
-            raise ConfigError(f"config: unknown key {name}.{key}")
-    values = {k: _check_value(f"{name}.{k}", v, getattr(defaults, k)) for k, v in table.items()}
-    return dataclasses.replace(defaults, **values)
-
-
-def _env_table(key: str, value: Any) -> dict[str, str]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"config: {key} must be a table of NAME = \"value\"")
-    for name, v in value.items():
-        if not name or not name.replace("_", "").isalnum() or name[0].isdigit():
-            raise ConfigError(f"config: {key}.{name} is not a valid environment variable name")
-        if not isinstance(v, str):
-            raise ConfigError(f"config: {key}.{name} must be a string, got {v!r}")
-    return dict(value)
-
-
-def _load_fallback(table: Any) -> FallbackConfig:
-    if not isinstance(table, dict):
-        raise ConfigError("config: [fallback] must be a table")
-    default = FallbackConfig()
-    known = {"levels", "network_env", "diagnostics_env", "healthy_reset_s"}
-    for key in table:
-        if key not in known:
-            raise ConfigError(f"config: unknown key fallback.{key}")
-    levels = default.levels
-    if "levels" in table:
-        raw = table["levels"]
-        if not isinstance(raw, list):
-            raise ConfigError("config: fallback.levels must be an array of tables")
-        parsed = []
-        for i, lvl in enumerate(raw):
-            key = f"fallback.levels[{i}]"
-            if not isinstance(lvl, dict) or set(lvl) - {"name", "env", "advice"}:
-                raise ConfigError(f"config: {key} must be a table with name, env and optional advice")
-            if not isinstance(lvl.get("name"), str) or not lvl["name"]:
-                raise ConfigError(f"config: {key}.name must be a non-empty string")
-            advice = lvl.get("advice", "")
-            if not isinstance(advice, str):
-                raise ConfigError(f"config: {key}.advice must be a string")
-            parsed.append(FallbackLevel(lvl["name"], _env_table(f"{key}.env", lvl.get("env", {})), advice))
-        levels = tuple(parsed)
-    return FallbackConfig(
-        levels=levels,
-        network_env=_env_table("fallback.network_env", table.get("network_env", {})),
-        diagnostics_env=_env_table("fallback.diagnostics_env", table["diagnostics_env"])
-        if "diagnostics_env" in table else default.diagnostics_env,
-        healthy_reset_s=_check_value("fallback.healthy_reset_s", table.get("healthy_reset_s",
-                                                                         default.healthy_reset_s), 1.0),
-    )
-
-
-def _validate_drain_element(key: str, element: str) -> None:
-    """Only the known placeholders, no format specs, conversions, indexing or attribute access."""
-    import string
-
-    try:
-        parsed = list(string.Formatter().parse(element))
-    except ValueError as e:
-        raise ConfigError(f"config: {key}: bad placeholder syntax in {element!r} ({e})") from None
-    for _lit, name, spec, conv in parsed:
-        if name is not None and (name not in DRAIN_PLACEHOLDERS or spec or conv):
-            raise ConfigError(f"config: {key}: unknown placeholder {{{name}}} in {element!r}; allowed: "
-                              + " ".join(f"{{{p}}}" for p in DRAIN_PLACEHOLDERS))
-
-
-def _load_faults(table: Any, hooks: Any) -> FaultsConfig:
-    if not isinstance(table, dict):
-        raise ConfigError("config: [faults] must be a table")
-    default = FaultsConfig()
-    known = {f.name for f in dataclasses.fields(FaultsConfig)}
-    for key in table:
-        if key not in known:
-            raise ConfigError(f"config: unknown key faults.{key}")
-    values: dict[str, Any] = {}
-    for key in ("xid_events", "event_wait_ms", "drain_hook", "drain_timeout_s"):
-        if key in table:
-            values[key] = _check_value(f"faults.{key}", table[key], getattr(default, key))
-    if "application_xids" in table:
-        xids = table["application_xids"]
-        if not isinstance(xids, list) or not all(
-                isinstance(x, int) and not isinstance(x, bool) and 0 < x < 1 << 16 for x in xids):
-            raise ConfigError(f"config: faults.application_xids must be an array of Xid numbers, got {xids!r}")
-        values["application_xids"] = tuple(sorted(set(xids)))
-    if "drain_command" in table:
-        argv = table["drain_command"]
-        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
-            raise ConfigError(f"config: faults.drain_command must be an array of strings, got {argv!r}")
-        if argv and (not argv[0] or "{" in argv[0]):
-            raise ConfigError("config: faults.drain_command[0] must be a fixed program name or path")
-        for i, a in enumerate(argv):
-            if "\0" in a:
-                raise ConfigError(f"config: faults.drain_command[{i}] contains a NUL byte")
-            _validate_drain_element(f"faults.drain_command[{i}]", a)
-        values["drain_command"] = tuple(argv)
-    cfg = dataclasses.replace(default, **values)
-    if cfg.drain_hook and (not isinstance(hooks, dict) or cfg.drain_hook not in hooks):
-        raise ConfigError(f"config: faults.drain_hook names no [hooks.{cfg.drain_hook}] table")
-    return cfg
-
-
-def config_from_dict(data: Mapping[str, Any]) -> Config:
-    """Build a validated Config from parsed TOML (or any mapping of the same shape)."""
-    for section in data:
-        if section not in SECTIONS and section not in ("fallback", "faults", "daemon", "hooks"):
-            raise ConfigError(f"config: unknown section [{section}]")
-    if "daemon" in data or "hooks" in data:  # the node daemon's sections (used by `gpu-watchdog run` only)
-        from gpu_watchdog.config.daemon import parse_daemon_sections
-
-        parse_daemon_sections(data)
-    parts = {name: _load_section(name, cls, data[name]) for name, cls in SECTIONS.items() if name in data}
-    if "fallback" in data:
-        parts["fallback"] = _load_fallback(data["fallback"])
-    if "faults" in data:
-        parts["faults"] = _load_faults(data["faults"], data.get("hooks", {}))
-    cfg = dataclasses.replace(Config(), **parts)
-    if cfg.detect.spin_util_min_percent <= cfg.detect.util_idle_max_percent:
-        raise ConfigError("config: detect.spin_util_min_percent must be above detect.util_idle_max_percent")
-    return cfg
 
 
 def resolve_state_dir(cfg: Config) -> Path:
-    """agent.state_dir, or the per-user default when it is empty."""
+    """agent.state_dir, or the per-user default when it is empty (a default of the schema, so it lives here)."""
     if cfg.agent.state_dir:
         return Path(cfg.agent.state_dir)
     if os.geteuid() == 0:
@@ -350,64 +203,3 @@ def resolve_state_dir(cfg: Config) -> Path:
     return Path(base) / "gpu-watchdog"
 
 
-def load_config(path: str | os.PathLike[str] | None, overrides: Mapping[str, Any] | None = None) -> Config:
-    """Load ``path`` (None: defaults only) and apply dotted-key overrides from the command line."""
-    return config_from_dict(read_config_data(path, overrides))
-
-
-def read_config_data(path: str | os.PathLike[str] | None,
-                     overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The parsed TOML of ``path`` (empty when None) with dotted-key overrides applied; not yet validated."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config: file not found: {p}") from None
-        except OSError as e:
-            raise ConfigError(f"config: cannot read {p}: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config: {p} is not valid TOML: {e}") from None
-    for dotted, value in (overrides or {}).items():
-        section, key = dotted.split(".", 1)
-        table = data.setdefault(section, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"config: [{section}] must be a table")
-        table[key] = value
-    return data
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        # A JSON string is a TOML basic string once DEL is escaped too (raw non-ASCII: TOML has no surrogates).
-        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
-    if isinstance(v, Mapping):
-        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    return repr(v)
-
-
-def render_toml(cfg: Config) -> str:
-    """The effective config as TOML that load_config reads back to the same Config."""
-    lines: list[str] = []
-    for name in SECTIONS:
-        lines.append(f"[{name}]")
-        section = getattr(cfg, name)
-        for f in dataclasses.fields(section):
-            lines.append(f"{f.name} = {_toml_value(getattr(section, f.name))}")
-        lines.append("")
-    fb = cfg.fallback
-    lines += ["[fallback]", f"healthy_reset_s = {fb.healthy_reset_s!r}",
-              f"network_env = {_toml_value(fb.network_env)}",
-              f"diagnostics_env = {_toml_value(fb.diagnostics_env)}", ""]
-    for lvl in fb.levels:
-        lines += ["[[fallback.levels]]", f"name = {_toml_value(lvl.name)}", f"env = {_toml_value(lvl.env)}",
-                  f"advice = {_toml_value(lvl.advice)}", ""]
-    fa = cfg.faults
-    lines += ["[faults]"] + [
-        f"{f.name} = " + ("[" + ", ".join(_toml_value(x) for x in getattr(fa, f.name)) + "]"
-                          if isinstance(getattr(fa, f.name), tuple) else _toml_value(getattr(fa, f.name)))
-        for f in dataclasses.fields(fa)] + [""]
-    return "\n".join(lines)

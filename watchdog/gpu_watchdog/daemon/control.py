@@ -18,6 +18,7 @@ A non-root peer may only end, preempt or restart jobs it registered.
 
 from __future__ import annotations
 
+import grp
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpu_watchdog.config.daemon import DaemonSettings, socket_gid
+from gpu_watchdog.config.schema import Config, DaemonSettings
 from gpu_watchdog.daemon.cgroups import cgroup_pids, validate_cgroup
 from gpu_watchdog.daemon.registry import validate_pids_live
 from gpu_watchdog.errors import UsageError, WatchdogError
@@ -39,6 +40,7 @@ from gpu_watchdog.policy.fallback import validate_job_id
 class Daemon(Protocol):
     """What the control API asks of the daemon (daemon.service.Daemon)."""
 
+    cfg: Config
     settings: DaemonSettings
     state_dir: Path
 
@@ -93,6 +95,17 @@ def check_peer(cred: PeerCred, settings: DaemonSettings, supplementary: set[int]
     if groups & set(settings.allowed_gids):
         return None
     return f"uid {cred.uid} gid {cred.gid} is not allowed (daemon.allowed_uids / daemon.allowed_gids)"
+
+
+def socket_gid(settings: DaemonSettings) -> int | None:
+    """The gid of ``daemon.socket_group``; None when it is empty or no such group exists (the socket keeps the
+    daemon's group)."""
+    if not settings.socket_group:
+        return None
+    try:
+        return grp.getgrnam(settings.socket_group).gr_gid
+    except KeyError:
+        return None
 
 
 class ControlServer:
@@ -245,9 +258,9 @@ def handle_request(daemon: Daemon, req: dict[str, Any], cred: PeerCred) -> dict[
         if unknown:
             raise UsageError(f"unknown field {sorted(unknown)[0]!r}")
         hook = req.get("restart_hook")
-        if hook is not None and (not isinstance(hook, str) or hook not in daemon.settings.hooks):
+        if hook is not None and (not isinstance(hook, str) or hook not in daemon.cfg.hooks):
             raise UsageError(f"unknown restart_hook {hook!r}: hooks are defined in the daemon's config only "
-                             f"(known: {', '.join(sorted(daemon.settings.hooks)) or 'none'})")
+                             f"(known: {', '.join(sorted(daemon.cfg.hooks)) or 'none'})")
         opt_in = req.get("checkpoint_opt_in", False)
         if not isinstance(opt_in, bool):
             raise UsageError("checkpoint_opt_in must be true or false")

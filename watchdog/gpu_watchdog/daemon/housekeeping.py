@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from gpu_watchdog.config.daemon import DaemonSettings
+from gpu_watchdog.config.schema import DaemonSettings
 from gpu_watchdog.store.db import Store
 
 log = logging.getLogger("gpu_watchdog.daemon")

@@ -32,8 +32,8 @@ from gpu_watchdog.act.hooks import run_hook
 from gpu_watchdog.act.recovery import Recovery, observe
 from gpu_watchdog.act.stopper import JobProcess
 from gpu_watchdog.act.target import ActContext
-from gpu_watchdog.config.daemon import DaemonSettings, load_daemon_config
-from gpu_watchdog.config.schema import Config
+from gpu_watchdog.config.load import load_config
+from gpu_watchdog.config.schema import Config, DaemonSettings
 from gpu_watchdog.daemon.housekeeping import prune_incidents
 from gpu_watchdog.daemon.registry import Registry
 from gpu_watchdog.daemon.resume import resume_incidents
@@ -266,7 +266,7 @@ class Daemon:
 
     def _record(self, finding: Finding, sample: NodeSample) -> None:
         if finding.kind == "gpu_fault":
-            GpuFaultHandler(self.ctx, self.settings.hooks).record(finding, sample)
+            GpuFaultHandler(self.ctx, self.cfg.hooks).record(finding, sample)
             return
         inc = self.ctx.open_incident(finding)
         inc.finish("recorded")
@@ -277,14 +277,14 @@ class Daemon:
         scheduler places them elsewhere (their fallback levels unchanged: no NCCL setting helps a broken GPU)."""
         regs = self.registrations()
         targets = {j: self.target(j, r) for j, r in regs.items()}
-        inc, stopped = GpuFaultHandler(self.ctx, self.settings.hooks).drain(finding, sample, targets)
+        inc, stopped = GpuFaultHandler(self.ctx, self.cfg.hooks).drain(finding, sample, targets)
         for job_id in stopped:
             self.run_restart_hook(inc, job_id, regs[job_id].get("restart_hook"), self.fallback.level(job_id))
         inc.finish("node drain requested" if any(a["action"] == "drain" and a["ok"] for a in inc.summary["actions"])
                    else "drain not run")
 
     def run_restart_hook(self, inc: Incident, job_id: str, hook_name: str | None, level: int) -> bool:
-        spec = self.settings.hooks.get(hook_name or "")
+        spec = self.cfg.hooks.get(hook_name or "")
         if spec is None:
             why = (f"restart hook {hook_name!r} is no longer in the config" if hook_name
                    else "the job registered no restart hook")
@@ -349,7 +349,7 @@ class Daemon:
         return {"status": self.status_line(), "store_problem": self.store.problem,
                 "jobs": {j: {"state": s.state, "ranks": list(s.ranks), "signature": s.signature}
                          for j, s in self.state.jobs.items()},
-                "registered": sorted(self.registrations()), "hooks": sorted(self.settings.hooks)}
+                "registered": sorted(self.registrations()), "hooks": sorted(self.cfg.hooks)}
 
     def recent_incidents(self, limit: int) -> list[dict[str, Any]]:
         return self.store.incidents(limit)
@@ -395,14 +395,14 @@ class Daemon:
     def reload(self) -> bool:
         self.notifier.reloading()
         try:
-            cfg, settings = load_daemon_config(self.config_path, self.overrides)
+            cfg = load_config(self.config_path, self.overrides)
         except ConfigError as e:
             log.error("reload: keeping the old config: %s", e)
             self.notifier.ready(self.status_line())
             return False
-        if settings.control_socket != self.settings.control_socket:
+        if cfg.daemon.control_socket != self.settings.control_socket:
             log.warning("reload: daemon.control_socket changes only on a restart")
-        self.cfg, self.settings = cfg, dataclasses.replace(settings, control_socket=self.settings.control_socket)
+        self.cfg, self.settings = cfg, dataclasses.replace(cfg.daemon, control_socket=self.settings.control_socket)
         self.ctx.cfg = cfg
         self.engine.cfg = cfg
         if self._control is not None:
@@ -498,14 +498,14 @@ def _now_utc() -> Any:
 
 
 def main_run(config_path: str | None, overrides: dict[str, Any]) -> int:
-    cfg, settings = load_daemon_config(config_path, overrides)  # ConfigError → exit 78 naming the key
+    cfg = load_config(config_path, overrides)  # ConfigError → exit 78 naming the key
     from gpu_watchdog.config.schema import resolve_state_dir
     from gpu_watchdog.export.http import start_metrics
 
     health = LoopHealth.for_interval(cfg.agent.interval_s)  # one health for /healthz and the systemd pings
     metrics, server = start_metrics(cfg, health)
     try:
-        return Daemon(cfg, settings, resolve_state_dir(cfg), config_path=config_path, overrides=overrides,
+        return Daemon(cfg, cfg.daemon, resolve_state_dir(cfg), config_path=config_path, overrides=overrides,
                       metrics=metrics, health=health).run()
     finally:
         if server is not None:

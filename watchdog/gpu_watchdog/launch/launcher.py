@@ -28,8 +28,7 @@ from gpu_watchdog.act.faults import GpuFaultHandler
 from gpu_watchdog.act.recovery import Recovery
 from gpu_watchdog.act.stopper import JobProcess, alive, job_tree, stop_processes
 from gpu_watchdog.act.target import ActContext
-from gpu_watchdog.config.daemon import HookSpec
-from gpu_watchdog.config.schema import Config, resolve_state_dir
+from gpu_watchdog.config.schema import Config, HookSpec, resolve_state_dir
 from gpu_watchdog.detect.consistency import CONSISTENCY_ENV
 from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.engine.loop import Engine, Tick

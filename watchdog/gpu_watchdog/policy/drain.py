@@ -9,8 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from gpu_watchdog.config.daemon import HookSpec
-from gpu_watchdog.config.schema import FaultsConfig
+from gpu_watchdog.config.schema import FaultsConfig, HookSpec
 from gpu_watchdog.errors import UsageError, WatchdogError
 from gpu_watchdog.policy.templates import placeholder_values
 
