@@ -10,7 +10,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from gpu_watchdog.config.schema import config_from_dict
+from gpu_watchdog.config.load import config_from_dict
 from gpu_watchdog.errors import EXIT_UNAVAILABLE, UsageError
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.export.http import (
