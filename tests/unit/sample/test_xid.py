@@ -447,6 +447,7 @@ def test_a_draining_xid_stops_the_job_drains_the_node_and_exits_74(tmp_path: Pat
     assert call["cwd"] == "/"
     assert call["env"]["GPU_WATCHDOG_XID"] == "79" and call["env"]["GPU_WATCHDOG_GPU"] == "GPU-aaa"
     assert call["env"]["GPU_WATCHDOG_INCIDENT"] == inc["id"]
+    assert call["env"]["GPU_WATCHDOG_LEVEL"] == "1"  # the job's own fallback level, not a hard-coded 0
     # Never an NCCL fallback: the job's stored level and overlay are untouched.
     assert (lc.fallback.root / "job-x.json").read_text() == stored
     assert lc.fallback.level("job-x") == 1
