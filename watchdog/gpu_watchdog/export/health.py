@@ -134,6 +134,9 @@ class Pinger:
         self._thread.start()
         return self
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self, timeout: float | None = 5.0) -> None:
         self._stop.set()
         if self._thread.is_alive():
