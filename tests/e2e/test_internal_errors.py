@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import io
 import os
-import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from gpu_watchdog.export.sdnotify import Notifier
 from gpu_watchdog.launch.launcher import Launcher
 from gpu_watchdog.sample.backends import choose_backend
 from gpu_watchdog.sample.processes import JOB_ID_ENV
+from in_process import ONE_RANK, one_rank_launch
 from waiting import wait_for
 
 JOB = "bug-job"
@@ -64,18 +65,9 @@ def _internal(metrics: AgentMetrics, stage: str) -> float | None:
 
 
 @pytest.fixture
-def rank_env() -> Any:
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
-    yield
-    for s, h in handlers.items():
-        signal.signal(s, h)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+def rank_env() -> Iterator[None]:
+    with one_rank_launch():
+        yield
 
 
 def test_launch_skips_a_tick_that_raises_and_carries_on(tmp_path: Path, rank_env: None) -> None:
@@ -125,7 +117,7 @@ def test_the_daemon_counts_a_recovery_that_raises_and_keeps_ticking(tmp_path: Pa
     d = Daemon(cfg, DaemonSettings(socket_group="", control_socket=""), tmp_path / "state",
                backend=Malformed(inner, bad=2), metrics=metrics, notifier=Notifier(None))
     box.append(d)
-    env = {**os.environ, JOB_ID_ENV: JOB, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    env = {**os.environ, JOB_ID_ENV: JOB, **ONE_RANK}
     job = subprocess.Popen([sys.executable, "-c", SLEEPER], env=env)
     try:
         d.register({"job_id": JOB, "pids": validate_pids_live([job.pid]), "registered_by_uid": os.getuid()})
