@@ -446,7 +446,7 @@ def test_client_exits_only_after_every_announced_peer_acked(tmp_path: Path) -> N
     c.on_checkpoint(lambda step: None)
     (ctl.path / "client-0.json").write_text(json.dumps({"pid": 1, "rank": 0, "t": 0}))  # a peer, still saving
     ctl.request_checkpoint("inc-2", 5.0, grace_s=30.0)
-    wait_for(lambda: c._request is not None, 5, "the client to see the request")
+    wait_for(lambda: c.checkpoint_requested, 5, "the client to see the request")
     result: list[Any] = []
 
     def at_boundary() -> None:
@@ -473,7 +473,7 @@ def test_client_exit_wait_is_bounded_by_the_request_grace(tmp_path: Path) -> Non
     c.on_checkpoint(lambda step: None)
     (ctl.path / "client-0.json").write_text(json.dumps({"pid": 1, "rank": 0, "t": 0}))  # never answers
     ctl.request_checkpoint("inc-3", 5.0, grace_s=0.5)
-    wait_for(lambda: c._request is not None, 5, "the client to see the request")
+    wait_for(lambda: c.checkpoint_requested, 5, "the client to see the request")
     t0 = time.monotonic()
     with pytest.raises(SystemExit) as exit_info:
         with c.training():

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -36,6 +35,7 @@ from gpu_watchdog.policy.fallback import FallbackDecision
 from gpu_watchdog.sample.backends import choose_backend
 from gpu_watchdog.sample.processes import JOB_ID_ENV
 from gpu_watchdog.store.fallback import FallbackStore
+from in_process import ONE_RANK, one_rank_launch
 
 JOB = "agree-job"
 
@@ -109,20 +109,8 @@ def _run_launch(cfg: Config, seconds: float, fail_at: set[int], seen: Seen) -> i
     lc = Launcher(cfg, [sys.executable, "-c", JOB_CODE, str(seconds)], job_id=JOB, out=io.StringIO(),
                   metrics=metrics, backend=backend)
     box.append(lc)
-    env_rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    saved = {k: os.environ.get(k) for k in env_rank}
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    os.environ.update(env_rank)  # the launched command inherits them: a one-rank job
-    try:
+    with one_rank_launch():
         return lc.run()
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _run_daemon(cfg: Config, seconds: float, fail_at: set[int], seen: Seen) -> int:
@@ -136,8 +124,7 @@ def _run_daemon(cfg: Config, seconds: float, fail_at: set[int], seen: Seen) -> i
     box.append(d)
     control = d.control_dir(JOB)  # what the job-start reply hands the job
     control.create()
-    env = {**os.environ, JOB_ID_ENV: JOB, CONTROL_DIR_ENV: str(control.path), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0"}
+    env = {**os.environ, JOB_ID_ENV: JOB, CONTROL_DIR_ENV: str(control.path), **ONE_RANK}
     job = subprocess.Popen([sys.executable, "-c", JOB_CODE, str(seconds)], env=env)
     try:
         d.register({"job_id": JOB, "pids": validate_pids_live([job.pid]), "registered_by_uid": os.getuid()})

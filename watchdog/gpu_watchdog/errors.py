@@ -10,6 +10,7 @@ EXIT_DATAERR = 65  # bad input data (trace file)
 EXIT_NOINPUT = 66  # an input file does not exist
 EXIT_UNAVAILABLE = 69  # a required service (NVML, py-spy) is unavailable
 EXIT_CONFIG = 78  # bad configuration
+EXIT_SOFTWARE = 70  # launch: an internal error the agent cannot go on from; the job was stopped first
 EXIT_GPU_FAULT = 74  # launch: a GPU of the job faulted (lost, reset required, critical Xid); run it elsewhere
 EXIT_BUDGET_SPENT = 75  # launch: the job kept hanging and the restart budget is spent (do not requeue blindly)
 

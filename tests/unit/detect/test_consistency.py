@@ -236,7 +236,7 @@ def test_the_daemon_checks_every_jobs_ranks_and_reports_a_mismatch_once(tmp_path
                metrics=metrics, notifier=Notifier(None))
     for _ in range(5):
         d.tick()
-    d._pool.shutdown(wait=True)
+    d.wait_idle()
     [inc] = d.incidents.list()
     assert (inc["kind"], inc["job_id"], inc["ranks"]) == ("config_mismatch", "jm", [0, 1, 2, 3])
     assert "NCCL_P2P_DISABLE: ranks 0,1,3=(unset), rank 2=1" in inc["reason"], inc

@@ -253,7 +253,7 @@ def test_a_vanished_rank_drops_out_and_from_the_cache(procs: Procs) -> None:
     procs.kill(r1)
     samples, errors = scanner.sample()
     assert set(mine(samples, r0, r1)) == {r0.pid} and errors == []
-    assert r1.pid not in scanner._known
+    assert not scanner.remembers(r1.pid)
 
 
 def test_a_rank_vanishing_in_the_middle_of_a_tick(procs: Procs, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,7 +262,7 @@ def test_a_rank_vanishing_in_the_middle_of_a_tick(procs: Procs, monkeypatch: pyt
     known = scanner.sample()[0]  # both cached
     assert len(mine(known, *victims)) == 2
     fresh = procs.start(SLEEP, RANK="2", GPU_WATCHDOG_JOB_ID="race")  # not cached yet
-    real_table = processes_mod._process_table
+    real_table = processes_mod.process_table
 
     def table_then_kill() -> dict[int, tuple[int, float]]:
         listed = real_table()
@@ -270,7 +270,7 @@ def test_a_rank_vanishing_in_the_middle_of_a_tick(procs: Procs, monkeypatch: pyt
         procs.kill(fresh)  # gone before its environment is read
         return listed
 
-    monkeypatch.setattr(processes_mod, "_process_table", table_then_kill)
+    monkeypatch.setattr(processes_mod, "process_table", table_then_kill)
     samples, errors = scanner.sample()
     assert set(mine(samples, *victims, fresh)) == {victims[0].pid} and errors == []
 
@@ -292,17 +292,17 @@ def test_pid_reuse_is_caught_by_the_start_time(procs: Procs) -> None:
     assert s.cmdline[:2] == (sys.executable, "-c")
 
 
-def test_process_table_matches_psutil() -> None:
-    table = processes_mod._process_table()
+def testprocess_table_matches_psutil() -> None:
+    table = processes_mod.process_table()
     me = psutil.Process()
     assert table[os.getpid()][0] == me.ppid()
     assert os.getpid() in table and len(table) >= len(psutil.pids()) // 2
-    again = processes_mod._process_table()
+    again = processes_mod.process_table()
     assert again[os.getpid()][1] == table[os.getpid()][1]  # the start token is stable for a live process
     with subprocess.Popen([sys.executable, "-c", SLEEP]) as child:
         try:
-            wait_for(lambda: child.pid in processes_mod._process_table(), 15.0, "the child in /proc", poll=0.02)
-            assert processes_mod._process_table()[child.pid][0] == os.getpid()
+            wait_for(lambda: child.pid in processes_mod.process_table(), 15.0, "the child in /proc", poll=0.02)
+            assert processes_mod.process_table()[child.pid][0] == os.getpid()
         finally:
             child.kill()
 
@@ -459,7 +459,7 @@ def _ranks_of(parent: int, n: int) -> list[psutil.Process]:
 
 
 def _start_token(pid: int) -> int:
-    return int(processes_mod._process_table()[pid][1])
+    return int(processes_mod.process_table()[pid][1])
 
 
 def test_a_torchrun_rank_without_run_id_or_endpoint_is_named_after_its_agent(procs: Procs) -> None:

@@ -39,7 +39,7 @@ from gpu_watchdog.daemon.registry import Registry
 from gpu_watchdog.daemon.resume import resume_incidents
 from gpu_watchdog.detect.consistency import CONSISTENCY_ENV
 from gpu_watchdog.detect.detector import STALLED, DetectorState, Finding, JobStatus
-from gpu_watchdog.engine.loop import Engine
+from gpu_watchdog.engine.loop import Engine, count_internal_error
 from gpu_watchdog.errors import ConfigError, UsageError
 from gpu_watchdog.export.health import LoopHealth, Pinger
 from gpu_watchdog.export.sdnotify import Notifier
@@ -233,8 +233,9 @@ class Daemon:
         def guarded() -> None:
             try:
                 fn(*args)
-            except Exception:  # the stage boundary: logged with its cause; the daemon carries on
+            except Exception:  # the stage boundary: logged with its cause, counted; the daemon carries on
                 log.exception("%s failed", getattr(fn, "__name__", fn))
+                count_internal_error(self.metrics, "act")
             finally:
                 if job_id is not None:
                     with self._lock:

@@ -86,23 +86,37 @@ class Engine:
     def tick(self) -> Tick:
         t0 = time.process_time()
         try:
-            sample = self._attribute(self.backend.sample())
+            sample = self.backend.sample()
         except Exception as e:  # NVML wedged or faulted, a psutil hiccup: a bad tick, never a dead agent
             return self._failed(str(e) or type(e).__name__)
-        sample = with_heartbeats(sample, self._heartbeats())
-        state, findings = step(self.state, sample, self.cfg.detect, self._finished_dumps())
-        self.state, self.last_sample = state, sample
-        self._schedule_dumps(sample.t)
-        findings.extend(self._check_configs(sample.t))
-        self._note_healthy(state.jobs)
-        self._forget_ended(state.jobs)
-        if self.metrics is not None:
-            self.metrics.sample_duration(time.process_time() - t0)
-            self.metrics.nvml_errors(sample.errors)
-            self.metrics.update(sample, state.jobs, {j: self.fallback.level(j) for j in state.jobs})
+        try:
+            sample = with_heartbeats(self._attribute(sample), self._heartbeats())
+            state, findings = step(self.state, sample, self.cfg.detect, self._finished_dumps())
+            self.state, self.last_sample = state, sample
+            self._schedule_dumps(sample.t)
+            findings.extend(self._check_configs(sample.t))
+            self._note_healthy(state.jobs)
+            self._forget_ended(state.jobs)
+            if self.metrics is not None:
+                self.metrics.sample_duration(time.process_time() - t0)
+                self.metrics.nvml_errors(sample.errors)
+                self.metrics.update(sample, state.jobs, {j: self.fallback.level(j) for j in state.jobs})
+        except Exception as e:  # a bug past sampling (a malformed sample, a broken collector): this tick is lost
+            return self._internal_error(e)
         self.ticks_ok += 1
         self.health.tick_ok()
         return Tick(True, sample, state.jobs, tuple(findings))
+
+    def _internal_error(self, e: Exception) -> Tick:
+        cause = f"{type(e).__name__}: {e}"
+        error = f"internal error: {cause}"
+        if error != self.last_error:  # the traceback once per streak of the same error
+            log.exception("%s (the tick is skipped; the agent carries on)", error)
+        self.ticks_failed += 1
+        self.last_error = error
+        self.health.tick_failed(cause, what="internal error")
+        count_internal_error(self.metrics, "tick")
+        return Tick(False, error=error)
 
     def _failed(self, cause: str) -> Tick:
         error = f"sampling failed: {cause}"
@@ -181,6 +195,16 @@ class Engine:
                 self.metrics.forget_job(job_id)
         for job_id in set(self._healthy_since) - set(jobs):
             del self._healthy_since[job_id]
+
+
+def count_internal_error(metrics: Any, stage: str) -> None:
+    """Count an exception caught at a stage boundary; the counting itself never raises."""
+    if metrics is None:
+        return
+    try:
+        metrics.internal_error(stage)
+    except Exception:
+        log.exception("metrics: internal_error failed")
 
 
 def with_heartbeats(sample: NodeSample, steps: Mapping[str, Mapping[int, int]]) -> NodeSample:

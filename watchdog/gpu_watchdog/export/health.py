@@ -55,9 +55,11 @@ class LoopHealth:
         """A tick sampled and ran."""
         self._tick(None)
 
-    def tick_failed(self, reason: str) -> None:
-        """A tick ran but sampling failed: the loop is alive, the agent is not healthy."""
-        self._tick(" ".join(str(reason).split()) or "unknown error")  # one line: /healthz's body is one line
+    def tick_failed(self, reason: str, *, what: str = "sampling failed") -> None:
+        """A tick ran but failed (``what``: sampling, or an internal error past it): the loop is alive, the agent
+        is not healthy."""
+        one_line = " ".join(str(reason).split()) or "unknown error"  # /healthz's body is one line
+        self._tick(f"{what}: {one_line}")
 
     def _tick(self, failure: str | None) -> None:
         now = self._clock()
@@ -99,7 +101,7 @@ class LoopHealth:
         if age >= limit:
             return False, f"last sample {age:.1f} s ago (limit {limit:g} s)"
         if failure is not None:
-            return False, f"sampling failed: {failure}"
+            return False, failure
         return True, "ok"
 
     def loop_alive(self) -> bool:
@@ -133,6 +135,9 @@ class Pinger:
     def start(self) -> Pinger:
         self._thread.start()
         return self
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
     def stop(self, timeout: float | None = 5.0) -> None:
         self._stop.set()

@@ -31,7 +31,7 @@ Series (alert rules: prometheus/alerts.yml; dashboard: grafana/dashboards/gpu-wa
     _backend_info{backend}, _jobs_dropped, _ranks_dropped, process_* (own registry only)
   counters: gpu_watchdog_incidents_total{kind}, _actions_total{action,result}, _restarts_total{job_id},
     _pyspy_dumps_total{outcome}, _nvml_errors_total{error_class}, _gpu_faults_total{UUID,kind},
-    _state_write_errors_total
+    _state_write_errors_total, _internal_errors_total{stage}
   histograms: gpu_watchdog_sample_duration_seconds, gpu_watchdog_detection_latency_seconds
 """
 
@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 INCIDENT_KINDS = ("stall", "gpu_fault", "config_mismatch", "rank_exited")
 PYSPY_OUTCOMES = OUTCOMES  # py-spy dump outcomes; anything else counts as "other"
 OVERFLOW = "other"  # label value for values past a cap
+INTERNAL_ERROR_STAGES = ("tick", "act")  # the engine's tick after sampling; acting on a finding
 
 SAMPLE_DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 DETECTION_LATENCY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0,
@@ -244,6 +245,11 @@ class AgentMetrics:
                               ["outcome"], registry=r)
         self._nvml_errors = Counter("gpu_watchdog_nvml_errors", "non-fatal sampling errors (NVML, psutil), by "
                                     "error class", ["error_class"], registry=r)
+        self._internal_errors = Counter("gpu_watchdog_internal_errors", "exceptions caught at a stage boundary (an "
+                                        "agent bug): logged with the cause; the agent carried on", ["stage"],
+                                        registry=r)
+        for stage in INTERNAL_ERROR_STAGES:
+            self._internal_errors.labels(stage)
         self._gpu_faults = Counter("gpu_watchdog_gpu_faults", "GPU faults seen (Xid, lost, reset required)",
                                    ["UUID", "kind"], registry=r)
         self._sample_duration = Histogram("gpu_watchdog_sample_duration_seconds", "time to take one sample",
@@ -300,6 +306,9 @@ class AgentMetrics:
 
     def pyspy_dump(self, outcome: str) -> None:
         self._pyspy.labels(self._outcome_cap(outcome)).inc()
+
+    def internal_error(self, stage: str) -> None:
+        self._internal_errors.labels(stage if stage in INTERNAL_ERROR_STAGES else OVERFLOW).inc()
 
     def gpu_fault(self, uuid: str, xid_or_kind: int | str) -> None:
         """Count a fault on GPU ``uuid``: an Xid number (kind ``xid_79``) or a kind (``gpu_lost``, ...)."""

@@ -82,6 +82,11 @@ class Client:
         self._thread.start()
 
     # -- main thread -------------------------------------------------------------------------------
+    @property
+    def checkpoint_requested(self) -> bool:
+        """Whether the agent has asked this job to checkpoint (it saves at the next ``step``)."""
+        return self._request is not None
+
     def step(self, n: int) -> None:
         """Report step ``n`` as completed; save and exit here when a checkpoint was requested."""
         self.last_step = n

@@ -31,8 +31,8 @@ from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.schema import Config, HookSpec, resolve_state_dir
 from gpu_watchdog.detect.consistency import CONSISTENCY_ENV
 from gpu_watchdog.detect.detector import Finding, JobStatus
-from gpu_watchdog.engine.loop import Engine, Tick
-from gpu_watchdog.errors import EXIT_BUDGET_SPENT, EXIT_GPU_FAULT, UsageError
+from gpu_watchdog.engine.loop import Engine, Tick, count_internal_error
+from gpu_watchdog.errors import EXIT_BUDGET_SPENT, EXIT_GPU_FAULT, EXIT_SOFTWARE, UsageError
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV, RESTART_COUNT_ENV, ControlDir
 from gpu_watchdog.launch.exits import ExitWatch, first_to_exit
@@ -113,7 +113,10 @@ class Launcher:
         self.engine: Engine | None = None  # built by run(), on the backend it chooses
 
     def say(self, msg: str) -> None:
-        print(f"gpu-watchdog: {msg}", file=self.out, flush=True)
+        try:
+            print(f"gpu-watchdog: {msg}", file=self.out, flush=True)
+        except (OSError, ValueError):  # stdout closed (``launch … | head``): supervising matters more than telling
+            log.info("%s", msg)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stop_signal = signum  # acted on by the loop
@@ -162,8 +165,11 @@ class Launcher:
                 # when the run ended under our control, so an internal error still takes the job down with us.
                 guardian = Guardian(child.pid, self.cfg.recovery.stop_grace_s)
                 exits = ExitWatch()
+                target = LaunchTarget(self, child, self.control, attempt)
                 try:
-                    outcome = self._watch(engine, LaunchTarget(self, child, self.control, attempt), exits)
+                    outcome = self._watch(engine, target, exits)
+                except Exception as e:  # a bug while acting: never leave the job running unsupervised
+                    outcome = self._internal_error(e, target)
                 finally:
                     exits.close()
                 guardian.release()
@@ -222,6 +228,17 @@ class Launcher:
             elif f.job_id == self.job_id:
                 self.say(f"{f.kind} found ({f.detail}); {response.why}")
         return None
+
+    def _internal_error(self, e: Exception, target: LaunchTarget) -> _Outcome:
+        """The agent cannot tell what state its job is in: stop it with the usual ladder, then exit 70. The
+        traceback goes to the log (``-v``), the console gets one line."""
+        log.debug("internal error", exc_info=True)
+        count_internal_error(self.metrics, "act")
+        self.say(f"internal error ({type(e).__name__}: {e}); stopping the job, launch exits {EXIT_SOFTWARE}")
+        res = stop_processes(target.processes(), self.cfg.recovery.stop_grace_s, reap=target.poll)
+        target.poll()
+        self.say(f"stopped the job: {res.detail}")
+        return _Outcome(exit_code=EXIT_SOFTWARE)
 
     # -- acting ------------------------------------------------------------------------------------------
     def gpu_fault(self, finding: Finding, sample: NodeSample, target: LaunchTarget | Any) -> int | None:

@@ -117,7 +117,7 @@ class _Known:
     create_time: float
     identity: JobIdentity | None
     env: Mapping[str, str] = field(default_factory=dict)
-    start: float = 0.0  # the process table's start token when this entry was made (see _process_table)
+    start: float = 0.0  # the process table's start token when this entry was made (see process_table)
     cmdline: tuple[str, ...] | None = None  # read once, on first use
     launcher_scoped: bool = False  # a torchrun rank without run id or endpoint: named after its agent
     launcher_id: str | None = None  # that name, fixed when first made (the agent may exit, the rank reparent)
@@ -126,7 +126,7 @@ class _Known:
 _LINUX = sys.platform.startswith("linux")
 
 
-def _process_table() -> dict[int, tuple[int, float]]:
+def process_table() -> dict[int, tuple[int, float]]:
     """pid → (ppid, start token) for every process on the node; the token changes when a pid is reused.
 
     Linux: one read of /proc/PID/stat per process (token: its start time in clock ticks). psutil's
@@ -236,10 +236,14 @@ class ProcessScanner:
             stack.extend(children.get(pid, ()))
         return scope
 
+    def remembers(self, pid: int) -> bool:
+        """Whether ``pid`` is in the scanner's per-process cache (a vanished process must leave it)."""
+        return pid in self._known
+
     def sample(self, extra_pids: Iterable[int] = ()) -> tuple[tuple[ProcessSample, ...], list[SampleError]]:
         """One read of every rank process in scope (plus ``extra_pids``), with tree-aggregated counters."""
         errors: list[SampleError] = []
-        table = _process_table()
+        table = process_table()
         ppids = {pid: v[0] for pid, v in table.items()}
         starts = {pid: v[1] for pid, v in table.items()}
         # Forget vanished pids so the cache stays bounded.
