@@ -106,8 +106,9 @@ class Recovery:
     def _checkpoint(self, inc: Incident, target: JobTarget, sample: NodeSample, status: JobStatus | None) -> None:
         rc = self.ctx.cfg.recovery
         rank_pids = dict(status.rank_pids) if status else {}
+        # Stopped ranks (SIGSTOP) cannot answer until continued: not waited for.
         stopped = {p.job.rank for p in sample.processes if p.status == "stopped" and p.is_rank and p.job
-                   and p.job.job_id == target.job_id}  # cannot answer until continued: not waited for
+                   and p.job.job_id == target.job_id and p.job.rank is not None}
         clients = target.control.clients()
         what = (f"requested from ranks {sorted(clients)}" if clients
                 else f"{rc.checkpoint_signal} to ranks" if target.may_signal_checkpoint and rc.checkpoint_signal

@@ -144,11 +144,12 @@ class Engine:
     def _schedule_dumps(self, t: float) -> None:
         if not self.cfg.stacks.enabled:
             return
+        wake = self._on_dump_done
         for js in self.state.jobs.values():
             if js.needs_stacks and js.job_id not in self._dumps:
                 fut = self._pool.submit(collect_stack_evidence, js.job_id, dict(js.rank_pids), self.cfg.stacks, t)
-                if self._on_dump_done is not None:
-                    fut.add_done_callback(lambda _f, wake=self._on_dump_done: wake())
+                if wake is not None:
+                    fut.add_done_callback(lambda _f: wake())
                 self._dumps[js.job_id] = fut
 
     def _check_configs(self, t: float) -> list[Finding]:
