@@ -27,6 +27,10 @@ from gpu_watchdog.store.fallback import FallbackStore
 
 log = logging.getLogger("gpu_watchdog.engine")
 
+# A wall clock that moved this much more (or less) than the monotonic clock between two ticks was stepped (NTP, an
+# admin): the detector's windows and streak timers, measured in sample time, start again from the next sample.
+CLOCK_STEP_S = 2.0
+
 Heartbeats = Callable[[], Mapping[str, Mapping[int, int]]]  # job → rank → last step the in-job client reported
 
 
@@ -69,6 +73,7 @@ class Engine:
         self.ticks_ok = 0
         self.ticks_failed = 0
         self.last_error = ""
+        self._last_clock: tuple[float, float] | None = None  # (sample time, monotonic) of the last good sample
         self._dumps: dict[str, Future[list[StackEvidence]]] = {}
         self._watches: dict[str, ConfigWatch] = {}
         self._healthy_since: dict[str, float] = {}
@@ -89,6 +94,7 @@ class Engine:
             sample = self.backend.sample()
         except Exception as e:  # NVML wedged or faulted, a psutil hiccup: a bad tick, never a dead agent
             return self._failed(str(e) or type(e).__name__)
+        self._check_clock(sample.t)
         try:
             sample = with_heartbeats(self._attribute(sample), self._heartbeats())
             state, findings = step(self.state, sample, self.cfg.detect, self._finished_dumps())
@@ -117,6 +123,19 @@ class Engine:
         self.health.tick_failed(cause, what="internal error")
         count_internal_error(self.metrics, "tick")
         return Tick(False, error=error)
+
+    def _check_clock(self, t: float) -> None:
+        """A stepped wall clock: back, and every window reads as too short (a rank's verdict freezes, a hang goes
+        unseen until the clock catches up); forward, and a short pause reads as an hour-long streak (a false
+        stall). Both: forget the windows and streaks; GPU faults already reported stay reported."""
+        mono = time.monotonic()
+        last, self._last_clock = self._last_clock, (t, mono)
+        if last is None:
+            return
+        step = (t - last[0]) - (mono - last[1])
+        if abs(step) > CLOCK_STEP_S:
+            log.warning("the wall clock was stepped by %+.0f s: detection windows start again", step)
+            self.state = DetectorState(faulted=self.state.faulted, fault_keys=self.state.fault_keys)
 
     def _failed(self, cause: str) -> Tick:
         error = f"sampling failed: {cause}"

@@ -39,32 +39,35 @@ class ProcBackend:
     name = "proc"
 
     def __init__(self, scanner: ProcessScanner, hostname: str, clock: Any = time.time,
-                 extra_pids: Any = None, min_window_s: float = DetectConfig.progress_min_window_s) -> None:
+                 extra_pids: Any = None, min_window_s: float = DetectConfig.progress_min_window_s,
+                 monotonic: Any = time.monotonic) -> None:
         self.scanner = scanner
         self.hostname = hostname
-        self._clock = clock
+        self._clock = clock  # the sample's time stamp (wall clock, for records)
+        self._monotonic = monotonic  # rate windows: a wall-clock step (NTP, an admin) must not distort them
         self._extra_pids = extra_pids or (lambda: ())
         # CPU time moves in 10 ms clock ticks: over the few tens of ms between a tick and the early one that
         # follows a stack dump, one clock tick reads as 25 % "busy" and restarts a stall's streak. A window
         # shorter than this keeps the previous baseline and value (as the detector does for rank progress).
         self.min_window_s = min_window_s
-        self._prev: dict[tuple[int, float], tuple[float, float, float | None]] = {}  # → (t, cpu_time_s, util)
+        self._prev: dict[tuple[int, float], tuple[float, float, float | None]] = {}  # → (mono, cpu_time_s, util)
 
     def sample(self) -> NodeSample:
         t = self._clock()
+        now = self._monotonic()
         procs, errors = self.scanner.sample(self._extra_pids())
         devices = []
         prev, self._prev = self._prev, {}
         for i, p in enumerate(p for p in procs if p.is_rank):
             key = (p.pid, p.create_time)
             util = None
-            if key in prev and t - prev[key][0] < self.min_window_s:
+            if key in prev and now - prev[key][0] < self.min_window_s:
                 self._prev[key] = prev[key]
                 util = prev[key][2]
             else:
-                if key in prev and t > prev[key][0]:
-                    util = min(100.0, max(0.0, 100.0 * (p.cpu_time_s - prev[key][1]) / (t - prev[key][0])))
-                self._prev[key] = (t, p.cpu_time_s, util)
+                if key in prev and now > prev[key][0]:
+                    util = min(100.0, max(0.0, 100.0 * (p.cpu_time_s - prev[key][1]) / (now - prev[key][0])))
+                self._prev[key] = (now, p.cpu_time_s, util)
             job = p.job.job_id if p.job else "unknown"
             rank = p.job.rank if p.job else None
             devices.append(DeviceSample(
