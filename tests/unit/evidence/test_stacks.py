@@ -168,6 +168,16 @@ def test_timeout_against_real_process_leaves_it_running(sleeper: int) -> None:
     assert dump_stacks([sleeper])[0].ok
 
 
+def test_py_spy_killed_from_outside_is_an_error_outcome(tmp_path: Path, sleeper: int) -> None:
+    """The OOM killer or an admin kills py-spy mid-dump: one failed outcome naming the signal; the target runs on
+    and the next dump works."""
+    fake = _fake_py_spy(tmp_path, "import signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    (r,) = dump_stacks([sleeper], py_spy=fake)
+    assert (r.outcome, r.detail) == ("error", "py-spy was killed by SIGKILL during the dump"), r
+    assert psutil.Process(sleeper).status() == psutil.STATUS_SLEEPING
+    assert dump_stacks([sleeper])[0].ok
+
+
 @pytest.mark.parametrize("text", [ROOT_DENIED, USER_DENIED], ids=["as-root", "as-user"])
 def test_permission_denied(tmp_path: Path, sleeper: int, text: str) -> None:
     fake = _fake_py_spy(tmp_path, f"sys.stderr.write({text!r})\nsys.exit(1)\n")

@@ -223,6 +223,8 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
     if _NOT_PYTHON_RE.search(err):
         return done("error", f"process {pid} is not a Python process py-spy can read: {_first_error_line(err)}",
                     raw)
+    if proc.returncode < 0:  # killed from outside (the OOM killer, an admin): the target was not left traced
+        return done("error", f"py-spy was killed by {signal.Signals(-proc.returncode).name} during the dump", raw)
     return done("error", f"py-spy exited {proc.returncode}: {_first_error_line(err)}", raw)
 
 
