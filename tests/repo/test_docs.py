@@ -143,3 +143,24 @@ def test_the_example_trace_replays_as_documented(tmp_path: Path) -> None:
 def test_every_model_field_is_in_the_trace_doc(cls: type) -> None:
     for f in dataclasses.fields(cls):
         assert f"`{f.name}`" in TRACE_DOC or re.search(rf"\b{f.name}\b", TRACE_DOC), f"{cls.__name__}.{f.name}"
+
+
+def test_every_test_docs_reliability_names_exists() -> None:
+    """The fault table (docs/reliability.md) cites tests; each must exist, or the fault suite silently shrinks."""
+    import ast
+
+    from reliability_refs import fault_tests
+
+    refs = fault_tests(REPO / "docs" / "reliability.md")
+    assert len(refs) >= 15
+    missing = []
+    for path, name in sorted(refs, key=lambda r: (r[0], r[1] or "")):
+        f = REPO / path
+        if not f.is_file():
+            missing.append(path)
+            continue
+        if name is not None:
+            defs = {n.name for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.FunctionDef)}
+            if name.split("[")[0] not in defs:
+                missing.append(f"{path}::{name}")
+    assert missing == []
