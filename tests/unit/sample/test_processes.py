@@ -382,7 +382,8 @@ def test_proc_backend_rates_need_a_minimum_window() -> None:
 
     now = [100.0]
     scanner = _ScriptedScanner()
-    backend = ProcBackend(scanner, "host", clock=lambda: now[0], min_window_s=0.5)  # type: ignore[arg-type]
+    backend = ProcBackend(scanner, "host", clock=lambda: now[0], monotonic=lambda: now[0],  # type: ignore[arg-type]
+                          min_window_s=0.5)
 
     def tick(at: float, cpu: float) -> float | None:
         now[0], scanner.cpu_time_s = at, cpu
@@ -394,7 +395,8 @@ def test_proc_backend_rates_need_a_minimum_window() -> None:
     assert tick(101.04, 5.01) == 0.0  # early tick: one clock tick, not 25 %
     assert tick(102.0, 5.01) == pytest.approx(1.0)  # measured from 101.0: 10 ms over 1 s
     assert tick(103.0, 5.51) == pytest.approx(50.0)
-    short = ProcBackend(scanner, "host", clock=lambda: now[0], min_window_s=0.0)  # type: ignore[arg-type]
+    short = ProcBackend(scanner, "host", clock=lambda: now[0], monotonic=lambda: now[0],  # type: ignore[arg-type]
+                        min_window_s=0.0)
     now[0], scanner.cpu_time_s = 103.0, 5.51
     short.sample()
     now[0], scanner.cpu_time_s = 103.04, 5.52
