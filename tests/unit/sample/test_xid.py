@@ -31,7 +31,7 @@ from gpu_watchdog.config.load import load_config
 from gpu_watchdog.config.schema import AgentConfig, Config, FaultsConfig, HookSpec, RecoveryConfig
 from gpu_watchdog.detect.detector import DetectorState, step
 from gpu_watchdog.errors import EXIT_GPU_FAULT, ConfigError
-from gpu_watchdog.launch.launcher import Launcher
+from gpu_watchdog.launch.launcher import Launcher, LaunchTarget
 from gpu_watchdog.model import DeviceSample, GpuFault, GpuProcess, JobIdentity, NodeSample, ProcessSample
 from gpu_watchdog.policy.drain import drain_reason
 from gpu_watchdog.policy.fallback import FallbackDecision
@@ -419,7 +419,7 @@ def launcher(cfg: Config, tmp_path: Path, hooks: dict[str, HookSpec] | None = No
 def policy_run(lc: Launcher, sample: NodeSample, child: subprocess.Popen[bytes]) -> tuple[int | None, list]:
     _, findings = step(DetectorState(), sample, lc.cfg.detect)
     [f] = findings
-    return lc.gpu_fault(f, sample, child), findings
+    return lc.gpu_fault(f, sample, LaunchTarget(lc, child, lc.control, 0)), findings
 
 
 def test_a_draining_xid_stops_the_job_drains_the_node_and_exits_74(tmp_path: Path,

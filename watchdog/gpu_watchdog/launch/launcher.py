@@ -191,9 +191,7 @@ class Launcher:
                 return self._exited(rc, seen.values(), exits, last_seen, target.attempt)
             if self.stop_signal is not None:
                 self.say(f"received {signal.Signals(self.stop_signal).name}: stopping the job")
-                res = stop_processes(target.processes(), self.cfg.recovery.stop_grace_s, reap=target.poll)
-                target.poll()
-                self.say(f"stopped the job: {res.detail}")
+                self._stop_now(target)
                 return _Outcome(exit_code=128 + self.stop_signal)
             tick = engine.tick()
             if tick.ok:
@@ -235,17 +233,19 @@ class Launcher:
         log.debug("internal error", exc_info=True)
         count_internal_error(self.metrics, "act")
         self.say(f"internal error ({type(e).__name__}: {e}); stopping the job, launch exits {EXIT_SOFTWARE}")
+        self._stop_now(target)
+        return _Outcome(exit_code=EXIT_SOFTWARE)
+
+    def _stop_now(self, target: LaunchTarget) -> None:
+        """The stop ladder on the whole job, no incident: launch is ending the run itself."""
         res = stop_processes(target.processes(), self.cfg.recovery.stop_grace_s, reap=target.poll)
         target.poll()
         self.say(f"stopped the job: {res.detail}")
-        return _Outcome(exit_code=EXIT_SOFTWARE)
 
     # -- acting ------------------------------------------------------------------------------------------
-    def gpu_fault(self, finding: Finding, sample: NodeSample, target: LaunchTarget | Any) -> int | None:
+    def gpu_fault(self, finding: Finding, sample: NodeSample, target: LaunchTarget) -> int | None:
         """A draining GPU fault: the job's processes on that GPU stop, the node drains; exit 74 when the job was
         on it (it must run elsewhere), else supervise on. An application Xid only records (respond's rule)."""
-        if not isinstance(target, LaunchTarget):  # a bare Popen (tests): this run's target
-            target = LaunchTarget(self, target, self.control, 0)
         if respond(finding, self.cfg, supervised=True).action == "record":
             self.record(finding, sample)
             return None
