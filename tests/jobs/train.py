@@ -81,12 +81,15 @@ def hand_to_workers(events: str | None, rank: int, step: int) -> None:
     results.get()  # the rank's main thread waits on its workers: a queue wait, the collective is elsewhere
 
 
-def start_fr_pipe(rank: int) -> None:
-    """Serve dump requests from a helper thread: the main thread may be blocked in a collective."""
+def start_fr_pipe(rank: int) -> threading.Event:
+    """Serve dump requests from a helper thread: the main thread may be blocked in a collective. The event is set
+    once the helper is warm (the first dump of recorded entries imports torch._dynamo) or when FR is off."""
+    warm = threading.Event()
     pipe_prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
     dump_prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
     if not pipe_prefix or not dump_prefix:
-        return
+        warm.set()
+        return warm
     path = f"{pipe_prefix}{rank}.pipe"
     if not os.path.exists(path):
         os.mkfifo(path)
@@ -96,6 +99,8 @@ def start_fr_pipe(rank: int) -> None:
     def serve() -> None:
         import select
 
+        import torch._dynamo  # noqa: F401  # a dump's symbolizing imports it (~10 s on a loaded box): pay it now
+        warm.set()
         while True:
             select.select([rfd], [], [])
             if not os.read(rfd, 4096):
@@ -107,6 +112,7 @@ def start_fr_pipe(rank: int) -> None:
             os.replace(tmp, f"{dump_prefix}{rank}")
 
     threading.Thread(target=serve, daemon=True, name="fr-pipe").start()
+    return warm
 
 
 def main() -> None:

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import os
 import pickle
+import re
 import shutil
 import stat
 from collections.abc import Iterable, Mapping
@@ -142,7 +144,7 @@ def collect_dumps(
                 continue
             target = dest / f"fr-rank-{rank}.pkl"
             tmp = target.with_suffix(".tmp")
-            shutil.copyfile(src, tmp)
+            shutil.copy2(src, tmp)  # keeps the mtime: the dump time, against which waits are measured
             os.replace(tmp, target)
         except OSError:
             continue  # vanished or unreadable: the other ranks still count
@@ -158,19 +160,53 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 def load_dump(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read one FR dump. Raises FlightRecorderError with one line naming the file on any problem."""
+    """Read one FR dump: the pickle torch writes, or the JSON of ``_dump_nccl_trace_json``. Raises
+    FlightRecorderError with one line naming the file on any problem."""
     p = Path(path)
     try:
         data = p.read_bytes()
     except OSError as e:
         raise FlightRecorderError(f"{p}: cannot read Flight Recorder dump: {e.strerror}") from e
     try:
-        obj = _PlainUnpickler(io.BytesIO(data)).load()
+        obj = json.loads(data) if data[:1] == b"{" else _PlainUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # any unpickling failure means "not a dump"
-        raise FlightRecorderError(f"{p}: not a Flight Recorder dump ({type(e).__name__}: {e})") from e
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise FlightRecorderError(f"{p}: not a Flight Recorder dump ({type(e).__name__}: {msg})") from e
     if not isinstance(obj, dict) or not isinstance(obj.get("entries"), list):
         raise FlightRecorderError(f"{p}: not a Flight Recorder dump (no 'entries' list)")
     return obj
+
+
+_DUMP_NAME = re.compile(r"^(?!.*\.(?:pipe|tmp)$).*?(\d+)(?:\.(?:pkl|pickle|json))?$")
+
+
+def dump_rank(path: str | os.PathLike[str], dump: Mapping[str, Any] | None = None) -> int | None:
+    """The global rank a dump belongs to: its ``rank`` field when it has one, else the trailing digits of its file
+    name (``<TORCH_FR_DUMP_TEMP_FILE prefix><rank>``, any prefix; ``fr-rank-<rank>.pkl`` in an incident)."""
+    if dump is not None:
+        r = dump.get("rank")
+        if isinstance(r, int) and not isinstance(r, bool) and r >= 0:
+            return r
+    m = _DUMP_NAME.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def dump_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """The regular files of ``directory`` named like FR dumps (trailing rank digits; FIFOs and temp files skipped)."""
+    d = Path(directory)
+    try:
+        names = sorted(os.listdir(d))
+    except OSError:
+        return []
+    out: list[Path] = []
+    for n in names:
+        p = d / n
+        try:
+            if _DUMP_NAME.match(n) and stat.S_ISREG(os.stat(p).st_mode):
+                out.append(p)
+        except OSError:
+            continue
+    return out
 
 
 def last_collective_seq(dump: Mapping[str, Any], pg: str = DEFAULT_PG) -> int:
