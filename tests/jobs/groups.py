@@ -9,13 +9,15 @@ group. At step ``--step-at`` rank ``--rank-at`` (the fault) does, by ``--scenari
   slow      waits ``--pause-s`` seconds (a long data load) before its TP all_reduce, then goes on (slow, not hung)
   missing   never enters its TP all_reduce (sleeps forever); its peers block, and ranks behind them block too
   chain     never enters its DP all_reduce: its DP peer blocks there, and through it the TP peers of both
-  mismatch  calls all_gather instead of its TP all_reduce, at the same sequence id as its TP peer. Gloo aborts
-            the job when the byte counts on the wire disagree (a size mismatch: ``gloo::EnforceNotMet``), so the
-            gather is sized to match the all_reduce's first ring exchange: the gatherer completes and goes on, its
-            peer waits in the all_reduce for an exchange that never comes
+  mismatch  calls all_gather instead of its TP all_reduce, at the same sequence id as its TP peer (gloo aborts
+            the job on a plain size mismatch, ``gloo::EnforceNotMet``; an op mismatch hangs instead)
   p2p       sends a tensor to its TP peer, which never receives it (the peer goes on to its TP all_reduce and
             waits there for the sender). Gloo records no send/recv in the Flight Recorder (torch 2.13): the dumps
             show the sender missing from the TP all_reduce, blocked on nobody
+``--functional`` issues every collective through functional collectives and blocks in ``wait_tensor``: every rank
+of a hung job then shows the same stack (as NCCL ranks all busy-wait in the same device sync), so only the Flight
+Recorder can tell them apart. With it, the mismatching all_gather completes against the first exchange of its
+peer's all_reduce and the gatherer runs on until its next TP all_reduce.
 Every rank serves Flight Recorder dumps on a FIFO (train.py's ``--fr-pipe`` helper) and logs JSON events
 ("start" with its pid, "step", "hang_onset") to ``--events``.
 """
@@ -28,8 +30,26 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from job_events import compute, log_event  # beside this script
 from train import start_fr_pipe  # beside this script
+
+
+def all_reduce(group: dist.ProcessGroup, functional: bool) -> None:
+    t = torch.ones(128)
+    if functional:
+        funcol.wait_tensor(funcol.all_reduce(t, "sum", group))
+    else:
+        dist.all_reduce(t, group=group)
+
+
+def all_gather(group: dist.ProcessGroup, functional: bool) -> None:
+    """2 x 64 floats: the byte count of a 128-float all_reduce's ring chunks (a size mismatch would abort gloo)."""
+    t = torch.ones(64)
+    if functional:
+        funcol.wait_tensor(funcol.all_gather_tensor(t, 0, group))
+    else:
+        dist.all_gather([torch.empty(64), torch.empty(64)], t, group=group)
 
 
 def main() -> None:
@@ -42,6 +62,7 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=0.0, help="compute time per step")
     ap.add_argument("--events", default=None)
     ap.add_argument("--workdir", default=".")
+    ap.add_argument("--functional", action="store_true", help="functional collectives, blocking in wait_tensor")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -56,7 +77,6 @@ def main() -> None:
     fr_ready.wait(120)  # a dump asked for during the steps comes at once, as NCCL's would
     log_event(args.events, rank=rank, step=0, event="start", pid=os.getpid())
     fault = rank == args.rank_at
-    t = torch.ones(128)
     for step in range(1, args.steps + 1):
         at = step == args.step_at
         compute(args.step_s)
@@ -69,14 +89,14 @@ def main() -> None:
                     time.sleep(3600)
             if args.scenario == "slow":
                 time.sleep(args.pause_s)  # a long data load: slow, not hung (and its FR helper thread can run)
-            if args.scenario == "mismatch":  # 2 x 64 floats: the 256-byte chunks of a 128-float ring all_reduce
-                dist.all_gather([torch.ones(64), torch.ones(64)], torch.ones(64), group=tp)
+            if args.scenario == "mismatch":
+                all_gather(tp, args.functional)
         if not (at and fault and args.scenario == "mismatch"):
-            dist.all_reduce(t, group=tp)
+            all_reduce(tp, args.functional)
         if at and fault and args.scenario == "chain":
             while True:
                 time.sleep(3600)
-        dist.all_reduce(t, group=dp)
+        all_reduce(dp, args.functional)
         log_event(args.events, rank=rank, step=step, event="step")
     log_event(args.events, rank=rank, step=args.steps, event="done")
     while True:  # stay alive, nothing in flight, until the test has dumped and killed the job

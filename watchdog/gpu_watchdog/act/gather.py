@@ -78,13 +78,17 @@ class EvidenceGatherer:
             behind = self._workers(inc, diag, stacks, rank_pids, job_id)
             out = Gathered(tuple(stacks), diag, behind or culprit)
         fr = self._flight_recorder(inc, rank_pids)
-        self._decide(inc, finding, diag, fr)
+        merged = self._decide(inc, finding, diag, fr)
+        if merged is not None and merged is not diag:  # the recovery acts on the merged verdict
+            out = Gathered(out.stacks, merged, out.culprit or _culprit_stack(merged, list(out.stacks)))
         out.report(inc)
         return out
 
-    def _decide(self, inc: Incident, finding: Finding, diag: Diagnosis | None, fr: FrAnalysis | None) -> None:
+    def _decide(self, inc: Incident, finding: Finding, diag: Diagnosis | None,
+                fr: FrAnalysis | None) -> Diagnosis | None:
         """One verdict over the evidence sources (``merge_evidence``): the stacks decide when they tell the ranks
-        apart, the Flight Recorder when they cannot (NCCL ranks all busy-waiting in the same device sync)."""
+        apart, the Flight Recorder when they cannot (NCCL ranks all busy-waiting in the same device sync). Returns
+        the diagnosis the recovery acts on: ``diag`` itself unless another source named the culprit."""
         verdict = merge_evidence(diag, fr)
         evidence = verdict.evidence or ("detector" if finding.culprit_ranks else None)
         inc.update(culprit_evidence=evidence, evidence_disagreements=list(verdict.disagreements))
@@ -93,13 +97,17 @@ class EvidenceGatherer:
                                         "process_groups": [g.as_json() for g in fr.groups],
                                         "ranks": list(fr.ranks), "no_dump": list(fr.no_dump),
                                         "versions": list(fr.versions)})
-        if verdict.evidence == FLIGHT_RECORDER:
-            stuck = next((g for g in fr.groups if g.kind != "in_progress"), None) if fr else None
-            inc.update(culprit_ranks=list(verdict.culprit_ranks), reason=verdict.reason,
-                       collective=inc.summary.get("collective") or (stuck.op if stuck else None))
-            self.ctx.say(f"culprit: {verdict.reason}")
         for line in verdict.disagreements:
             self.ctx.say(f"evidence disagrees: {line}")
+        if verdict.evidence != FLIGHT_RECORDER or fr is None:
+            return diag
+        stuck = [g for g in fr.groups if g.kind != "in_progress"]
+        collective = stuck[0].op if stuck else (diag.collective if diag else None)
+        desync = bool(diag and diag.desync) or any(g.kind == "mismatch" for g in stuck)
+        inc.update(culprit_ranks=list(verdict.culprit_ranks), reason=verdict.reason, collective=collective,
+                   desync=desync)
+        self.ctx.say(f"culprit: {verdict.reason}")
+        return Diagnosis(verdict.culprit_ranks, collective, verdict.reason, desync, diag.groups if diag else ())
 
     def _workers(self, inc: Incident, diag: Diagnosis, stacks: list[RankStack], rank_pids: dict[int, int],
                  job_id: str) -> RankStack | None:
