@@ -50,5 +50,5 @@ def test_sub_group_hang_with_identical_stacks_is_named_from_the_flight_recorder(
     dumps = sorted(p.name for p in (incident_dir / "flight-recorder").iterdir())
     assert dumps == ["fr-rank-0.pkl", "fr-rank-1.pkl", "fr-rank-2.pkl", "fr-rank-3.pkl"]
     text = io.StringIO()  # the stored incident reads back the same (every wait counts: the stall was confirmed)
-    assert main_analyze([str(incident_dir)], as_json=False, out=text, min_wait_s=0.0) == 0
+    assert main_analyze([str(incident_dir)], as_json=False, out=text) == 0
     assert text.getvalue().startswith("culprit: rank 1\n") and "evidence: flight recorder" in text.getvalue()

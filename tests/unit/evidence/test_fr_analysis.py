@@ -84,8 +84,10 @@ def test_healthy_and_merely_slow_jobs_name_nobody(tmp_path: Path, case: str) -> 
 
 
 def test_slow_case_is_a_hang_once_waited_long_enough(tmp_path: Path) -> None:
-    """The slow dumps only differ from a hang by how long the peers had waited: the threshold decides."""
+    """The slow dumps only differ from a hang by how long the peers had waited: the threshold decides. Dumps in an
+    incident were taken on a confirmed stall: there every wait counts."""
     assert analyze_json(case_dir(tmp_path, "slow"), min_wait_s=0.0)["culprit_ranks"] == [1]
+    assert analyze_json(_incident(tmp_path, "slow"))["culprit_ranks"] == [1]
 
 
 def test_text_output_for_the_person_on_call(tmp_path: Path) -> None:

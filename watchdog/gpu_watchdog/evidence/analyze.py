@@ -145,6 +145,7 @@ class Evidence:
 
     records: list[RankRecord]
     traces: list[RankTrace]
+    confirmed: bool = False  # some dumps come from an incident: the agent took them on a confirmed stall
 
 
 def _read_trace(path: Path) -> RankTrace:
@@ -167,13 +168,14 @@ def load_evidence(dirs: Iterable[str | os.PathLike[str]]) -> Evidence:
     Raises StacksNotFound (66) for a missing directory or one holding neither, BadStacksFile (65) for a bad file."""
     merged: dict[int, RankRecord] = {}
     traces: dict[int, RankTrace] = {}
-    any_dir = False
+    any_dir = confirmed = False
     for d in dirs:
         any_dir = True
         base = Path(d)
         if not base.is_dir():
             raise StacksNotFound(f"{d}: no such directory")
         files, dumps = _stack_files(base), _fr_files(base)
+        confirmed = confirmed or (bool(dumps) and fr_dir(base).is_dir())
         if not files and not dumps:
             raise StacksNotFound(f"{d}: no stacks/rank-<r>.json files and no Flight Recorder dumps "
                                  "(flight-recorder/<prefix><rank>, or <prefix><rank> files in the directory)")
@@ -187,7 +189,7 @@ def load_evidence(dirs: Iterable[str | os.PathLike[str]]) -> Evidence:
             traces[t.rank] = t  # the later directory wins, as for stacks
     if not any_dir:
         raise StacksNotFound("no directories given")
-    return Evidence([merged[r] for r in sorted(merged)], [traces[r] for r in sorted(traces)])
+    return Evidence([merged[r] for r in sorted(merged)], [traces[r] for r in sorted(traces)], confirmed)
 
 
 def load_records(dirs: Iterable[str | os.PathLike[str]]) -> list[RankRecord]:
@@ -222,7 +224,10 @@ class JobVerdict:
 
 
 def judge(ev: Evidence, *, min_wait_s: float = DEFAULT_MIN_WAIT_S) -> JobVerdict:
+    """The verdict over every source. Dumps of an incident were taken on a confirmed stall: every wait counts there
+    (as when the agent judged them), ``min_wait_s`` only guards raw dumps, which may catch a merely slow rank."""
     diag = diagnose_records(ev.records) if ev.records else None
+    min_wait_s = 0.0 if ev.confirmed else min_wait_s
     sizes = [r.world_size for r in ev.records if r.world_size is not None]
     fr = analyze_traces(ev.traces, world_size=max(sizes) if sizes else None, min_wait_s=min_wait_s) \
         if ev.traces else None
