@@ -15,7 +15,8 @@ torch 2.13 (CPU build, gloo):
     last_completed_collective}}), ``entries`` (each with ``collective_seq_id``, ``profiling_name``
     such as ``gloo:all_reduce``, ``process_group`` = (pg name, desc), ``frames``, ``input_sizes``…).
 We unpickle with an unpickler that refuses every class, so a planted file in /tmp runs no code.
-The shipped ``torchfrtrace`` analyzer crashes on gloo dumps; nothing here uses it.
+The shipped ``torchfrtrace`` analyzer crashes on gloo dumps; nothing here uses it: ``fr_analysis`` reads the dumps
+of every process group and names the culprit.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_DUMP_PREFIX = "/tmp/nccl_trace_rank_"
-DEFAULT_PG = "0"  # the default process group's name in dumps
 
 
 class FlightRecorderError(Exception):
@@ -207,39 +207,3 @@ def dump_files(directory: str | os.PathLike[str]) -> list[Path]:
         except OSError:
             continue
     return out
-
-
-def last_collective_seq(dump: Mapping[str, Any], pg: str = DEFAULT_PG) -> int:
-    """The last collective sequence id this rank enqueued on process group ``pg``: from ``pg_status``
-    when present (it survives the ring buffer wrapping), else the largest ``collective_seq_id`` among
-    the entries of that group; 0 when the rank recorded none."""
-    status = dump.get("pg_status")
-    if isinstance(status, Mapping) and isinstance(status.get(pg), Mapping):
-        v = status[pg].get("last_enqueued_collective")
-        if isinstance(v, int) and v >= 0:
-            return v
-    seqs = [
-        int(e.get("collective_seq_id", 0)) for e in dump.get("entries", ())
-        if isinstance(e, Mapping) and not e.get("is_p2p")
-        and str((e.get("process_group") or (DEFAULT_PG,))[0]) == pg
-    ]
-    return max(seqs, default=0)
-
-
-def lagging_ranks(
-    dumps: Mapping[int, Mapping[str, Any]], pg: str = DEFAULT_PG
-) -> tuple[dict[int, int], tuple[int, ...]]:
-    """({rank: last collective seq id}, ranks behind the maximum). The ranks behind never entered the
-    collective their peers are blocked in — the culprits, whatever their stacks show."""
-    last = {rank: last_collective_seq(d, pg) for rank, d in sorted(dumps.items())}
-    top = max(last.values(), default=0)
-    return last, tuple(r for r, s in last.items() if s < top)
-
-
-def last_entry(dump: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The newest entry (largest record id), e.g. to print ``profiling_name`` and ``input_sizes``."""
-    entries: list[Mapping[str, Any]] = [e for e in dump.get("entries", ()) if isinstance(e, Mapping)]
-    if not entries:
-        return None
-    newest = max(entries, key=lambda e: int(e.get("record_id", 0)))
-    return dict(newest)
