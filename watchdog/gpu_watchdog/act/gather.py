@@ -153,7 +153,8 @@ class EvidenceGatherer:
             deadline = time.monotonic() + (FR_WAIT_S if triggered else 0.0)
             while time.monotonic() < deadline and not _fresh(settings, rank_pids, asked_at):
                 time.sleep(0.2)
-            files = fr.collect_dumps(settings, fr_dir(inc.dir), newer_than=started)
+            # this job's ranks only, written since they started: another job may share the default dump prefix
+            files = fr.collect_dumps(settings, fr_dir(inc.dir), ranks=sorted(rank_pids), newer_than=started)
             traces = [read_trace(fr.load_dump(f), rank, f.stat().st_mtime)
                       for f in files if (rank := fr.dump_rank(f)) is not None]
         except Exception as e:  # diagnostics must never block recovery; a bad dump is "no evidence"
