@@ -313,7 +313,7 @@ FULL = Config(
                         drain_command=("/usr/bin/drain", "--node={node}", "{reason} \u00e9 \\{{x}}"),
                         drain_hook="node-drain", drain_timeout_s=9.0),
     daemon=DaemonSettings(control_socket="/tmp/gw/c.sock", socket_group="", allowed_uids=(1000, 1001),
-                          allowed_gids=(2000,), allow_root=False, max_request_bytes=4096, preempt_timeout_s=5.0,
+                          allowed_gids=(2000,), allow_root=False, max_request_bytes=4096, preempt_timeout_s=5.0, peer_timeout_s=7.0,
                           stop_unregistered=True, incident_max_age_days=1.5, incident_max_total_mb=64.0,
                           housekeeping_interval_s=30.0),
     hooks={

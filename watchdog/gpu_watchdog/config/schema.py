@@ -142,6 +142,7 @@ class DaemonSettings:
     allow_root: bool = True  # root (uid 0) is always allowed; false only for tests
     max_request_bytes: int = 65536
     preempt_timeout_s: float = 60.0  # longest wait for a job's checkpoint acknowledgement
+    peer_timeout_s: float = 30.0  # a control-socket peer silent this long (mid-request or idle) is dropped
     stop_unregistered: bool = False  # stop stalled jobs nobody registered (there is no way to restart them)
     incident_max_age_days: float = 30.0  # housekeeping: incident directories older than this are removed
     incident_max_total_mb: float = 2048.0  # ... and the oldest go until all incidents fit in this
