@@ -1,8 +1,8 @@
 """The ``gpu-watchdog`` command line. Parsing and dispatch only; each command's work lives in its module.
 
 Exit codes (README "Exit codes"): 0 ok, 1 failure, 64 bad arguments, 65 bad trace data, 66 missing input,
-69 backend unavailable, 78 bad config; ``launch`` exits with the job's own code (or 75 when the restart
-budget is spent, 74 when a GPU of the job faulted and the node was drained).
+69 backend unavailable (``ras``: no RAS socket answers), 78 bad config; ``launch`` exits with the job's own
+code (or 75 when the restart budget is spent, 74 when a GPU of the job faulted and the node was drained).
 """
 
 from __future__ import annotations
@@ -268,3 +268,12 @@ def _register_daemon_commands(sub: Any) -> None:
 
 
 _EXTRA_COMMANDS.append(_register_daemon_commands)
+
+
+def _register_ras_command(sub: Any) -> None:
+    from gpu_watchdog.cli.ras import register
+
+    register(sub)
+
+
+_EXTRA_COMMANDS.append(_register_ras_command)

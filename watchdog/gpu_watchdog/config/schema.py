@@ -128,6 +128,17 @@ class FaultsConfig:
     drain_timeout_s: float = 60.0  # drain_command's timeout (a drain_hook has its own timeout_s)
 
 
+@dataclass(frozen=True)
+class RasConfig:
+    """``[ras]``: NCCL's RAS socket, asked only while a job is suspect or stalled (docs/nccl-ras.md)."""
+
+    enabled: str = "auto"  # auto: jobs whose ranks load libnccl or set NCCL_RAS_ADDR | on: every job | off
+    addr: str = ""  # HOST:PORT; empty: the ranks' NCCL_RAS_ADDR, else localhost:28028 (NCCL's default)
+    timeout_s: float = 10.0  # one query end to end (connect, handshake, report); RAS is asked for 40% of it
+    poll_interval_s: float = 5.0  # at most one query this often per suspect or stalled job
+    confirm_gap_s: float = 2.0  # the two queries an incident compares are at least this far apart
+
+
 DEFAULT_SOCKET = "/run/gpu-watchdog/control.sock"
 
 
@@ -178,6 +189,7 @@ class Config:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     fallback: FallbackConfig = field(default_factory=FallbackConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    ras: RasConfig = field(default_factory=RasConfig)
     daemon: DaemonSettings = field(default_factory=DaemonSettings)
     hooks: Mapping[str, HookSpec] = field(default_factory=dict)  # [hooks.NAME] by NAME
 
@@ -190,6 +202,7 @@ SECTIONS: dict[str, type] = {
     "recovery": RecoveryConfig,
     "fallback": FallbackConfig,
     "faults": FaultsConfig,
+    "ras": RasConfig,
     "daemon": DaemonSettings,
 }
 
