@@ -123,7 +123,7 @@ class _Conn:
 
 
 def _why(e: OSError) -> str:
-    if isinstance(e, socket.timeout):
+    if isinstance(e, TimeoutError):
         return "timed out"
     return e.strerror or type(e).__name__
 
