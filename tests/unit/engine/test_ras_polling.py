@@ -35,7 +35,7 @@ def test_only_suspect_and_stalled_jobs_are_asked(tmp_path: Path) -> None:
         assert s.connections == 0 and e.ras.jobs() == set()
         e._poll_ras(jobs(c=SUSPECT, d=STALLED))
         wait_for(lambda: s.connections == 2, 10, "one query per suspect or stalled job")
-        wait_for(lambda: all(e.ras.evidence(j) and e.ras.evidence(j).polls for j in "cd"), 10, "both polls kept")
+        wait_for(lambda: all((ev := e.ras.evidence(j)) is not None and ev.polls for j in "cd"), 10, "both kept")
         e._poll_ras(jobs(c=SUSPECT, d=STALLED))  # within poll_interval_s: not again
         time.sleep(0.3)
         assert s.connections == 2

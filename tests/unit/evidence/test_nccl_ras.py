@@ -9,6 +9,7 @@ import time
 import pytest
 from gpu_watchdog.errors import EXIT_UNAVAILABLE, UsageError
 from gpu_watchdog.evidence.nccl_ras import (
+    RasReply,
     RasReportError,
     RasUnavailable,
     analyze_report,
@@ -29,8 +30,8 @@ def world(n: int, counts: dict[int, dict[str, int]] | None = None, host: str = "
             for r in range(n)]
 
 
-def ask(report: str, **kw: object) -> tuple[object, list[str]]:
-    with RasStandIn([report], **kw) as s:  # type: ignore[arg-type]
+def ask(report: str, as_json: bool = True) -> tuple[RasReply, list[str]]:
+    with RasStandIn([report], json=as_json) as s:
         reply = query(s.addr, 5.0)
         return reply, s.commands
 
@@ -38,12 +39,12 @@ def ask(report: str, **kw: object) -> tuple[object, list[str]]:
 def test_protocol_exchange_is_ncclras_own() -> None:
     reply, commands = ask(report_json([Comm(0x1, 4, world(4))]))
     assert commands == ["CLIENT PROTOCOL 2", "TIMEOUT 2", "SET FORMAT json", "STATUS"]
-    assert reply.format == "json" and reply.server_protocol == 2 and reply.note == ""  # type: ignore[attr-defined]
+    assert reply.format == "json" and reply.server_protocol == 2 and reply.note == ""
 
 
 def test_healthy_job_has_nothing_wrong() -> None:
     reply, _ = ask(report_json([Comm(0x1, 4, world(4)), Comm(0x2, 2, world(2))]))
-    a = analyze_report(read_reply(reply))  # type: ignore[arg-type]
+    a = analyze_report(read_reply(reply))
     assert a.healthy and a.culprit_ranks == [] and a.suspects == ()
     assert [c.size for c in a.report.communicators] == [4, 2]
 
@@ -110,10 +111,10 @@ def test_nccl_2_28_9_missing_comma_is_repaired_and_nothing_else_is() -> None:
 
 
 def test_old_text_only_server_reports_what_it_can_and_never_crashes() -> None:
-    reply, commands = ask("", json=False)
+    reply, commands = ask("", as_json=False)
     assert commands[2] == "SET FORMAT json" and commands[-1] == "STATUS"
-    assert reply.format == "text" and "RAS text only" in reply.note  # type: ignore[attr-defined]
-    a = analyze_report(read_reply(reply))  # type: ignore[arg-type]
+    assert reply.format == "text" and "RAS text only" in reply.note
+    a = analyze_report(read_reply(reply))
     assert a.report.text_only and a.report.nccl_version == "2.26.2"
     assert not a.healthy and a.culprit_ranks == []
     assert any(f.startswith("DEAD: 1 job process") for f in a.report.text_findings)
