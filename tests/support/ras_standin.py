@@ -133,7 +133,7 @@ class RasStandIn:
     """Serves ``reports`` (one per connection, the last repeated) on 127.0.0.1, a free port, until closed."""
 
     def __init__(self, reports: Sequence[str] = (), *, text: str = OLD_TEXT_REPORT, json: bool = True,
-                 hang: bool = False) -> None:
+                 hang: bool = False, port: int = 0) -> None:
         self.reports = list(reports)
         self.text = text
         self.json = json
@@ -142,7 +142,7 @@ class RasStandIn:
         self.connections = 0
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock.bind(("127.0.0.1", port))
         self._sock.listen(16)
         self._sock.settimeout(0.05)  # accept() wakes up to see close()
         self.port = self._sock.getsockname()[1]
@@ -221,3 +221,23 @@ class RasStandIn:
                         return  # the server closes after the report
                     else:
                         conn.sendall(f"ERROR: Unknown command {cmd}\n".encode())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+if __name__ == "__main__":
+    # A stand-in "rank process" that serves RAS itself, as every NCCL process does:
+    #   NCCL_RAS_ADDR=127.0.0.1:PORT python ras_standin.py REPORT_FILE
+    import os
+    import sys
+    import time
+
+    with open(sys.argv[1]) as f:
+        report = f.read()
+    with RasStandIn([report], port=int(os.environ["NCCL_RAS_ADDR"].rpartition(":")[2])):
+        print("ready", flush=True)
+        time.sleep(120)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,14 +27,14 @@ def stuck_report() -> str:
                                       Rank(1, pid=201, cuda_dev=1, counts={"AllReduce": 10})])])
 
 
-def gather(tmp_path: Path, ras: RasConfig) -> dict:
+def gather(tmp_path: Path, ras: RasConfig, rank_pid: int | None = None) -> dict:
     cfg = replace(Config(), stacks=StacksConfig(enabled=False),
                   ras=replace(ras, timeout_s=2.0, confirm_gap_s=0.05))
     ctx = ActContext(cfg, "node", IncidentStore(tmp_path), FallbackStore(tmp_path))
     now = time.time()
     finding = Finding("stall", "idle_held", "job", (0, 1), (), now - 5, now)
     inc = ctx.open_incident(finding)
-    status = JobStatus("job", STALLED, rank_pids={0: os.getpid()})
+    status = JobStatus("job", STALLED, rank_pids={0: rank_pid or os.getpid()})
     EvidenceGatherer(ctx).gather(inc, finding, status, NodeSample(now, "node", "proc"))
     return {"summary": json.loads((inc.dir / "summary.json").read_text()), "dir": inc.dir}
 
@@ -53,7 +55,14 @@ def test_a_stalled_jobs_incident_records_ras_evidence(tmp_path: Path) -> None:
 
 def test_a_job_not_asked_gets_no_ras_action(tmp_path: Path) -> None:
     with RasStandIn([stuck_report()]) as s:
-        got = gather(tmp_path, RasConfig(enabled="auto", addr=s.addr))  # this process loads no libnccl
+        # A gloo rank whose NCCL_RAS_ADDR names a live RAS server it does not serve itself: auto asks nothing.
+        rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                env=dict(os.environ, NCCL_RAS_ADDR=s.addr))
+        try:
+            got = gather(tmp_path, RasConfig(enabled="auto"), rank.pid)
+        finally:
+            rank.kill()
+            rank.wait()
         assert s.connections == 0
     assert not (got["dir"] / "ras.json").exists()
     assert all(a["action"] != "nccl_ras" for a in got["summary"]["actions"])

@@ -10,13 +10,15 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+import ras_standin
 from gpu_watchdog.config.schema import RasConfig
 from gpu_watchdog.evidence.nccl_ras import DEFAULT_ADDR, parse_report
 from gpu_watchdog.evidence.ras_poll import RasPoller, compare_polls, hung_communicators, poll_once, ras_target
-from ras_standin import Comm, Missing, Rank, RasStandIn, report_json
+from ras_standin import Comm, Missing, Rank, RasStandIn, free_port, report_json
 from waiting import wait_for
 
 
@@ -113,28 +115,57 @@ def test_compare_polls_needs_two_readable_reports() -> None:
 
 
 @pytest.fixture()
-def nccl_env_child() -> Iterator[int]:
-    env = dict(os.environ, NCCL_RAS_ADDR="127.0.0.1:28999")
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
-    try:
-        yield child.pid
-    finally:
+def rank_procs(tmp_path: Path) -> Iterator[Callable[..., int]]:
+    """Start stand-in rank processes: ``serve=True`` serves RAS at its NCCL_RAS_ADDR as an NCCL process does;
+    ``serve=False`` is a plain process with the same environment (a gloo rank)."""
+    children: list[subprocess.Popen[str]] = []
+
+    def start(addr: str, report: str = "", serve: bool = True) -> int:
+        env = dict(os.environ, NCCL_RAS_ADDR=addr)
+        if serve:
+            (tmp_path / "report.json").write_text(report)
+            argv = [sys.executable, str(Path(ras_standin.__file__)), str(tmp_path / "report.json")]
+        else:
+            argv = [sys.executable, "-c", "print('ready', flush=True); import time; time.sleep(120)"]
+        child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+        children.append(child)
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        return child.pid
+
+    yield start
+    for child in children:
         child.kill()
         child.wait()
 
 
-def test_which_jobs_are_asked_and_where(nccl_env_child: int) -> None:
-    me = [os.getpid()]  # this test process: no libnccl loaded, no NCCL_RAS_ADDR (a gloo job's view)
-    assert ras_target(RasConfig(enabled="auto"), me) is None
-    assert ras_target(RasConfig(enabled="off"), [nccl_env_child]) is None
-    assert ras_target(RasConfig(enabled="on"), me) == os.environ.get("NCCL_RAS_ADDR", DEFAULT_ADDR)
-    assert ras_target(RasConfig(enabled="auto"), [nccl_env_child]) == "127.0.0.1:28999"
-    assert ras_target(RasConfig(enabled="auto", addr="10.1.1.1:1"), [nccl_env_child]) == "10.1.1.1:1"
+def test_auto_asks_only_jobs_whose_ranks_serve_ras(rank_procs: Callable[..., int]) -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    nccl_rank = rank_procs(addr, job([4, 4, 3, 4]))
+    auto = RasPoller(lambda: RasConfig(enabled="auto", timeout_s=2.0, confirm_gap_s=0.05))
+    assert auto.address("nccl", {0: nccl_rank}) == addr
+    assert auto.incident_evidence("nccl", {0: nccl_rank}, 4).culprit_ranks == [2]
+    gloo_rank = rank_procs(f"127.0.0.1:{free_port()}", serve=False)
+    assert auto.address("gloo", {0: gloo_rank}) is None
 
 
-def test_a_job_not_asked_gets_no_connection() -> None:
+def test_which_jobs_are_asked_and_where(rank_procs: Callable[..., int]) -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    serving = rank_procs(addr, job([1, 1, 1, 1]))
+    quiet = rank_procs(addr, serve=False)
+    assert ras_target(RasConfig(enabled="off"), [serving]) is None
+    assert ras_target(RasConfig(enabled="auto"), [quiet]) is None
+    assert ras_target(RasConfig(enabled="auto"), [quiet, serving]) == addr  # any rank of the node serving it
+    assert ras_target(RasConfig(enabled="on"), [quiet]) == addr
+    assert ras_target(RasConfig(enabled="on", addr="10.1.1.1:1"), [quiet]) == "10.1.1.1:1"
+    assert ras_target(RasConfig(enabled="on"), [os.getpid()]) == os.environ.get("NCCL_RAS_ADDR", DEFAULT_ADDR)
+
+
+def test_a_job_not_asked_gets_no_connection(rank_procs: Callable[..., int]) -> None:
     with RasStandIn([job([1, 1, 1, 1])]) as s:
-        p = RasPoller(lambda: RasConfig(enabled="auto", addr=s.addr))  # this process loads no libnccl
-        p.poll_due("j", ME)
+        gloo_rank = rank_procs(s.addr, serve=False)  # its NCCL_RAS_ADDR points at a RAS server it does not run
+        p = RasPoller(lambda: RasConfig(enabled="auto", poll_interval_s=0.05))
+        p.poll_due("j", {0: gloo_rank})
         time.sleep(0.3)
-        assert p.address("j", ME) is None and p.evidence("j") is None and s.connections == 0
+        p.poll_due("j", {0: gloo_rank})
+        time.sleep(0.3)
+        assert p.address("j", {0: gloo_rank}) is None and p.evidence("j") is None and s.connections == 0

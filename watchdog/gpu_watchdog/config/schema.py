@@ -132,7 +132,7 @@ class FaultsConfig:
 class RasConfig:
     """``[ras]``: NCCL's RAS socket, asked only while a job is suspect or stalled (docs/nccl-ras.md)."""
 
-    enabled: str = "auto"  # auto: jobs whose ranks load libnccl or set NCCL_RAS_ADDR | on: every job | off
+    enabled: str = "auto"  # auto: jobs with a rank listening on the RAS port | on: every job | off: never
     addr: str = ""  # HOST:PORT; empty: the ranks' NCCL_RAS_ADDR, else localhost:28028 (NCCL's default)
     timeout_s: float = 10.0  # one query end to end (connect, handshake, report); RAS is asked for 40% of it
     poll_interval_s: float = 5.0  # at most one query this often per suspect or stalled job

@@ -31,6 +31,7 @@ from gpu_watchdog.evidence.nccl_ras import (
     RasReport,
     analyze_report,
     behind_ranks,
+    parse_addr,
     query,
     read_reply,
 )
@@ -151,23 +152,33 @@ def _environ(pid: int) -> dict[str, str]:
         return {}
 
 
-def _loads_nccl(pid: int) -> bool:
+def _listens_on(pid: int, port: int) -> bool:
+    """Whether the process has a listening TCP socket on ``port``: every NCCL process with RAS running binds the
+    RAS client port (SO_REUSEPORT), so this is "RAS answers for this job" without connecting anywhere."""
     try:
-        with open(f"/proc/{pid}/maps", "rb") as f:
-            return any(b"libnccl" in line for line in f)
-    except OSError:
+        import psutil
+
+        proc = psutil.Process(pid)
+        conns = (getattr(proc, "net_connections", None) or proc.connections)(kind="inet")
+        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns)
+    except Exception:
         return False
 
 
 def ras_target(cfg: RasConfig, pids: list[int]) -> str | None:
-    """The RAS address to ask about a job of these rank processes, or None when it is not asked at all
-    (``off``; ``auto`` and no rank loads libnccl nor sets NCCL_RAS_ADDR: a gloo job has no RAS socket)."""
+    """The RAS address to ask about a job of these rank processes, or None when it is not asked: ``off``, or
+    ``auto`` and no rank listens on the RAS port (a gloo job, NCCL not initialised yet, NCCL_RAS_ENABLE=0)."""
     if cfg.enabled == "off" or not pids:
         return None
-    env = _environ(pids[0])
-    if cfg.enabled == "auto" and ADDR_ENV not in env and not any(_loads_nccl(p) for p in pids):
-        return None
-    return cfg.addr or env.get(ADDR_ENV) or DEFAULT_ADDR
+    addr = cfg.addr or _environ(pids[0]).get(ADDR_ENV) or DEFAULT_ADDR
+    if cfg.enabled == "auto":
+        try:
+            port = parse_addr(addr)[1]
+        except WatchdogError:
+            return None  # a job's own NCCL_RAS_ADDR that NCCL would refuse too
+        if not any(_listens_on(p, port) for p in pids):
+            return None
+    return addr
 
 
 def local_rank_map(rank_pids: Mapping[int, int]) -> dict[HostPid, int]:
@@ -205,15 +216,18 @@ class RasPoller:
         self._inflight: set[str] = set()
 
     def _job(self, job_id: str, rank_pids: Mapping[int, int]) -> _JobRas:
-        """The job's state; a new set of rank pids (a restart) starts afresh, its address looked up again."""
+        """The job's state. Its address is looked up again for a new set of rank pids (a restart) and while none
+        was found (RAS may start later: NCCL initialises on the first collective)."""
         pids = tuple(pid for _, pid in sorted(rank_pids.items()))
         with self._lock:
             js = self._jobs.get(job_id)
-            if js is not None and js.pids == pids:
+            if js is not None and js.pids == pids and js.addr is not None:
                 return js
-        js = _JobRas(pids, self._target(self._cfg(), list(pids)))
+        addr = self._target(self._cfg(), list(pids))
         with self._lock:
-            self._jobs[job_id] = js
+            if js is None or js.pids != pids:
+                js = self._jobs[job_id] = _JobRas(pids, addr)
+            js.addr = addr
         return js
 
     def poll_due(self, job_id: str, rank_pids: Mapping[int, int]) -> None:
@@ -234,8 +248,8 @@ class RasPoller:
         try:
             js = self._job(job_id, rank_pids)
             cfg = self._cfg()
-            if js.addr is None:
-                js.next_at = float("inf")  # not an NCCL job: never asked (a restart with new pids looks again)
+            if js.addr is None:  # not asked (no RAS socket in the job): look again after poll_interval_s
+                js.next_at = time.monotonic() + cfg.poll_interval_s
                 return
             poll = poll_once(js.addr, cfg.timeout_s, self._query)
             if poll.error:
