@@ -1,6 +1,7 @@
 """An incident's evidence, gathered the same way for every stall: a fresh py-spy dump of every rank kept raw in
 the incident, the diagnosis that names the culprit, the workers of a culprit waiting on them, Flight Recorder
-dumps when the job configured them, and the readable report."""
+dumps when the job configured them, NCCL RAS for jobs that serve it (two polls compared, ``ras.json``), and the
+readable report."""
 
 from __future__ import annotations
 
@@ -129,7 +130,6 @@ class EvidenceGatherer:
             inc.end_action(entry, bool(files), f"{len(files)} dump(s) collected, {len(triggered)} triggered")
         except Exception as e:  # diagnostics must never block recovery
             inc.end_action(entry, False, f"flight recorder: {e}")
-
 
     def _nccl_ras(self, inc: Incident, job_id: str, rank_pids: dict[int, int], sample: NodeSample) -> None:
         """NCCL RAS, two polls compared (evidence.ras_poll): ``ras.json`` in the incident and ``ras_culprit_ranks``
