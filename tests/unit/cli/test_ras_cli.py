@@ -91,3 +91,15 @@ def test_unreadable_report_exits_65_with_one_line(capsys: pytest.CaptureFixture[
         assert main(["ras", "--addr", s.addr]) == 65
     err = capsys.readouterr().err.strip()
     assert err.startswith("gpu-watchdog: RAS report is not valid JSON") and "\n" not in err
+
+
+def test_a_large_loss_stays_readable_in_text_and_complete_in_json(capsys: pytest.CaptureFixture[str]) -> None:
+    # An 80-rank job whose last 24 ranks are dead: 24 missing in the job-wide communicator, 16 shown.
+    ranks = [Rank(r, host=f"10.0.0.{r // 8}", pid=100 + r, counts={"AllReduce": 5}) for r in range(56)]
+    lost = [Missing(r, host=f"10.0.0.{r // 8}", pid=100 + r, dead=True) for r in range(56, 80)]
+    with RasStandIn([report_json([Comm(0x1, 80, ranks, lost)])]) as s:
+        assert main(["ras", "--addr", s.addr]) == 0
+        assert main(["ras", "--addr", s.addr, "--json"]) == 0
+    text, js = capsys.readouterr().out.split("{", 1)
+    assert "... and 8 more (--json lists them all)" in text and text.count(" missing (") == 16
+    assert json.loads("{" + js)["culprit_ranks"] == list(range(56, 80))

@@ -439,6 +439,9 @@ def analyze_report(report: RasReport, rank_map: Mapping[HostPid, int] | None = N
     return RasAnalysis(report, tuple(suspects), tuple(behind_ids), tuple(missing_ids))
 
 
+_SHOWN_PER_COMM = 16  # a lost node of a large job is missing from every communicator: keep the text readable
+
+
 def format_analysis(a: RasAnalysis, addr: str) -> str:
     """The readable form: one block per communicator with a problem, then the verdict."""
     rep = a.report
@@ -455,7 +458,7 @@ def format_analysis(a: RasAnalysis, addr: str) -> str:
         state = "ok" if not mine else "PROBLEM"
         lines.append(f"  comm {c.hash} size {c.size}: {len(c.ranks)} rank(s) reported, "
                      f"{len(c.missing_ranks)} missing - {state}")
-        for s in mine:
+        for s in mine[:_SHOWN_PER_COMM]:
             who = f"rank {s.rank}" + (f" (global {s.global_rank})" if s.global_rank is not None else "")
             where = f"pid {s.pid} on {s.host}" if s.pid >= 0 else "process unknown"
             if s.why == "behind":
@@ -464,6 +467,8 @@ def format_analysis(a: RasAnalysis, addr: str) -> str:
             else:
                 flags = [f for f, on in (("unresponsive", s.unresponsive), ("dead", s.considered_dead)) if on]
                 lines.append(f"    {who} missing{' (' + ', '.join(flags) + ')' if flags else ''} ({where})")
+        if len(mine) > _SHOWN_PER_COMM:
+            lines.append(f"    ... and {len(mine) - _SHOWN_PER_COMM} more (--json lists them all)")
     if a.healthy:
         lines.append("nothing wrong: every communicator's ranks are present with equal collective counts")
     else:
