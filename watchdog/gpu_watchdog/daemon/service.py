@@ -128,6 +128,7 @@ class Daemon:
             self._engine = Engine(self.cfg, self.backend, self.fallback, self._pool, health=self.health,
                                   metrics=self.metrics, heartbeats=self._heartbeats,
                                   attribute=self.registry.attribute, say=self._log_info)
+            self.ctx.recent = self._engine.recent
         return self._engine
 
     @property
