@@ -85,11 +85,8 @@ def _png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", raw[16:24])
 
 
-def test_plot_writes_a_png_and_an_svg(tmp_path: Path) -> None:
+def test_plot_writes_an_svg(tmp_path: Path) -> None:
     summary, d = _incident(tmp_path / "state", "proc-hang.trace")
-    png = plot_incident(summary, d, tmp_path / "inc.png", DetectConfig())
-    w, h = _png_size(png)
-    assert 800 <= w <= 2000 and 600 <= h <= 1600 and png.stat().st_size > 20_000
     svg = plot_incident(summary, d, tmp_path / "inc.svg", DetectConfig())
     assert svg.read_text().lstrip().startswith("<?xml") and "<svg" in svg.read_text()[:2000]
 
@@ -107,7 +104,9 @@ def test_cli_plot_names_the_picture_and_rejects_bad_input_in_one_line(tmp_path: 
     show = ["incidents", "show", summary["id"], "--state-dir", str(state)]
     code, out, err = _cli(capsys, *show, "--plot", str(tmp_path / "x.png"))
     assert code == 0, err
-    assert out.rstrip().endswith(f"picture: {tmp_path / 'x.png'}") and _png_size(tmp_path / "x.png")
+    assert out.rstrip().endswith(f"picture: {tmp_path / 'x.png'}")
+    w, h = _png_size(tmp_path / "x.png")  # a real PNG, of a size a person can read
+    assert 800 <= w <= 2000 and 600 <= h <= 1600 and (tmp_path / "x.png").stat().st_size > 20_000
     for argv, want, words in (
         ([*show, "--plot", str(tmp_path / "x.jpg")], EXIT_USAGE, "must end in .png or .svg"),
         ([*show, "--plot", str(tmp_path / "no" / "x.png")], EXIT_USAGE, "cannot write"),

@@ -129,8 +129,9 @@ def build_figure(tl: IncidentTimeline) -> Any:
         raise MissingExtra("--plot needs matplotlib: pip install 'gpu-watchdog[plot]'") from None
     s = tl.summary
     proc = tl.backend == "proc"
+    has_power = any(y is not None for rs in tl.ranks.values() for y in rs.power_w)
     fig = Figure(figsize=(12, 9), layout="constrained")
-    axes = fig.subplots(4, 1, sharex=True, height_ratios=(3, 2, 2, 2))
+    axes = fig.subplots(4, 1, sharex=True, height_ratios=(3, 2, 2 if has_power else 0.6, 2))
     culprits = set(s.get("culprit_ranks") or [])
     titles = ("CPU % of the rank's process tree" if proc else "GPU utilization %",
               "memory (RSS), GiB" if proc else "GPU memory used, GiB", "power, W", "rank state (detector)")
@@ -157,7 +158,7 @@ def build_figure(tl: IncidentTimeline) -> Any:
             ax.axvspan(start, max(end, start + 0.5), color="gold" if what == SUSPECT else "tomato", alpha=0.18,
                        linewidth=0)
     axes[0].set_ylim(-2, 105)
-    if not any(y is not None for rs in tl.ranks.values() for y in rs.power_w):
+    if not has_power:
         axes[2].text(0.5, 0.5, "no power reading" + (" (proc backend: no GPU)" if proc else ""),
                      transform=axes[2].transAxes, ha="center", va="center", color="gray")
         axes[2].set_yticks([])
