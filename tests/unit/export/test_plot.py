@@ -59,6 +59,7 @@ def test_the_figure_has_a_panel_per_measure_a_line_per_rank_and_every_mark(tmp_p
     assert "CPU %" in util.get_ylabel() and "RSS" in mem.get_ylabel() and "state" in state.get_ylabel()
     ranks_drawn = [ln.get_label() for ln in util.lines if ln.get_label().startswith("rank")]
     assert ranks_drawn == ["rank 0", "rank 1 (culprit)", "rank 2", "rank 3"]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ranks_drawn
     assert max(ln.get_linewidth() for ln in util.lines if "culprit" in ln.get_label()) > 2
     vlines = [ln for ln in util.lines if not ln.get_label().startswith("rank")]
     assert len(vlines) == len(tl.marks)  # one per onset, confirmation, action

@@ -157,7 +157,7 @@ def build_figure(tl: IncidentTimeline) -> Any:
         for start, end, what in tl.job_spans:
             ax.axvspan(start, max(end, start + 0.5), color="gold" if what == SUSPECT else "tomato", alpha=0.18,
                        linewidth=0)
-    axes[0].set_ylim(-2, 105)
+    axes[0].set_ylim(-3, 112)
     if not has_power:
         axes[2].text(0.5, 0.5, "no power reading" + (" (proc backend: no GPU)" if proc else ""),
                      transform=axes[2].transAxes, ha="center", va="center", color="gray")
@@ -174,11 +174,13 @@ def build_figure(tl: IncidentTimeline) -> Any:
         axes[0].annotate(text, (t, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
                          fontsize=8, color="black", xytext=(-2, -2), textcoords="offset points",
                          bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none", "pad": 1})
-    if tl.ranks:
-        end = max(rs.t[-1] for rs in tl.ranks.values() if rs.t) if any(rs.t for rs in tl.ranks.values()) else 0.0
-        axes[1].annotate("trace ends at confirmation", (end, 0.02), xycoords=("data", "axes fraction"), fontsize=7,
+    confirmed = dict((label, t) for t, label in tl.marks).get("confirmed")
+    last = max((rs.t[-1] for rs in tl.ranks.values() if rs.t), default=None)
+    if last is not None and confirmed is not None and abs(last - confirmed) < 2.0:  # what an incident's trace holds
+        axes[1].annotate("trace ends at confirmation", (last, 0.02), xycoords=("data", "axes fraction"), fontsize=7,
                          color="gray", ha="left", xytext=(3, 0), textcoords="offset points")
-    axes[0].legend(loc="upper left", fontsize=8, ncol=min(4, max(1, len(tl.ranks))))
+    if tl.ranks:  # beside the panels: inside, it hides lines at 100 % or at 0
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize=8)
     culprit = ",".join(map(str, sorted(culprits))) or "unknown"
     fig.suptitle(f"incident {s.get('id')}: {s.get('kind')} ({s.get('signature')}) in job {s.get('job_id')} on "
                  f"{s.get('host')}, culprit rank {culprit}\nshaded: job suspect (yellow) / stalled (red)",
