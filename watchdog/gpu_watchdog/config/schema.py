@@ -22,6 +22,7 @@ class AgentConfig:
     state_dir: str = ""  # empty: /var/lib/gpu-watchdog as root, else ~/.local/state/gpu-watchdog
     hostname: str = ""  # empty: socket.gethostname()
     metrics_addr: str = ""  # HOST:PORT for /metrics and /healthz (conventional port 9408); empty: off
+    incident_trace_s: float = 120.0  # every incident keeps this much of the node's recent samples; 0: none
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from gpu_watchdog.evidence.ras_poll import RasPoller
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.model import NodeSample, StackEvidence
 from gpu_watchdog.sample.backends import Backend
+from gpu_watchdog.sample.recent import RecentSamples
 from gpu_watchdog.store.fallback import FallbackStore
 
 log = logging.getLogger("gpu_watchdog.engine")
@@ -71,6 +72,8 @@ class Engine:
         self._say = say
         self.state = DetectorState()
         self.last_sample: NodeSample | None = None
+        # The last agent.incident_trace_s of what the detector saw: every incident's trace (act.target).
+        self.recent = RecentSamples(cfg.agent.incident_trace_s, cfg.agent.interval_s)
         self.ticks_ok = 0
         self.ticks_failed = 0
         self.last_error = ""
@@ -100,7 +103,10 @@ class Engine:
         self._check_clock(sample.t)
         try:
             sample = with_heartbeats(self._attribute(sample), self._heartbeats())
-            state, findings = step(self.state, sample, self.cfg.detect, self._finished_dumps())
+            dumps = self._finished_dumps()
+            self.recent.configure(self.cfg.agent.incident_trace_s, self.cfg.agent.interval_s)
+            self.recent.add(sample, dumps)
+            state, findings = step(self.state, sample, self.cfg.detect, dumps)
             self.state, self.last_sample = state, sample
             self._schedule_dumps(sample.t)
             self._poll_ras(state.jobs)
