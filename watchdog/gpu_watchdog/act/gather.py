@@ -1,7 +1,9 @@
 """An incident's evidence, gathered the same way for every stall: a fresh py-spy dump of every rank kept raw in
 the incident, the diagnosis that names the culprit, the workers of a culprit waiting on them, Flight Recorder
-dumps when the job configured them (analyzed across every process group: they name the culprit when the stacks
-cannot), and the readable report. The summary's ``culprit_evidence`` says which source named the culprit."""
+dumps when the job configured them (analyzed across every process group), NCCL RAS for jobs that serve it (two
+polls compared, ``ras.json``), and the readable report. One verdict over the sources (``evidence.culprit``): the
+stacks name the culprit when they can tell the ranks apart, else the Flight Recorder, else RAS; the summary's
+``culprit_evidence`` says which source named it."""
 
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ from gpu_watchdog.evidence.collect import (
     dump_workers,
     rank_workers,
 )
-from gpu_watchdog.evidence.culprit import FLIGHT_RECORDER, merge_evidence
+from gpu_watchdog.evidence.culprit import FLIGHT_RECORDER, NCCL_RAS, STACKS, SourceVerdict, merge_evidence
 from gpu_watchdog.evidence.diagnosis import Diagnosis, diagnose, format_ranks
 from gpu_watchdog.evidence.fr_analysis import FrAnalysis, analyze_traces, read_trace
+from gpu_watchdog.evidence.ras_poll import RasPoller, write_ras_evidence
 from gpu_watchdog.evidence.report import render_report
 from gpu_watchdog.model import NodeSample, RankStack
 from gpu_watchdog.store.incidents import Incident
@@ -78,18 +81,19 @@ class EvidenceGatherer:
             behind = self._workers(inc, diag, stacks, rank_pids, job_id)
             out = Gathered(tuple(stacks), diag, behind or culprit)
         fr = self._flight_recorder(inc, rank_pids)
-        merged = self._decide(inc, finding, diag, fr)
+        ras = self._nccl_ras(inc, job_id, rank_pids, sample)
+        merged = self._decide(inc, finding, diag, fr, ras)
         if merged is not None and merged is not diag:  # the recovery acts on the merged verdict
             out = Gathered(out.stacks, merged, out.culprit or _culprit_stack(merged, list(out.stacks)))
         out.report(inc)
         return out
 
-    def _decide(self, inc: Incident, finding: Finding, diag: Diagnosis | None,
-                fr: FrAnalysis | None) -> Diagnosis | None:
+    def _decide(self, inc: Incident, finding: Finding, diag: Diagnosis | None, fr: FrAnalysis | None,
+                ras: SourceVerdict | None = None) -> Diagnosis | None:
         """One verdict over the evidence sources (``merge_evidence``): the stacks decide when they tell the ranks
-        apart, the Flight Recorder when they cannot (NCCL ranks all busy-waiting in the same device sync). Returns
+        apart, else the Flight Recorder (NCCL ranks all busy-waiting in the same device sync), else NCCL RAS. Returns
         the diagnosis the recovery acts on: ``diag`` itself unless another source named the culprit."""
-        verdict = merge_evidence(diag, fr)
+        verdict = merge_evidence(diag, fr, *([ras] if ras is not None else []))
         evidence = verdict.evidence or ("detector" if finding.culprit_ranks else None)
         inc.update(culprit_evidence=evidence, evidence_disagreements=list(verdict.disagreements))
         if fr is not None:
@@ -99,9 +103,9 @@ class EvidenceGatherer:
                                         "versions": list(fr.versions)})
         for line in verdict.disagreements:
             self.ctx.say(f"evidence disagrees: {line}")
-        if verdict.evidence != FLIGHT_RECORDER or fr is None:
+        if verdict.evidence in (None, STACKS):
             return diag
-        stuck = [g for g in fr.groups if g.kind != "in_progress"]
+        stuck = [g for g in fr.groups if g.kind != "in_progress"] if fr and verdict.evidence == FLIGHT_RECORDER else []
         collective = stuck[0].op if stuck else (diag.collective if diag else None)
         desync = bool(diag and diag.desync) or any(g.kind == "mismatch" for g in stuck)
         inc.update(culprit_ranks=list(verdict.culprit_ranks), reason=verdict.reason, collective=collective,
@@ -167,6 +171,29 @@ class EvidenceGatherer:
         inc.end_action(entry, True, f"{len(files)} dump(s) collected, {len(triggered)} triggered; {analysis.reason}")
         return analysis
 
+    def _nccl_ras(self, inc: Incident, job_id: str, rank_pids: dict[int, int],
+                  sample: NodeSample) -> SourceVerdict | None:
+        """NCCL RAS, two polls compared (evidence.ras_poll): ``ras.json`` in the incident and ``ras_culprit_ranks``
+        in its summary. Nothing at all for a job RAS is not asked about (a gloo job, ``ras.enabled = off``).
+        Returns what RAS says as an evidence source (None: not asked, or it failed)."""
+        poller = self.ctx.ras or RasPoller(lambda: self.ctx.cfg.ras)
+        addr = poller.address(job_id, rank_pids)
+        if addr is None:
+            return None
+        world = max((p.job.world_size or 0 for p in sample.processes if p.job and p.job.job_id == job_id),
+                    default=0) or None
+        entry = inc.begin_action("nccl_ras", addr)
+        try:
+            evidence = poller.incident_evidence(job_id, rank_pids, world)
+            write_ras_evidence(inc.dir, evidence)
+            inc.update(ras_culprit_ranks=evidence.culprit_ranks, ras_hung_communicators=len(evidence.hung))
+            inc.end_action(entry, bool(evidence.hung), evidence.summary)
+            if evidence.hung:
+                self.ctx.say(evidence.summary)
+        except Exception as e:  # diagnostics must never block recovery
+            inc.end_action(entry, False, f"nccl ras: {e}")
+            return None
+        return SourceVerdict(NCCL_RAS, tuple(evidence.culprit_ranks) if evidence.hung else (), evidence.summary)
 
 FR_WAIT_S = 10.0  # how long to wait for the triggered ranks' dumps (the first one may import torch._dynamo)
 

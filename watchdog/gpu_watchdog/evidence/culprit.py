@@ -17,7 +17,8 @@ from gpu_watchdog.evidence.fr_analysis import FrAnalysis
 
 STACKS = "stacks"
 FLIGHT_RECORDER = "flight_recorder"
-SOURCE_TITLES = {STACKS: "stacks", FLIGHT_RECORDER: "flight recorder", "nccl_ras": "NCCL RAS"}
+NCCL_RAS = "nccl_ras"
+SOURCE_TITLES = {STACKS: "stacks", FLIGHT_RECORDER: "flight recorder", NCCL_RAS: "NCCL RAS"}
 
 
 @dataclass(frozen=True)

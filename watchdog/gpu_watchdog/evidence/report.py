@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from gpu_watchdog.evidence.culprit import SOURCE_TITLES
@@ -36,6 +37,10 @@ def render_report(summary: dict[str, Any], stacks: Sequence[RankStack]) -> str:
         fb = s["fallback"]
         env = " ".join(f"{k}={v}" for k, v in sorted(fb.get("env", {}).items())) or "(no NCCL change)"
         lines.append(f"restart at fallback level {fb.get('level')} ({fb.get('name')}): {env}")
+    if s.get("trace"):
+        where = str(Path(s["stacks_dir"]).parent) if s.get("stacks_dir") else "INCIDENT_DIR"
+        lines.append(f"trace:   {s['trace']}, the samples before confirmation (gpu-watchdog replay {where}; "
+                     f"picture: gpu-watchdog incidents show {s['id']} --plot {s['id']}.png)")
     groups: dict[str, list[RankStack]] = {}
     for rs in stacks:
         groups.setdefault(group_key(rs), []).append(rs)
