@@ -124,6 +124,11 @@ class EvidenceGatherer:
             triggered = fr.trigger_dumps(settings, sorted(rank_pids))
             time.sleep(1.0 if triggered else 0.0)
             files = fr.collect_dumps(settings, inc.dir / "flight-recorder")
+            if not files and not triggered and not settings.pipe_prefix and not settings.dump_on_timeout:
+                # FR records but nothing can ask it to dump (gloo has no dump pipe): not available, not a failure
+                inc.end_action(entry, False, "not available: no dump trigger (TORCH_NCCL_DEBUG_INFO_PIPE_FILE "
+                                             "unset; gloo ranks have no dump pipe)", outcome="not_available")
+                return
             inc.end_action(entry, bool(files), f"{len(files)} dump(s) collected, {len(triggered)} triggered")
         except Exception as e:  # diagnostics must never block recovery
             inc.end_action(entry, False, f"flight recorder: {e}")
