@@ -23,6 +23,7 @@ STOP = ["W1123 16:37:00.804000 27695 torch/distributed/elastic/agent/server/api.
         "    main()\n",
         "           ^^^^^^^^^^^^^^^^^^\n",
         "torch.distributed.elastic.multiprocessing.api.SignalException: Process 27695 got signal: 15\n"]
+PREFIXED_BANNER = [f"W1123 16:58:32.174000 19060 torch/distributed/run.py:874] {ln}" for ln in BANNER]  # no tty
 CRASH = ["Traceback (most recent call last):\n", '  File "train.py", line 3, in <module>\n',
          "ZeroDivisionError: division by zero\n"]
 
@@ -35,7 +36,7 @@ def run_filter(lines: list[str]) -> tuple[list[str], list[str]]:
 
 
 def test_stop_noise_and_banner_are_summarised_in_one_line() -> None:
-    shown, notes = run_filter(["[job] hello\n", *BANNER, *STOP, "[job] bye\n"])
+    shown, notes = run_filter(["[job] hello\n", *BANNER, *STOP, *PREFIXED_BANNER, "[job] bye\n"])
     assert shown == ["[job] hello\n", "[job] bye\n"]
     assert notes == ["torchrun stopped on signal 15 (its SignalException traceback is in the job log)"]
 
@@ -54,7 +55,8 @@ def test_a_traceback_cut_off_by_the_end_of_output_is_shown() -> None:
 def test_filtered_job_output_real_child(tmp_path: Path) -> None:
     """A real child writing torchrun's stop noise to stderr and its own output to stdout: the log holds all of
     stderr, the console none of the noise, and stdout is the job's own (not captured here)."""
-    script = "import sys\nprint('out line', flush=True)\nsys.stderr.write(%r)\n" % "".join(BANNER + STOP + CRASH)
+    noise = "".join(BANNER + STOP + CRASH)
+    script = f"import sys\nprint('out line', flush=True)\nsys.stderr.write({noise!r})\n"
     console, notes = io.StringIO(), []
     out = JobOutput("filtered", tmp_path / "logs" / "j.log", console=console, note=notes.append)
     child = subprocess.Popen([sys.executable, "-c", script], **out.popen_kwargs())

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO, cast
 
 from gpu_watchdog.config.schema import Config
 from gpu_watchdog.demo import train as demo_job
@@ -124,7 +124,7 @@ def run_demo(cfg: Config, out: Any = sys.stderr, keep: str | None = None) -> int
 
     with StoryConsole(out, progress) as console:
         launcher = Launcher(cfg, demo_command(workdir, hang_at=hang_at, extra=("--print-every", "10")),
-                            state_dir=state, job_id="demo", out=console, job_output="story",
+                            state_dir=state, job_id="demo", out=cast(TextIO, console), job_output="story",
                             job_log=base / "job.log")
         rc = launcher.run()
     events = read_events(events_path)

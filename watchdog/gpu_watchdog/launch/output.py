@@ -28,6 +28,9 @@ from gpu_watchdog.atomic import note_write_error
 MODES = ("console", "filtered", "story")
 STORY_PREFIX = "[job]"
 
+# torch's log lines carry a glog-style prefix when stderr is not a terminal: "W1123 16:58:32.174000 19060
+# torch/distributed/run.py:874] "; what follows it is what is classified.
+_TORCH_LOG_PREFIX = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] ?")
 _BANNER = re.compile(r"^\*{10,}\s*$|^Setting OMP_NUM_THREADS environment variable for each process")
 _STOP_NOISE = re.compile(r"Received \d+ death signal, shutting down workers"
                          r"|Sending process \d+ closing signal SIG[A-Z]+")
@@ -47,7 +50,7 @@ class StopNoiseFilter:
         self._blank: list[str] = []  # blank lines held back: the one before the OMP banner goes with it
 
     def feed(self, line: str) -> list[str]:
-        text = line.rstrip("\n")
+        text = _TORCH_LOG_PREFIX.sub("", line.rstrip("\n"))
         if self._traceback:
             self._traceback.append(line)
             if text[:1] in (" ", "\t") or not text:
