@@ -184,10 +184,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- parser -----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     codes = "\n".join(f"  {code:>3}  {meaning}" for code, meaning in sorted(EXIT_CODES.items()))
-    p = _Parser(prog="gpu-watchdog", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    import textwrap
+
+    p = _Parser(prog="gpu-watchdog", description=textwrap.fill(DESCRIPTION, 80),
+                formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog=f"exit codes (launch: otherwise the job's own exit code; 128+N: stopped by signal N):\n{codes}")
     p.add_argument("--version", action="version", version=f"gpu-watchdog {__version__}")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="debug logging; launch: the job's stderr reaches the console untouched")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
