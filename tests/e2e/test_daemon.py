@@ -81,6 +81,35 @@ def test_daemon_finds_registered_hang_and_runs_restart_hook_once(base: Path) -> 
 
 
 @pytest.mark.slow
+def test_a_restart_hook_that_exits_1_is_recorded_and_the_daemon_carries_on(base: Path) -> None:
+    """The scheduler refuses the requeue (the hook exits 1): the hung job is still stopped (nothing of it left
+    running unsupervised), the incident says the hook failed and why, and the daemon keeps serving."""
+    failing = '[hooks.failing]\nargv = ["/bin/sh", "-c", "echo requeue refused >&2; exit 1"]\ntimeout_s = 10\n'
+    d = DaemonProc(base, write_config(base, extra=failing))
+    job = start_job("hang", nproc=2, extra_args=("--rank-at", "1", "--step-at", "20", "--steps", "1000"),
+                    tmp_path=base / "job")
+    try:
+        d.wait_socket()
+        job.wait_ranks(60)
+        _register(d, "train-9", job.proc.pid, hook="failing")
+        inc = wait_for(lambda: [i for i in _incidents(base / "state") if i.get("outcome")
+                                     and i["job_id"] == "train-9"], 90, "incident finished", d.log_text)[0]
+        acts = {a["action"]: a for a in inc["actions"]}
+        assert acts["stop"]["ok"], inc["actions"]
+        assert acts["restart_hook"]["ok"] is False and "exit 1" in acts["restart_hook"]["detail"], acts
+        assert "requeue refused" in json.dumps(inc["restart_hook"]), inc
+        assert inc["outcome"] == "restart hook failed or missing", inc
+        wait_for(lambda: job.proc.poll() is not None, 15, "job stopped")
+        assert d.call("status")["ok"] and d.proc.poll() is None
+        assert "Traceback" not in d.log_text()
+        d.kill(signal.SIGTERM)
+        assert d.proc.returncode == 0, d.log_text()
+    finally:
+        job.stop()
+        d.kill()
+
+
+@pytest.mark.slow
 def test_sigkill_during_restart_hook_then_restart_completes_without_rerun(base: Path) -> None:
     d = DaemonProc(base, write_config(base, hook_sleep=4.0))
     job = start_job("hang", nproc=4, extra_args=("--rank-at", "2", "--step-at", "60", "--steps", "1000"),

@@ -1,6 +1,7 @@
 """An incident's evidence, gathered the same way for every stall: a fresh py-spy dump of every rank kept raw in
 the incident, the diagnosis that names the culprit, the workers of a culprit waiting on them, Flight Recorder
-dumps when the job configured them, and the readable report."""
+dumps when the job configured them, NCCL RAS for jobs that serve it (two polls compared, ``ras.json``), and the
+readable report."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from gpu_watchdog.evidence.collect import (
     rank_workers,
 )
 from gpu_watchdog.evidence.diagnosis import Diagnosis, diagnose, format_ranks
+from gpu_watchdog.evidence.ras_poll import RasPoller, write_ras_evidence
 from gpu_watchdog.evidence.report import render_report
 from gpu_watchdog.model import NodeSample, RankStack
 from gpu_watchdog.store.incidents import Incident
@@ -73,6 +75,7 @@ class EvidenceGatherer:
             behind = self._workers(inc, diag, stacks, rank_pids, job_id)
             out = Gathered(tuple(stacks), diag, behind or culprit)
         self._flight_recorder(inc, rank_pids)
+        self._nccl_ras(inc, job_id, rank_pids, sample)
         out.report(inc)
         return out
 
@@ -133,3 +136,22 @@ class EvidenceGatherer:
         except Exception as e:  # diagnostics must never block recovery
             inc.end_action(entry, False, f"flight recorder: {e}")
 
+    def _nccl_ras(self, inc: Incident, job_id: str, rank_pids: dict[int, int], sample: NodeSample) -> None:
+        """NCCL RAS, two polls compared (evidence.ras_poll): ``ras.json`` in the incident and ``ras_culprit_ranks``
+        in its summary. Nothing at all for a job RAS is not asked about (a gloo job, ``ras.enabled = off``)."""
+        poller = self.ctx.ras or RasPoller(lambda: self.ctx.cfg.ras)
+        addr = poller.address(job_id, rank_pids)
+        if addr is None:
+            return
+        world = max((p.job.world_size or 0 for p in sample.processes if p.job and p.job.job_id == job_id),
+                    default=0) or None
+        entry = inc.begin_action("nccl_ras", addr)
+        try:
+            evidence = poller.incident_evidence(job_id, rank_pids, world)
+            write_ras_evidence(inc.dir, evidence)
+            inc.update(ras_culprit_ranks=evidence.culprit_ranks, ras_hung_communicators=len(evidence.hung))
+            inc.end_action(entry, bool(evidence.hung), evidence.summary)
+            if evidence.hung:
+                self.ctx.say(evidence.summary)
+        except Exception as e:  # diagnostics must never block recovery
+            inc.end_action(entry, False, f"nccl ras: {e}")

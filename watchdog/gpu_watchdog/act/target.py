@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from gpu_watchdog.act.stopper import JobProcess
 from gpu_watchdog.config.schema import Config
 from gpu_watchdog.detect.detector import Finding
+from gpu_watchdog.evidence.ras_poll import RasPoller
 from gpu_watchdog.job.protocol import ControlDir
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.store.fallback import FallbackStore
@@ -52,6 +53,7 @@ class ActContext:
     say: Callable[[str], None] = log.info
     gpu_pids: Callable[[], set[int]] | None = None  # processes holding GPU memory (NVML); None on the proc backend
     drained: set[str] = field(default_factory=set)  # GPUs whose fault already drained the node
+    ras: RasPoller | None = None  # the engine's NCCL RAS poller: an incident reuses its last poll
 
     def metric(self, name: str, *args: Any) -> None:
         """Count an event; a broken metrics collector is logged, never a reason to stop acting on a job."""

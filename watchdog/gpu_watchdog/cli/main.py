@@ -305,3 +305,12 @@ def _register_daemon_commands(sub: Any) -> None:
 
 
 _EXTRA_COMMANDS.append(_register_daemon_commands)
+
+
+def _register_ras_command(sub: Any) -> None:
+    from gpu_watchdog.cli.ras import register
+
+    register(sub)
+
+
+_EXTRA_COMMANDS.append(_register_ras_command)

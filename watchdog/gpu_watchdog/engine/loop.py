@@ -18,8 +18,9 @@ from typing import Any
 
 from gpu_watchdog.config.schema import Config
 from gpu_watchdog.detect.consistency import ConfigWatch
-from gpu_watchdog.detect.detector import RUNNING, DetectorState, Finding, JobStatus, step
+from gpu_watchdog.detect.detector import RUNNING, STALLED, SUSPECT, DetectorState, Finding, JobStatus, step
 from gpu_watchdog.evidence.collect import collect_stack_evidence
+from gpu_watchdog.evidence.ras_poll import RasPoller
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.model import NodeSample, StackEvidence
 from gpu_watchdog.sample.backends import Backend
@@ -77,6 +78,7 @@ class Engine:
         self._dumps: dict[str, Future[list[StackEvidence]]] = {}
         self._watches: dict[str, ConfigWatch] = {}
         self._healthy_since: dict[str, float] = {}
+        self.ras = RasPoller(lambda: self.cfg.ras)  # NCCL RAS, asked only about suspect or stalled jobs
 
     def new_run(self, job_id: str) -> None:
         """The job was restarted: its new ranks start with a clean slate (detector, launch-settings check,
@@ -85,6 +87,7 @@ class Engine:
         if watch is not None:
             watch.new_run()
         self._healthy_since.pop(job_id, None)
+        self.ras.forget(job_id)
         self.state = replace(self.state, jobs={j: s for j, s in self.state.jobs.items() if j != job_id},
                              ranks={k: o for k, o in self.state.ranks.items() if k[0] != job_id})
 
@@ -100,6 +103,7 @@ class Engine:
             state, findings = step(self.state, sample, self.cfg.detect, self._finished_dumps())
             self.state, self.last_sample = state, sample
             self._schedule_dumps(sample.t)
+            self._poll_ras(state.jobs)
             findings.extend(self._check_configs(sample.t))
             self._note_healthy(state.jobs)
             self._forget_ended(state.jobs)
@@ -171,6 +175,12 @@ class Engine:
                     fut.add_done_callback(lambda _f: wake())
                 self._dumps[js.job_id] = fut
 
+    def _poll_ras(self, jobs: Mapping[str, JobStatus]) -> None:
+        """Ask NCCL RAS about the jobs that look hung, on the poller's own thread (it never blocks the tick)."""
+        for js in jobs.values():
+            if js.state in (SUSPECT, STALLED) and js.rank_pids:
+                self.ras.poll_due(js.job_id, js.rank_pids)
+
     def _check_configs(self, t: float) -> list[Finding]:
         """Every job's ranks on this node must share their launch settings: the digest goes to the metrics
         (an alert compares nodes), a new mismatch becomes a finding."""
@@ -215,6 +225,8 @@ class Engine:
                 self.metrics.forget_job(job_id)
         for job_id in set(self._healthy_since) - set(jobs):
             del self._healthy_since[job_id]
+        for job_id in self.ras.jobs() - set(jobs):
+            self.ras.forget(job_id)
 
 
 def count_internal_error(metrics: Any, stage: str) -> None:
