@@ -31,7 +31,7 @@ from gpu_watchdog.config.schema import FallbackConfig, FallbackLevel, RecoveryCo
 from gpu_watchdog.demo import train as demo_job
 from gpu_watchdog.demo.runner import read_events
 from gpu_watchdog.detect.detector import Finding
-from gpu_watchdog.errors import EXIT_BUDGET_SPENT, UsageError
+from gpu_watchdog.errors import EXIT_BUDGET_SPENT, NoInputError, UsageError
 from gpu_watchdog.job import Client
 from gpu_watchdog.job.protocol import EXIT_ABORTED, EXIT_CHECKPOINTED, ControlDir
 from gpu_watchdog.policy import fallback
@@ -395,7 +395,7 @@ def test_incident_list_is_oldest_first_and_ids_are_unique(tmp_path: Path) -> Non
     assert len(store.list()) == 3
     with pytest.raises(UsageError):
         store.get("../etc")
-    with pytest.raises(UsageError, match="no incident"):
+    with pytest.raises(NoInputError, match="no incident"):  # exit 66: an input that does not exist
         store.get("nope")
 
 
@@ -731,7 +731,9 @@ def test_unmodified_job_hang_is_recovered_with_level1_env(plain_run: PlainRun) -
     assert inc["culprit_ranks"] == [2] and inc["collective"] == "all_reduce"
     assert inc["onset"] <= inc["detected_at"] and 0 < inc["detected_at"] - onset["t"] < 20
     assert [a["action"] for a in inc["actions"]] == ["dump_stacks", "checkpoint", "stop", "restart"]
-    assert all(a["ok"] is True and isinstance(a["at"], float) and "detail" in a for a in inc["actions"])
+    assert all(isinstance(a["at"], float) and "detail" in a for a in inc["actions"])
+    assert [(a["ok"], a["outcome"]) for a in inc["actions"]] == [(True, "ok"), (False, "skipped"), (True, "ok"),
+                                                                  (True, "ok")]  # the job did not opt in
     assert inc["actions"][1]["detail"].startswith("skipped")
     assert inc["fallback"]["level"] == 1 and inc["fallback"]["env"] == LEVEL1_ENV
     stacks = sorted(p.name for p in Path(inc["stacks_dir"]).iterdir())

@@ -13,6 +13,24 @@ EXIT_CONFIG = 78  # bad configuration
 EXIT_SOFTWARE = 70  # launch: an internal error the agent cannot go on from; the job was stopped first
 EXIT_GPU_FAULT = 74  # launch: a GPU of the job faulted (lost, reset required, critical Xid); run it elsewhere
 EXIT_BUDGET_SPENT = 75  # launch: the job kept hanging and the restart budget is spent (do not requeue blindly)
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: the reader of our output went away (``… | head``); we stop quietly
+
+# The one list of the codes the program itself chooses, shown by ``gpu-watchdog --help``; README's "Exit codes"
+# table says the same in more words (tests/unit/cli/test_exit_codes.py holds the two and the program together).
+# 85/86 are the in-job client's (gpu_watchdog.job.protocol), not the CLI's.
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "success",
+    EXIT_FAILURE: "a check or a dump failed",
+    EXIT_USAGE: "bad command-line arguments",
+    EXIT_DATAERR: "bad input data (trace, stacks file, NCCL RAS report)",
+    EXIT_NOINPUT: "an input does not exist or cannot be read (trace, incident, stacks dir)",
+    EXIT_UNAVAILABLE: "a required service is unavailable (NVML, py-spy, the metrics port, NCCL RAS)",
+    EXIT_SOFTWARE: "launch: internal error; the job was stopped first",
+    EXIT_GPU_FAULT: "launch: a GPU of the job faulted; the node was drained",
+    EXIT_BUDGET_SPENT: "launch: the restart budget is spent",
+    EXIT_CONFIG: "bad configuration file content (one line names the key)",
+    EXIT_PIPE_CLOSED: "the output pipe was closed by its reader",
+}
 
 
 class WatchdogError(Exception):
@@ -27,6 +45,12 @@ class ConfigError(WatchdogError):
 
 class UsageError(WatchdogError):
     exit_code = EXIT_USAGE
+
+
+class NoInputError(WatchdogError):
+    """An input named on the command line does not exist or cannot be read."""
+
+    exit_code = EXIT_NOINPUT
 
 
 class TraceError(WatchdogError):

@@ -94,6 +94,11 @@ class SampleError:
     error_class: str  # e.g. "NVMLError_Unknown", "AccessDenied"
     where: str  # e.g. "nvmlDeviceGetPowerUsage gpu 0", "pid 4242"
 
+    @property
+    def from_nvml(self) -> bool:
+        """NVML errors are named after the NVML call that failed; the process scan's after the pid."""
+        return self.where.startswith("nvml")
+
 
 @dataclass(frozen=True)
 class NodeSample:

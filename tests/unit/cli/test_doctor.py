@@ -78,7 +78,18 @@ def test_nvml_absent_here_is_a_clear_fail_with_the_reason() -> None:
     c = check_nvml()  # the real pynvml on a machine without an NVIDIA driver
     assert c.status == FAIL
     assert c.detail == "NVML cannot start: libnvidia-ml.so.1 not found (is the NVIDIA driver installed?)"
-    assert "--backend proc" in c.fix
+    assert "--backend proc" in c.fix and 'agent.backend = "proc"' in c.fix
+
+
+def test_nvml_absent_with_the_proc_backend_configured_is_not_present_not_a_failure(tmp_path: Path) -> None:
+    c = check_nvml(backend="proc")
+    assert c.status == SKIP and c.detail.startswith("not present") and not c.fix
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[agent]\nbackend = "proc"\n')
+    r = doctor_cli("--config", str(cfg), "--state-dir", str(tmp_path / "state"))
+    assert r.stdout.startswith("SKIP  nvml          not present"), r.stdout
+    assert r.returncode == (1 if "FAIL" in r.stdout else 0), r.stdout  # nothing else fails on this CPU box
+    assert doctor_cli("--backend", "proc", "--state-dir", str(tmp_path / "state")).stdout.startswith("SKIP  nvml")
 
 
 @pytest.mark.parametrize(("code", "words"), [
@@ -347,7 +358,7 @@ def test_cli_unwritable_state_dir_fails(tmp_path: Path) -> None:
 def test_run_doctor_exit_0_when_nothing_fails(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import io
 
-    monkeypatch.setattr(doctor, "check_nvml", lambda: doctor.Check("nvml", PASS, "ok"))
+    monkeypatch.setattr(doctor, "check_nvml", lambda **_: doctor.Check("nvml", PASS, "ok"))
     monkeypatch.setattr(doctor, "check_ptrace", lambda _p: doctor.Check("py-spy", WARN, "scope 1", "grant it"))
     monkeypatch.setattr(doctor, "check_capabilities", lambda: doctor.Check("capabilities", PASS, "ok"))
     monkeypatch.setattr(doctor, "check_shm", lambda: doctor.Check("shm", PASS, "ok"))

@@ -225,10 +225,12 @@ def test_hook_cli_against_real_daemon(base: Path) -> None:
         r = run("job-start", "--job-id", "j1", "--pid", str(sl.pid), "--restart-hook", "nope")
         assert r.returncode == 1 and "unknown restart_hook" in r.stderr
         assert run("job-start", "--job-id", "j1", "--pid", str(sl.pid), "--restart-hook", "requeue").returncode == 0
-        st = json.loads(run("status").stdout)
+        st = json.loads(run("status", "--json").stdout)
         assert st["registered"] == ["j1"]
+        plain = run("status").stdout  # --json is what makes it JSON
+        assert "registered: j1" in plain and not plain.lstrip().startswith("{"), plain
         assert run("job-end", "--job-id", "j1").returncode == 0
-        assert json.loads(run("status").stdout)["registered"] == []
+        assert json.loads(run("status", "--json").stdout)["registered"] == []
     finally:
         sl.kill()
         d.send_signal(signal.SIGTERM)

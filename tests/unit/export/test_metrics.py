@@ -155,7 +155,7 @@ def test_counter_label_caps() -> None:
     assert {s["job_id"] for s in series(m, "gpu_watchdog_restarts_total")} == {"j0", "j1", "j2", OVERFLOW}
     assert value(m, "gpu_watchdog_restarts_total", job_id=OVERFLOW) == 2.0
     for i in range(40):
-        m.nvml_errors([SampleError(f"Err{i}", "x")])
+        m.nvml_errors([SampleError(f"Err{i}", "nvmlDeviceGetPowerUsage gpu 0")])
     assert len(series(m, "gpu_watchdog_nvml_errors_total")) == 33  # 32 classes + other
     m.pyspy_dump("something-new")
     assert value(m, "gpu_watchdog_pyspy_dumps_total", outcome=OVERFLOW) == 1.0
@@ -183,7 +183,8 @@ def test_counters_and_histograms() -> None:
     m.restart("train")
     m.pyspy_dump("ok")
     m.pyspy_dump("timeout")
-    m.nvml_errors([SampleError("NVMLError_Unknown", "a"), SampleError("NVMLError_Unknown", "b"),
+    m.nvml_errors([SampleError("NVMLError_Unknown", "nvmlDeviceGetPowerUsage gpu 0"),
+                   SampleError("NVMLError_Unknown", "nvmlDeviceGetPowerUsage gpu 1"),
                    SampleError("AccessDenied", "pid 1")])
     m.gpu_fault("GPU-0", 79)
     m.gpu_fault("GPU-0", 79)
@@ -197,7 +198,8 @@ def test_counters_and_histograms() -> None:
     assert value(m, "gpu_watchdog_restarts_total", job_id="train") == 1.0
     assert value(m, "gpu_watchdog_pyspy_dumps_total", outcome="timeout") == 1.0
     assert value(m, "gpu_watchdog_nvml_errors_total", error_class="NVMLError_Unknown") == 2.0
-    assert value(m, "gpu_watchdog_nvml_errors_total", error_class="AccessDenied") == 1.0
+    assert value(m, "gpu_watchdog_nvml_errors_total", error_class="AccessDenied") is None  # psutil's, not NVML's
+    assert value(m, "gpu_watchdog_process_errors_total", error_class="AccessDenied") == 1.0
     assert value(m, "gpu_watchdog_gpu_faults_total", UUID="GPU-0", kind="xid_79") == 2.0
     assert value(m, "gpu_watchdog_gpu_faults_total", UUID="GPU-1", kind="gpu_lost") == 1.0
     assert value(m, "gpu_watchdog_sample_duration_seconds_bucket", le="0.005") == 1.0

@@ -165,7 +165,12 @@ class EvidenceGatherer:
             inc.end_action(entry, False, f"flight recorder: {e}")
             return None
         if not traces:
-            inc.end_action(entry, False, f"no dump collected, {len(triggered)} triggered")
+            if not triggered and not settings.pipe_prefix and not settings.dump_on_timeout:
+                # FR records but nothing can ask it to dump (gloo has no dump pipe): not available, not a failure
+                inc.end_action(entry, False, "not available: no dump trigger (TORCH_NCCL_DEBUG_INFO_PIPE_FILE "
+                                             "unset; gloo ranks have no dump pipe)", outcome="not_available")
+            else:
+                inc.end_action(entry, False, f"no dump collected, {len(triggered)} triggered")
             return None
         analysis = analyze_traces(traces, min_wait_s=0.0)  # the stall is confirmed: every wait counts
         inc.end_action(entry, True, f"{len(files)} dump(s) collected, {len(triggered)} triggered; {analysis.reason}")

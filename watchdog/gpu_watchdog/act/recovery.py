@@ -37,6 +37,11 @@ def job_rank_processes(sample: NodeSample, job_id: str, rank_pids: dict[int, int
             if p.is_rank and p.job and p.job.job_id == job_id and p.pid in rank_pids.values()]
 
 
+def _on_gpus(finding: Finding, sample: NodeSample) -> bool:
+    """Whether the job's ranks use real GPUs (NCCL), not the proc backend's virtual devices (a CPU/gloo job)."""
+    return any(not d.virtual for d in sample.devices if d.uuid in finding.devices)
+
+
 class Recovery:
     def __init__(self, ctx: ActContext, budget: RestartBudget) -> None:
         self.ctx = ctx
@@ -71,7 +76,8 @@ class Recovery:
                           desync=bool(gathered.diagnosis and gathered.diagnosis.desync),
                           place=hang_place(culprit.state if culprit else None, culprit.where if culprit else "",
                                            finding.signature),
-                          last_place=str(previous.get("hang_place") or ""))
+                          last_place=str(previous.get("hang_place") or ""),
+                          level_advice=finding.kind == "stall" and _on_gpus(finding, sample))
         hang_step = max((p.heartbeat_step for p in sample.processes
                          if p.job and p.job.job_id == target.job_id and p.heartbeat_step is not None), default=None)
         allowed, why_not = self.budget.allow(time.time(), hang_step)
@@ -118,8 +124,8 @@ class Recovery:
                                  running=lambda: target.poll() is None,
                                  signal_ranks=job_rank_processes(sample, target.job_id, rank_pids)
                                  if target.may_signal_checkpoint else (), unanswerable=stopped)
-        if res.how == "none":
-            inc.end_action(entry, True, f"skipped: {res.detail}")
+        if res.how == "none":  # not asked: neither done nor failed
+            inc.end_action(entry, False, f"skipped: {res.detail}", outcome="skipped")
             return
         inc.end_action(entry, res.ok, res.detail)
         self.ctx.metric("action", "checkpoint", res.ok)

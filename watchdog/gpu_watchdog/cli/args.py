@@ -41,13 +41,31 @@ def add_common_options(p: argparse.ArgumentParser, backend: bool = False, state_
         p.add_argument("--metrics-addr", metavar="HOST:PORT", help="serve /metrics and /healthz here")
 
 
+# The command-line options that override config keys: option → dotted key.
+OVERRIDE_OPTIONS = {"--backend": "agent.backend", "--state-dir": "agent.state_dir",
+                    "--metrics-addr": "agent.metrics_addr"}
+
+
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The dotted config keys that ``add_common_options``' options override, for ``load_config``."""
     overrides: dict[str, Any] = {}
-    if getattr(args, "backend", None):
-        overrides["agent.backend"] = args.backend
-    if getattr(args, "state_dir", None):
-        overrides["agent.state_dir"] = args.state_dir
-    if getattr(args, "metrics_addr", None) is not None:
-        overrides["agent.metrics_addr"] = args.metrics_addr
+    for option, key in OVERRIDE_OPTIONS.items():
+        value = getattr(args, option[2:].replace("-", "_"), None)
+        if value is not None and (value != "" or option == "--metrics-addr"):  # an empty address turns /metrics off
+            overrides[key] = value
+    return overrides
+
+
+def checked_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``config_overrides``, checked on their own first: a bad value given on the command line (``--metrics-addr
+    bogus``) is a usage error (exit 64) naming the option, not a bad config file (78)."""
+    from gpu_watchdog.config.load import load_config
+    from gpu_watchdog.errors import ConfigError, UsageError
+
+    overrides = config_overrides(args)
+    try:
+        load_config(None, overrides)
+    except ConfigError as e:
+        option = next((o for o, k in OVERRIDE_OPTIONS.items() if k in overrides and k in str(e)), "command line")
+        raise UsageError(f"{option}: {str(e).removeprefix('config: ')}") from None
     return overrides

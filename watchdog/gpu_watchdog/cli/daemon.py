@@ -8,14 +8,14 @@ import os
 import sys
 from typing import Any
 
-from gpu_watchdog.cli.args import add_common_options, config_overrides, pid_arg, positive_float
+from gpu_watchdog.cli.args import add_common_options, checked_overrides, pid_arg, positive_float
 from gpu_watchdog.errors import EXIT_FAILURE, UsageError
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from gpu_watchdog.daemon.service import main_run
 
-    overrides = config_overrides(args)
+    overrides = checked_overrides(args)
     if args.socket:
         overrides["daemon.control_socket"] = args.socket
     return main_run(args.config, overrides)
@@ -58,15 +58,34 @@ def cmd_hook(args: argparse.Namespace) -> int:
         req["limit"] = args.limit
     timeout = (args.timeout or 60.0) + 10.0
     reply = request(_socket_path(args), req, timeout_s=timeout)
-    if args.json or args.hook_op in ("status", "incidents"):
+    if args.json:
         json.dump(reply, sys.stdout, indent=1)
         sys.stdout.write("\n")
+    elif reply.get("ok") and args.hook_op in ("status", "incidents"):
+        sys.stdout.write(_readable(args.hook_op, reply))
     elif reply.get("ok"):
         print(f"gpu-watchdog: {args.hook_op} ok" + (f" (job {reply['job_id']})" if "job_id" in reply else ""))
     if not reply.get("ok"):
         print(f"gpu-watchdog: {args.hook_op} refused: {reply.get('error', 'unknown error')}", file=sys.stderr)
         return EXIT_FAILURE
     return 0
+
+
+def _readable(op: str, reply: dict[str, Any]) -> str:
+    """``hook status`` / ``hook incidents`` for people (``--json``: the daemon's reply as it is)."""
+    if op == "incidents":
+        rows = [f"{i.get('id')}  {i.get('kind'):<9} job={i.get('job_id')} {i.get('outcome') or 'in progress'}"
+                for i in reply.get("incidents") or []]
+        return "\n".join(rows or ["no incidents"]) + "\n"
+    lines = [str(reply.get("status", "")),
+             f"registered: {', '.join(reply.get('registered') or []) or 'none'}",
+             f"hooks: {', '.join(reply.get('hooks') or []) or 'none'}"]
+    if reply.get("store_problem"):
+        lines.append(f"state store: {reply['store_problem']}")
+    for job, st in sorted((reply.get("jobs") or {}).items()):
+        lines.append(f"job {job}: {st.get('state')}, ranks {','.join(map(str, st.get('ranks') or [])) or '-'}"
+                     + (f" ({st['signature']})" if st.get("signature") else ""))
+    return "\n".join(lines) + "\n"
 
 
 def register(sub: Any) -> None:
@@ -86,5 +105,5 @@ def register(sub: Any) -> None:
     h.add_argument("--checkpoint", action="store_true", help="the job opts in to checkpoint requests")
     h.add_argument("--timeout", type=positive_float, metavar="S", help="preempt: longest wait for the ack")
     h.add_argument("--limit", type=int, default=20, help="incidents: how many")
-    h.add_argument("--json", action="store_true", help="print the daemon's JSON reply")
+    h.add_argument("--json", action="store_true", help="print the daemon's JSON reply (default: readable text)")
     h.set_defaults(func=cmd_hook)

@@ -39,17 +39,23 @@ class Check:
     fix: str = ""
 
 
-def check_nvml(lib: Any = None) -> Check:
+NO_GPU_FIX = ('install the NVIDIA driver (nvidia-smi must work); on a node without GPUs set agent.backend = "proc" '
+              'in the config (or pass --backend proc)')
+
+
+def check_nvml(lib: Any = None, backend: str = "auto") -> Check:
+    """NVML and its GPUs. With ``backend`` "proc" (a CPU node, configured so) NVML is not needed: its absence is
+    shown as not present, not as a failure."""
     from gpu_watchdog.sample.nvml import NvmlReader
 
     reader = NvmlReader(lib)
     try:
         count = reader.start()
-    except BackendUnavailable as e:
-        return Check("nvml", FAIL, str(e), "install the NVIDIA driver (nvidia-smi must work); without a GPU, "
-                                           "use --backend proc")
-    except Exception as e:  # pynvml missing its library raises at import on some versions
-        return Check("nvml", FAIL, f"NVML cannot start: {e}", "install the NVIDIA driver")
+    except Exception as e:  # BackendUnavailable; pynvml missing its library raises at import on some versions
+        detail = str(e) if isinstance(e, BackendUnavailable) else f"NVML cannot start: {e}"
+        if backend == "proc":
+            return Check("nvml", SKIP, f"not present (agent.backend = \"proc\" does not use it): {detail}")
+        return Check("nvml", FAIL, detail, NO_GPU_FIX)
     finally:
         reader.shutdown()
     if count == 0:
@@ -231,8 +237,9 @@ def check_p2p(timeout_s: float = 60.0, run: Callable[..., Any] = _run_group,
     return out
 
 
-def run_doctor(state_dir: Path, py_spy: str | None, p2p: bool, as_json: bool, out: TextIO = sys.stdout) -> int:
-    nvml = check_nvml()
+def run_doctor(state_dir: Path, py_spy: str | None, p2p: bool, as_json: bool, out: TextIO = sys.stdout,
+               backend: str = "auto") -> int:
+    nvml = check_nvml(backend=backend)
     checks = [nvml, check_ptrace(py_spy), check_shm(), check_kernel(), check_state_dir(state_dir),
               check_capabilities()]
     if p2p:

@@ -1,8 +1,6 @@
 """The ``gpu-watchdog`` command line. Parsing and dispatch only; each command's work lives in its module.
 
-Exit codes (README "Exit codes"): 0 ok, 1 failure, 64 bad arguments, 65 bad trace data, 66 missing input,
-69 backend unavailable (``ras``: no RAS socket answers), 78 bad config; ``launch`` exits with the job's own
-code (or 75 when the restart budget is spent, 74 when a GPU of the job faulted and the node was drained).
+Exit codes: ``errors.EXIT_CODES`` (shown by ``--help``; README "Exit codes" says the same in more words).
 """
 
 from __future__ import annotations
@@ -10,13 +8,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from gpu_watchdog import __version__
-from gpu_watchdog.cli.args import add_common_options, config_overrides, pid_arg, positive_float
-from gpu_watchdog.errors import EXIT_USAGE, UsageError, WatchdogError
+from gpu_watchdog.cli.args import add_common_options, checked_overrides, pid_arg, positive_float
+from gpu_watchdog.errors import EXIT_CODES, EXIT_PIPE_CLOSED, EXIT_USAGE, UsageError, WatchdogError
+
+DESCRIPTION = ("Find hung distributed PyTorch jobs (stalled NCCL/gloo collectives), name the culprit rank from "
+               "its stack, checkpoint, stop and restart the job with fallback NCCL settings. "
+               "Try it: gpu-watchdog demo")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,7 +31,7 @@ def _load_cfg(args: argparse.Namespace) -> Any:
     """The one read of the config file for a command: the file plus the command line's overrides."""
     from gpu_watchdog.config.load import load_config
 
-    return load_config(args.config, config_overrides(args))
+    return load_config(args.config, checked_overrides(args))
 
 
 # -- commands ---------------------------------------------------------------------------------------
@@ -102,8 +105,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     health = LoopHealth.for_interval(cfg.agent.interval_s)  # one health for /healthz and the loop
     metrics, server = start_metrics(cfg, health)
     try:
+        # The job's stdout is the user's own output and stays on the console as it is; its stderr is kept whole
+        # in the job log and reaches the console without the noise of a deliberate stop (-v: untouched).
         return Launcher(cfg, cmd, state_dir=Path(args.state_dir) if args.state_dir else None, job_id=args.job_id,
-                        metrics=metrics, health=health, hooks=cfg.hooks).run()
+                        metrics=metrics, health=health, hooks=cfg.hooks,
+                        job_output="console" if args.verbose else "filtered").run()
     finally:
         if server is not None:
             server.stop()
@@ -126,10 +132,20 @@ def cmd_incidents(args: argparse.Namespace) -> int:
             from gpu_watchdog.export.plot import plot_incident
 
             picture = plot_incident(inc.summary, inc.dir, args.plot, cfg.detect)
-        report = inc.dir / "report.txt"
-        sys.stdout.write(report.read_text() if report.exists() else json.dumps(inc.summary, indent=1) + "\n")
+        if args.json:
+            json.dump(inc.summary, sys.stdout, indent=1)
+            sys.stdout.write("\n")
+        else:
+            report = inc.dir / "report.txt"
+            try:
+                text = report.read_text()
+            except OSError:  # an incident the daemon only observed, or one whose report could not be written
+                from gpu_watchdog.evidence.report import render_report
+
+                text = render_report(inc.summary, [])
+            sys.stdout.write(text)
         if picture is not None:
-            print(f"picture: {picture}")
+            print(f"picture: {picture}", file=sys.stderr if args.json else sys.stdout)
         return 0
     items = store.list()
     if args.json:
@@ -166,7 +182,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     cfg = _load_cfg(args)
     state_dir = Path(args.state_dir) if args.state_dir else resolve_state_dir(cfg)
-    return run_doctor(state_dir, cfg.stacks.py_spy or None, args.p2p, args.json)
+    return run_doctor(state_dir, cfg.stacks.py_spy or None, args.p2p, args.json, backend=cfg.agent.backend)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -177,9 +193,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # -- parser -----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="gpu-watchdog", description=__doc__.split("\n")[0])
+    codes = "\n".join(f"  {code:>3}  {meaning}" for code, meaning in sorted(EXIT_CODES.items()))
+    import textwrap
+
+    p = _Parser(prog="gpu-watchdog", description=textwrap.fill(DESCRIPTION, 80),
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog=f"exit codes (launch: otherwise the job's own exit code; 128+N: stopped by signal N):\n{codes}")
     p.add_argument("--version", action="version", version=f"gpu-watchdog {__version__}")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="debug logging; launch: the job's stderr reaches the console untouched")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -226,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_options(inc, state_dir=True)
     inc.add_argument("action", nargs="?", choices=("list", "show"), default="list")
     inc.add_argument("id", nargs="?")
-    inc.add_argument("--json", action="store_true")
+    inc.add_argument("--json", action="store_true", help="list: a JSON array, oldest first; show: the summary")
     inc.add_argument("--plot", metavar="FILE", help="show: draw the incident's trace to FILE (.png or .svg; "
                      "needs the [plot] extra)")
     inc.set_defaults(func=cmd_incidents)
@@ -237,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_env)
 
     doc = sub.add_parser("doctor", help="preflight checks: NVML, py-spy/ptrace, /dev/shm, kernel, state dir")
-    add_common_options(doc, state_dir=True)
+    add_common_options(doc, state_dir=True, backend=True)
     doc.add_argument("--p2p", action="store_true", help="also test all_reduce across local GPUs (GPU boxes)")
     doc.add_argument("--json", action="store_true")
     doc.set_defaults(func=cmd_doctor)
@@ -262,7 +284,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s gpu-watchdog %(levelname)s %(message)s", stream=sys.stderr)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return code
+    except BrokenPipeError:
+        return _pipe_closed()
     except UsageError as e:
         print(f"gpu-watchdog: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -271,6 +297,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+
+
+def _pipe_closed() -> int:
+    """The reader of our output went away (``gpu-watchdog … | head``): stop quietly. stdout is pointed at
+    /dev/null so that the interpreter's final flush does not report the same closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return EXIT_PIPE_CLOSED
 
 
 def _register_daemon_commands(sub: Any) -> None:

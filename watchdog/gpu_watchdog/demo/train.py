@@ -38,8 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client", action="store_true", help="use the gpu_watchdog.job client")
     ap.add_argument("--save-every", type=int, default=1, help="without --client: own checkpoint period")
     ap.add_argument("--events", default=None)
+    ap.add_argument("--print-every", type=int, default=5, help="print the loss every N steps")
     args = ap.parse_args(argv)
 
+    import warnings
+
+    # torch built without NumPy warns at import in every rank; the job does not use NumPy
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch
     import torch.distributed as dist
 
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 p.grad /= world
             opt.step()
             log_event(args.events, rank=rank, event="step", step=step)
-            if rank == 0 and (step % 5 == 0 or step == args.steps):
+            if rank == 0 and (step % args.print_every == 0 or step == args.steps):
                 print(f"[job] step {step:3d} loss {loss.item():.4f}", flush=True)
             if not args.client and args.save_every and step % args.save_every == 0:
                 save(step)

@@ -16,6 +16,16 @@ def _when(t: Any) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "?"
 
 
+def action_status(action: dict[str, Any]) -> str:
+    """How an incident action ended, in words: ok, FAILED, in progress, or its ``outcome`` when it neither ran nor
+    failed (``skipped``: e.g. a checkpoint the job did not opt in to; ``not available``: e.g. Flight Recorder
+    dumps a gloo job cannot be asked for)."""
+    outcome = action.get("outcome")
+    if outcome in ("skipped", "not_available"):
+        return outcome.replace("_", " ")
+    return {True: "ok", False: "FAILED", None: "in progress"}.get(action.get("ok"), "?")
+
+
 def render_report(summary: dict[str, Any], stacks: Sequence[RankStack]) -> str:
     s = summary
     lines = [
@@ -61,6 +71,5 @@ def render_report(summary: dict[str, Any], stacks: Sequence[RankStack]) -> str:
     if s.get("actions"):
         lines += ["", "actions:"]
         for a in s["actions"]:
-            ok = {True: "ok", False: "FAILED", None: "in progress"}[a.get("ok")]
-            lines.append(f"  {_when(a.get('at'))} {a['action']}: {ok} — {a.get('detail', '')}")
+            lines.append(f"  {_when(a.get('at'))} {a['action']}: {action_status(a)} — {a.get('detail', '')}")
     return "\n".join(lines) + "\n"

@@ -30,7 +30,8 @@ Series (alert rules: prometheus/alerts.yml; dashboard: grafana/dashboards/gpu-wa
   agent: gpu_watchdog_up, _last_sample_timestamp_seconds, _start_time_seconds, _build_info{version},
     _backend_info{backend}, _jobs_dropped, _ranks_dropped, process_* (own registry only)
   counters: gpu_watchdog_incidents_total{kind}, _actions_total{action,result}, _restarts_total{job_id},
-    _pyspy_dumps_total{outcome}, _nvml_errors_total{error_class}, _gpu_faults_total{UUID,kind},
+    _pyspy_dumps_total{outcome}, _nvml_errors_total{error_class},
+    _process_errors_total{error_class}, _gpu_faults_total{UUID,kind},
     _state_write_errors_total, _internal_errors_total{stage}
   histograms: gpu_watchdog_sample_duration_seconds, gpu_watchdog_detection_latency_seconds
 """
@@ -243,8 +244,11 @@ class AgentMetrics:
                                  registry=r)
         self._pyspy = Counter("gpu_watchdog_pyspy_dumps", "py-spy stack dumps by outcome (failures: outcome != ok)",
                               ["outcome"], registry=r)
-        self._nvml_errors = Counter("gpu_watchdog_nvml_errors", "non-fatal sampling errors (NVML, psutil), by "
-                                    "error class", ["error_class"], registry=r)
+        self._nvml_errors = Counter("gpu_watchdog_nvml_errors", "non-fatal NVML errors while sampling, by error "
+                                    "class", ["error_class"], registry=r)
+        self._process_errors = Counter("gpu_watchdog_process_errors", "non-fatal errors reading processes while "
+                                       "sampling (psutil: AccessDenied; DuplicateRank), by error class",
+                                       ["error_class"], registry=r)
         self._internal_errors = Counter("gpu_watchdog_internal_errors", "exceptions caught at a stage boundary (an "
                                         "agent bug): logged with the cause; the agent carried on", ["stage"],
                                         registry=r)
@@ -291,8 +295,10 @@ class AgentMetrics:
         self._sample_duration.observe(max(0.0, seconds))
 
     def nvml_errors(self, errors: Iterable[SampleError]) -> None:
+        """Sampling errors, each counted where its name says: NVML's, or the process scan's."""
         for e in errors:
-            self._nvml_errors.labels(self._error_cap(e.error_class)).inc()
+            counter = self._nvml_errors if e.from_nvml else self._process_errors
+            counter.labels(self._error_cap(e.error_class)).inc()
 
     # -- events ---------------------------------------------------------------------------------------
     def incident(self, kind: str) -> None:

@@ -130,7 +130,11 @@ class Client:
         boundary_s = float(self._request.get("boundary_s", 5.0))
         if self._boundary_reached.wait(boundary_s):
             return  # the main thread saves at its step boundary
-        log.warning("gpu-watchdog: no step boundary within %.1fs; aborting the process group", boundary_s)
+        # Every rank's helper thread gets here at once: one line for the job (its lowest announced rank), not one
+        # per rank.
+        first = min(ControlDir(self.control_dir).clients(), default=self.rank) >= self.rank
+        (log.warning if first else log.debug)("gpu-watchdog: no step boundary within %.1fs; aborting the process "
+                                              "group", boundary_s)
         self._aborted.set()
         self._dump_flight_recorder()
         self._abort_process_group()

@@ -37,6 +37,7 @@ from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV, RESTART_COUNT_ENV, ControlDir
 from gpu_watchdog.launch.exits import ExitWatch, first_to_exit
 from gpu_watchdog.launch.guardian import Guardian
+from gpu_watchdog.launch.output import JobOutput
 from gpu_watchdog.model import NodeSample
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.policy.fallback import validate_job_id
@@ -53,6 +54,19 @@ log = logging.getLogger("gpu_watchdog.launcher")
 class _Outcome:
     exit_code: int | None = None  # None: start the next run
     restart_env: dict[str, str] = field(default_factory=dict)
+
+
+def resolve_command(cmd: Sequence[str]) -> list[str]:
+    """CMD as given, except a bare program name that is not on PATH but sits next to the running interpreter
+    (``torchrun`` of the venv gpu-watchdog runs from, when the venv is not activated): that one, by full path."""
+    import shutil
+
+    out = list(cmd)
+    if out and "/" not in out[0] and shutil.which(out[0]) is None:
+        beside = Path(sys.executable).parent / out[0]
+        if beside.is_file() and os.access(beside, os.X_OK):
+            out[0] = str(beside)
+    return out
 
 
 class LaunchTarget:
@@ -89,11 +103,11 @@ class Launcher:
     def __init__(self, cfg: Config, cmd: Sequence[str], *, state_dir: Path | None = None,
                  job_id: str | None = None, out: TextIO = sys.stderr, metrics: Any = None,
                  hooks: Mapping[str, HookSpec] | None = None, health: LoopHealth | None = None,
-                 backend: Backend | None = None) -> None:
+                 backend: Backend | None = None, job_output: str = "console", job_log: Path | None = None) -> None:
         if not cmd:
             raise UsageError("launch needs a command after --")
         self.cfg = cfg
-        self.cmd = list(cmd)
+        self.cmd = resolve_command(cmd)
         self.state_dir = state_dir or resolve_state_dir(cfg)
         self.host = cfg.agent.hostname or socket.gethostname()
         self.job_id = validate_job_id(job_id or f"launch-{self.host}-{os.getpid()}-{int(time.time())}")
@@ -111,6 +125,10 @@ class Launcher:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stacks")
         self.backend = backend
         self.engine: Engine | None = None  # built by run(), on the backend it chooses
+        # launch.output's modes; "console" (the default): the job writes to launch's own stdout and stderr
+        self.output = JobOutput(job_output, None if job_output == "console" else
+                                job_log or self.state_dir / "logs" / f"{self.job_id}.log",
+                                console=out if job_output == "story" else sys.stderr, note=self.say)
 
     def say(self, msg: str) -> None:
         try:
@@ -130,9 +148,12 @@ class Launcher:
                     RESTART_COUNT_ENV: str(attempt), FALLBACK_LEVEL_ENV: str(self.fallback.level(self.job_id))})
         self.control.create()
         try:
-            return subprocess.Popen(self.cmd, env=env, start_new_session=True)
+            child = subprocess.Popen(self.cmd, env=env, start_new_session=True, **self.output.popen_kwargs())
         except OSError as e:
-            raise UsageError(f"cannot start {self.cmd[0]!r}: {e.strerror}") from None
+            hint = " (not on PATH nor next to this Python: give its full path)" if "/" not in self.cmd[0] else ""
+            raise UsageError(f"cannot start {self.cmd[0]!r}: {e.strerror}{hint}") from None
+        self.output.attach(child)
+        return child
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -145,7 +166,8 @@ class Launcher:
             why = f"{getattr(self.backend, 'name', 'given')} backend"
         backend = self.backend
         self.ctx.gpu_pids = gpu_memory_holders(backend)
-        self.say(f"job {self.job_id}: sampling with the {why}; state in {self.state_dir}")
+        logged = f"; job log {self.output.log_path}" if self.output.log_path else ""
+        self.say(f"job {self.job_id}: sampling with the {why}; state in {self.state_dir}{logged}")
         self.engine = engine = Engine(self.cfg, backend, self.fallback, self._pool, health=self.health,
                                       metrics=self.metrics, heartbeats=lambda: {self.job_id: self.control.steps()},
                                       on_dump_done=self._wake.set, say=self.say)
@@ -175,6 +197,7 @@ class Launcher:
                 finally:
                     exits.close()
                 guardian.release()
+                self.output.finish()
                 if outcome.exit_code is not None:
                     return outcome.exit_code
                 restart_env = outcome.restart_env
@@ -349,4 +372,4 @@ class Launcher:
             self.say(f"stopped {len(left)} job process(es) left behind by the launched command: {res.detail}")
 
 
-__all__ = ["LaunchTarget", "Launcher"]
+__all__ = ["LaunchTarget", "Launcher", "resolve_command"]

@@ -85,13 +85,14 @@ def overlay(cfg: FallbackConfig, level: int) -> dict[str, str]:
 
 
 def decide(cfg: FallbackConfig, current_level: int, kind: str, culprit_state: str | None, *,
-           desync: bool = False, place: str = "", last_place: str = "") -> FallbackDecision:
+           desync: bool = False, place: str = "", last_place: str = "", level_advice: bool = True) -> FallbackDecision:
     """The settings for the next run after an incident of ``kind`` whose culprit was in ``culprit_state``.
 
     A communication hang (culprit in a collective or a device sync, or unknown) climbs one level. A desync, slow
     I/O, a stopped rank and a GPU fault keep the level and get advice. A data wait or endless compute gets advice
     the first time; when the hang comes back at the same ``place`` as the previous one (``last_place``) after that
-    plain restart, the next restart climbs (escalation)."""
+    plain restart, the next restart climbs (escalation). ``level_advice``: whether the level's own advice (about
+    NCCL on GPUs, e.g. P2P hangs on PCIe boxes) applies — not to a CPU (gloo) job nor to a requested restart."""
     name = cfg.levels[current_level - 1].name if 0 < current_level <= len(cfg.levels) else "none"
 
     def keep(advice: str, reason: str) -> FallbackDecision:
@@ -115,8 +116,8 @@ def decide(cfg: FallbackConfig, current_level: int, kind: str, culprit_state: st
     level = current_level + 1
     lvl = cfg.levels[level - 1]
     env = overlay(cfg, level)
-    advice = lvl.advice
-    if env.get("NCCL_P2P_DISABLE") == "1" and (warning := shm_warning()):
+    advice = lvl.advice if level_advice else ""
+    if level_advice and env.get("NCCL_P2P_DISABLE") == "1" and (warning := shm_warning()):
         advice = f"{advice}; WARNING: {warning}" if advice else f"WARNING: {warning}"
     return FallbackDecision(level, lvl.name, env, advice, True, why, place)
 

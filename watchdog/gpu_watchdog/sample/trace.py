@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from gpu_watchdog.errors import EXIT_NOINPUT, TraceError
+from gpu_watchdog.errors import EXIT_NOINPUT, NoInputError, TraceError
 from gpu_watchdog.model import NodeSample, StackEvidence
 
 FORMAT = "gpu-watchdog-trace"
@@ -78,8 +78,8 @@ class TraceWriter:
         self._write({"type": "event", "t": t, "name": name, **fields})
 
 
-class TraceNotFound(TraceError):
-    """The trace file does not exist (exit 66, "missing input")."""
+class TraceNotFound(TraceError, NoInputError):
+    """The trace file does not exist or cannot be read, e.g. a directory (exit 66, "missing input")."""
 
     exit_code = EXIT_NOINPUT
 
@@ -170,8 +170,8 @@ def read_trace(path: str | Path) -> tuple[dict[str, Any], Iterator[Record]]:
         f = p.open("rb")  # decoded line by line: a bad byte is reported with its line
     except FileNotFoundError:
         raise TraceNotFound(f"trace not found: {p}") from None
-    except OSError as e:
-        raise TraceError(f"cannot read trace {p}: {e.strerror}") from None
+    except OSError as e:  # a directory, no permission: the input cannot be read (sysexits' EX_NOINPUT)
+        raise TraceNotFound(f"cannot read trace {p}: {e.strerror}") from None
     try:
         head = json.loads(f.readline().decode())
     except (json.JSONDecodeError, UnicodeDecodeError):  # e.g. a gzipped trace: read_trace takes plain JSONL

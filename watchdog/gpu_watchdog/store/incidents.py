@@ -20,7 +20,7 @@ from typing import Any
 
 from gpu_watchdog.atomic import note_write_error, write_atomic
 from gpu_watchdog.detect.detector import Finding
-from gpu_watchdog.errors import UsageError
+from gpu_watchdog.errors import NoInputError, UsageError
 from gpu_watchdog.store.db import Store
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -82,8 +82,11 @@ class Incident:
         self.save()
         return entry
 
-    def end_action(self, entry: dict[str, Any], ok: bool, detail: str) -> None:
-        entry.update(ok=ok, detail=detail, done_at=time.time())
+    def end_action(self, entry: dict[str, Any], ok: bool, detail: str, outcome: str | None = None) -> None:
+        """``outcome``: "ok" or "failed" by default; "skipped" or "not_available" (with ``ok`` false) for an action
+        that neither ran nor failed — a checkpoint the job did not opt in to, Flight Recorder dumps nothing can
+        trigger."""
+        entry.update(ok=ok, detail=detail, done_at=time.time(), outcome=outcome or ("ok" if ok else "failed"))
         self.save()
         seq = self._seqs.pop(id(entry), None)
         if seq is not None and self.journal is not None:
@@ -95,8 +98,8 @@ class Incident:
         if self.journal is not None:
             self.journal.finish_incident(self.id, outcome)
 
-    def record_action(self, action: str, ok: bool, detail: str) -> None:
-        self.end_action(self.begin_action(action), ok, detail)
+    def record_action(self, action: str, ok: bool, detail: str, outcome: str | None = None) -> None:
+        self.end_action(self.begin_action(action), ok, detail, outcome)
 
     def write_report(self, text: str) -> None:
         if not self._write("report.txt", text):
@@ -163,4 +166,4 @@ class IncidentStore:
         try:
             return Incident(d, json.loads((d / "summary.json").read_text()), self.journal)
         except FileNotFoundError:
-            raise UsageError(f"no incident {incident_id!r} in {self.root}") from None
+            raise NoInputError(f"no incident {incident_id!r} in {self.root}") from None

@@ -1,0 +1,30 @@
+"""``gpu-watchdog demo`` as a new user runs it: a short story on the console (the watchdog's lines, the job's
+``[job]`` lines, a timeline and a verdict), no traceback, no warning; everything else in the job log."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
+STEPS = ("onset", "suspect", "confirmed", "stacks", "culprit", "checkpoint", "stop", "restart", "resumed", "finished")
+
+
+@pytest.mark.slow
+def test_demo_tells_the_story_in_about_30_lines(tmp_path: Path) -> None:
+    r = subprocess.run([CLI, "demo", "--keep", str(tmp_path)], capture_output=True, text=True, timeout=480)
+    console = r.stdout + r.stderr
+    lines = console.splitlines()
+    assert r.returncode == 0, console
+    assert len(lines) <= 32, console
+    assert "Traceback" not in console and "Warning" not in console and "OMP_NUM_THREADS" not in console, console
+    assert console.count("no step boundary") == 0, console  # the job's own words stay in its log
+    timeline = lines[lines.index(next(ln for ln in lines if ln.startswith("timeline"))):]
+    assert [ln.split()[1] for ln in timeline[1:len(STEPS) + 1]] == list(STEPS), console
+    assert timeline[len(STEPS) + 1].startswith("verdict: recovered."), console
+    log = (tmp_path / "job.log").read_text()
+    assert "SignalException" in log and "[job] finished 30 steps" in log and "OMP_NUM_THREADS" in log
+    assert log.count("no step boundary") == 1, log  # once per job, not per rank

@@ -1,0 +1,167 @@
+"""Where a launched job's output goes: the console, a job log, or both.
+
+Three modes:
+
+* ``console``: the job inherits launch's stdout and stderr, untouched (``launch -v``, and ``Launcher``'s default).
+* ``filtered`` (``launch``'s default): stdout is the job's own output and stays on the console, untouched.
+  stderr goes to the job log whole, and to the console without what a deliberate stop makes torchrun print
+  (its ``SignalException`` traceback, "Received 15 death signal", "Sending process N closing signal") and
+  without torchrun's ``OMP_NUM_THREADS`` banner: a stop by the watchdog is expected, not a crash, so the console
+  gets one line saying so and where the traceback is. Any other traceback reaches the console whole.
+* ``story`` (the demo): stdout and stderr go to the job log; the console gets the job's ``[job]`` lines only.
+
+A reader thread per run drains the job's pipe whatever happens to the console (a closed console must not block
+the job on a full pipe).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any, TextIO
+
+from gpu_watchdog.atomic import note_write_error
+
+MODES = ("console", "filtered", "story")
+STORY_PREFIX = "[job]"
+
+# torch's log lines carry a glog-style prefix when stderr is not a terminal: "W1123 16:58:32.174000 19060
+# torch/distributed/run.py:874] "; what follows it is what is classified.
+_TORCH_LOG_PREFIX = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] ?")
+_BANNER = re.compile(r"^\*{10,}\s*$|^Setting OMP_NUM_THREADS environment variable for each process")
+_STOP_NOISE = re.compile(r"Received \d+ death signal, shutting down workers"
+                         r"|Sending process \d+ closing signal SIG[A-Z]+")
+_SIGNAL_EXCEPTION = re.compile(r"SignalException: Process \d+ got signal: (\d+)")
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+class StopNoiseFilter:
+    """Decides, line by line, which of a job's stderr lines reach the console (``filtered`` mode).
+
+    ``feed`` returns the lines to show now; a traceback is held until its last line tells whether it is
+    torchrun's SignalException (summarised through ``note``) or anything else (shown whole)."""
+
+    def __init__(self, note: Callable[[str], None]) -> None:
+        self.note = note
+        self._traceback: list[str] = []
+        self._blank: list[str] = []  # blank lines held back: the one before the OMP banner goes with it
+
+    def feed(self, line: str) -> list[str]:
+        text = _TORCH_LOG_PREFIX.sub("", line.rstrip("\n"))
+        if self._traceback:
+            self._traceback.append(line)
+            if text[:1] in (" ", "\t") or not text:
+                return []
+            block, self._traceback = self._traceback, []
+            m = _SIGNAL_EXCEPTION.search(text)
+            if m is None:
+                return block
+            self.note(f"torchrun stopped on signal {m.group(1)} (its SignalException traceback is in the job log)")
+            return []
+        if text.startswith(_TRACEBACK):
+            self._traceback = [line]
+            return self._release_blank()
+        if not text.strip():
+            self._blank.append(line)
+            return []
+        if _BANNER.search(text):
+            self._blank = []
+            return []
+        if _STOP_NOISE.search(text):
+            return self._release_blank()
+        return self._release_blank() + [line]
+
+    def flush(self) -> list[str]:
+        out, self._traceback = self._blank + self._traceback, []
+        self._blank = []
+        return out
+
+    def _release_blank(self) -> list[str]:
+        out, self._blank = self._blank, []
+        return out
+
+
+class JobOutput:
+    """One launched job's output routing across its runs (see the module docstring)."""
+
+    def __init__(self, mode: str = "console", log_path: Path | None = None, console: TextIO | None = None,
+                 note: Callable[[str], None] | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"job output mode must be one of {MODES}, got {mode!r}")
+        if mode != "console" and log_path is None:
+            raise ValueError(f"job output mode {mode!r} needs a log path")
+        self.mode = mode
+        self.log_path = log_path
+        self.console = console
+        self.note = note or (lambda msg: None)
+        self._threads: list[threading.Thread] = []
+
+    def popen_kwargs(self) -> dict[str, Any]:
+        if self.mode == "story":
+            return {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+        if self.mode == "filtered":
+            return {"stderr": subprocess.PIPE}
+        return {}
+
+    def attach(self, child: subprocess.Popen[bytes]) -> None:
+        """Start draining the run's pipe (a no-op in ``console`` mode)."""
+        stream = child.stdout if self.mode == "story" else child.stderr if self.mode == "filtered" else None
+        if stream is None:
+            return
+        t = threading.Thread(target=self._pump, args=(stream,), name="job-output", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def finish(self, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) until the runs' output is drained: their last lines come before what launch says next."""
+        for t in self._threads:
+            t.join(timeout_s)
+        self._threads = [t for t in self._threads if t.is_alive()]
+
+    def _pump(self, stream: IO[bytes]) -> None:
+        log = self._open_log()
+        filt = StopNoiseFilter(self.note) if self.mode == "filtered" else None
+        try:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode("utf-8", "replace")
+                if log is not None:
+                    try:
+                        log.write(line)
+                        log.flush()
+                    except OSError as e:  # a full disk loses the log, never the job
+                        note_write_error(f"job log {self.log_path}", e)
+                        log = None
+                if filt is not None:
+                    self._show(filt.feed(line))
+                elif line.startswith(STORY_PREFIX):
+                    self._show([line])
+            if filt is not None:
+                self._show(filt.flush())
+        finally:
+            stream.close()
+            if log is not None:
+                log.close()
+
+    def _open_log(self) -> IO[str] | None:
+        assert self.log_path is not None
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            return open(self.log_path, "a", encoding="utf-8")
+        except OSError as e:
+            note_write_error(f"job log {self.log_path}", e)
+            return None
+
+    def _show(self, lines: list[str]) -> None:
+        if not lines or self.console is None:
+            return
+        try:
+            self.console.write("".join(lines))
+            self.console.flush()
+        except (OSError, ValueError):  # the console is gone (``launch … | head``): keep draining into the log
+            self.console = None
+
+
+__all__ = ["MODES", "JobOutput", "StopNoiseFilter"]
