@@ -321,7 +321,8 @@ def populated_metrics(t: float | None = None) -> Any:
                                  waiting_on=(3,), devices=("GPU-0001",))}
     m.update(sample, jobs, {"train-a": 2})
     m.sample_duration(0.004)
-    m.nvml_errors([SampleError("NVMLError_NotSupported", "nvmlDeviceGetPowerUsage gpu 1")])
+    m.nvml_errors([SampleError("NVMLError_NotSupported", "nvmlDeviceGetPowerUsage gpu 1"),
+                   SampleError("AccessDenied", "pid 4242")])
     m.incident("stall")
     m.action("dump_stacks", True)
     m.restart("train-a")
