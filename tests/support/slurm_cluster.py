@@ -89,7 +89,8 @@ class SlurmCluster:
             f"SlurmctldPort={self.ctld_port}",
             f"SlurmdPort={self.slurmd_port}",
             "AuthType=auth/munge", "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire: also how long a requeued job waits before it may start again (default 120 s)
+            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
             "SlurmUser=root", "SlurmdUser=root",
             f"StateSaveLocation={self.root / 'state'}",
             f"SlurmdSpoolDir={self.root / 'spool'}",

@@ -76,6 +76,13 @@ class Recovery:
                          if p.job and p.job.job_id == target.job_id and p.heartbeat_step is not None), default=None)
         allowed, why_not = self.budget.allow(time.time(), hang_step)
 
+        restart_env: dict[str, str] = {}
+        if allowed:  # stored before the stop: a daemon killed before its restart hook resumes at this level
+            restart_env = dict(decision.env)
+            restart_env.update(diagnostics_env(cfg.fallback, inc.dir, restart_env))
+            ctx.fallback.save(target.job_id, decision, restart_env)
+            inc.update(fallback={"level": decision.level, "name": decision.name, "env": decision.env,
+                                 "reason": decision.reason})
         self._checkpoint(inc, target, sample, status)
         self._stop(inc, target)
         if not allowed:
@@ -87,11 +94,7 @@ class Recovery:
             ctx.say(f"giving up: restart budget spent: {why_not}")
             return RecoveryResult(inc, give_up=True, level=decision.level)
 
-        restart_env = dict(decision.env)
-        restart_env.update(diagnostics_env(cfg.fallback, inc.dir, restart_env))
-        ctx.fallback.save(target.job_id, decision, restart_env)
-        inc.update(fallback={"level": decision.level, "name": decision.name, "env": decision.env,
-                             "reason": decision.reason}, advice=decision.advice or None)
+        inc.update(advice=decision.advice or None)
         ctx.say(f"fallback level {decision.level}: {decision.reason}")
         if decision.advice:
             ctx.say(f"advice: {decision.advice}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import signal
 import socket
@@ -151,7 +152,18 @@ class Daemon:
         return self.engine.ticks_failed
 
     def control_dir(self, job_id: str) -> ControlDir:
-        return ControlDir(self.state_dir / "run" / job_id)
+        """The job's control directory; with a run (Slurm's restart count) one per run, so that a requeued
+        job's clients never read the previous run's checkpoint request."""
+        reg = self.registry.get(job_id)
+        run = reg.get("run") if reg else None
+        base = self.state_dir / "run" / job_id
+        return ControlDir(base / f"run-{int(run)}" if run is not None else base)
+
+    def start_reply(self, job_id: str) -> dict[str, Any]:
+        """What a registration hands back to the job: its control directory and its fallback overlay."""
+        data = self.fallback.load(job_id)
+        return {"control_dir": str(self.control_dir(job_id).path), "level": int(data.get("level", 0)),
+                "env": dict(data.get("env") or {})}
 
     def target(self, job_id: str, reg: dict[str, Any]) -> RegisteredJob:
         return RegisteredJob(self, job_id, reg)
@@ -165,7 +177,21 @@ class Daemon:
         return self.registry.registrations()
 
     def register(self, reg: dict[str, Any]) -> None:
+        old = self.registry.get(reg["job_id"])
         self.registry.register(reg)
+        if old is None or old.get("run") != reg.get("run"):
+            self._fresh_control_dir(reg)
+
+    def _fresh_control_dir(self, reg: dict[str, Any]) -> None:
+        """A clean control directory for a new run, owned by the registrant (its clients write there)."""
+        control = self.control_dir(reg["job_id"])
+        control.create()
+        uid = int(reg.get("registered_by_uid", 0))
+        if uid:
+            try:
+                os.chown(control.path, uid, -1)
+            except OSError as e:
+                log.warning("job %s: cannot hand %s to uid %d: %s", reg["job_id"], control.path, uid, e)
 
     def unregister(self, job_id: str) -> bool:
         # The restart budget outlives the registration: a job requeued by its restart hook ends (epilog)
