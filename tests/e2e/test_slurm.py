@@ -51,9 +51,14 @@ max_restarts = 1
 control_socket = "{base / 'control.sock'}"
 socket_group = ""
 housekeeping_interval_s = 600.0
+give_up_hook = "slurm-give-up"
 
 [hooks.slurm-requeue]
 type = "slurm-requeue"
+timeout_s = 30
+
+[hooks.slurm-give-up]
+type = "slurm-give-up"
 timeout_s = 30
 """)
         self.daemon = self.start_daemon()
@@ -164,31 +169,101 @@ def site() -> Iterator[Site]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def test_sbatch_torchrun_hang_is_requeued_with_the_fallback_and_completes(site: Site) -> None:
+@pytest.fixture(scope="module")
+def jobs(site: Site) -> dict[str, tuple[str, Path]]:
+    """The module's jobs, submitted together (they run side by side: one wait instead of four)."""
+    return {
+        "hang": site.submit("hang", "--hang-at 8 --hang-rank 1"),
+        "healthy": site.submit("healthy", "--hang-at 0"),
+        "client": site.submit("client", "--hang-at 8 --hang-rank 1 --client"),
+        "always": site.submit("always", "--hang-at 6 --hang-rank 2 --hang-always"),
+    }
+
+
+def _one_stall(site: Site, job_id: str) -> dict[str, Any]:
+    incs = [i for i in site.incidents(job_id) if i.get("kind") == "stall"]
+    assert len(incs) == 1, incs
+    return incs[0]
+
+
+def test_sbatch_torchrun_hang_is_requeued_with_the_fallback_and_completes(site: Site, jobs) -> None:
     """The acceptance path of issue 16 with a batch script that is only torchrun: registered by the TaskProlog,
     the hang found <= 15 s after its onset (the batch shell's SLURM_PROCID=0 is no rank), `scontrol requeue`,
-    the rerun gets NCCL_P2P_DISABLE=1 from the TaskProlog, resumes from its checkpoint and ends COMPLETED.
-    A healthy job beside it is never touched."""
-    hung, work = site.submit("hang", "--hang-at 8 --hang-rank 1")
-    healthy, hwork = site.submit("healthy", "--hang-at 0")
-    wait_for(lambda: hung in site.daemon.call("status")["registered"], 60, "the TaskProlog's registration",
-             lambda: site.why(hung, work))
-    info = site.wait_end(hung, work, 240)
+    the rerun gets NCCL_P2P_DISABLE=1 from the TaskProlog, resumes from its checkpoint and ends COMPLETED."""
+    hung, work = jobs["hang"]
+    info = site.wait_end(hung, work, 300)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", site.why(hung, work)
     ev = events(work)
     onset = [e for e in ev if e["event"] == "hang_onset"]
     starts = [e for e in ev if e["event"] == "start"]
     assert len(onset) == 1 and len(starts) == 6, ev
-    incs = [i for i in site.incidents(hung) if i.get("kind") == "stall"]
-    assert len(incs) == 1, incs
-    inc = incs[0]
+    inc = _one_stall(site, hung)
     assert inc["detected_at"] - onset[0]["t"] <= DETECT_LIMIT_S, (inc["detected_at"] - onset[0]["t"], inc)
     assert inc.get("culprit_ranks") == [1], inc
     assert inc["row"]["outcome"] == "restart hook ran", inc["row"]
     rerun = starts[3:]
     assert {e["nccl_p2p_disable"] for e in rerun} == {"1"}, rerun  # the fallback env reached the rerun
     assert {e["step"] for e in rerun} == {onset[0]["step"] - 1}, rerun  # resumed from its checkpoint
-    assert [e for e in ev if e["event"] == "done"], ev
-    hinfo = site.wait_end(healthy, hwork, 120)
-    assert hinfo["JobState"] == "COMPLETED" and hinfo["Restarts"] == "0", site.why(healthy, hwork)
+    assert len([e for e in ev if e["event"] == "done"]) == 3, ev
+
+
+def test_a_healthy_sbatch_job_is_never_touched(site: Site, jobs) -> None:
+    healthy, work = jobs["healthy"]
+    info = site.wait_end(healthy, work, 200)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", site.why(healthy, work)
     assert site.incidents(healthy) == []
+
+
+def test_a_requeued_job_with_the_client_trains_on(site: Site, jobs) -> None:
+    """With the in-job client the ranks checkpoint on the daemon's request and exit 85; the requeued run has a
+    control directory of its own (run-1), so it never reads the old request and trains to the end."""
+    job_id, work = jobs["client"]
+    info = site.wait_end(job_id, work, 300)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", site.why(job_id, work)
+    inc = _one_stall(site, job_id)
+    acts = {a["action"]: a for a in inc["row"]["actions"]}
+    assert acts["checkpoint"]["ok"], inc["row"]["actions"]
+    ev = events(work)
+    starts = [e for e in ev if e["event"] == "start"]
+    saved = [e["step"] for e in ev if e["event"] == "checkpoint"]
+    assert len(starts) == 6 and saved and {e["step"] for e in starts[3:]} == {max(saved)}, ev
+    assert len([e for e in ev if e["event"] == "done"]) == 3, ev
+
+
+def test_an_always_hanging_job_is_given_up_with_a_slurm_reason(site: Site, jobs) -> None:
+    """max_restarts = 1: requeued once, hangs again, given up: stopped, not requeued, and its Slurm comment
+    says why (daemon.give_up_hook, type slurm-give-up)."""
+    job_id, work = jobs["always"]
+    info = site.wait_end(job_id, work, 300)
+    assert info["JobState"] != "COMPLETED" and info["Restarts"] == "1", site.why(job_id, work)
+    shown = site.cluster.run("scontrol", "show", "job", job_id).stdout
+    assert "Comment=gpu-watchdog: gave up, the job kept hanging" in shown, shown
+    incs = sorted((i for i in site.incidents(job_id) if i.get("kind") == "stall"), key=lambda i: i["detected_at"])
+    assert [i["row"]["outcome"] for i in incs] == ["restart hook ran",
+                                                    "gave up: restart budget spent (no restart hook run)"], incs
+
+
+def test_a_daemon_killed_before_its_requeue_hook_requeues_once_with_the_level(site: Site, jobs) -> None:
+    """SIGKILL of the daemon while it stops the job (the batch shell ignores SIGTERM, so the stop takes
+    stop_grace_s): the restarted daemon resumes the incident, stops the job and runs the requeue hook once; the
+    rerun gets the fallback level that was stored before the stop."""
+    for other, work in jobs.values():  # the others are done: only this job's incident is in flight
+        site.wait_end(other, work, 300)
+    job_id, work = site.submit("sigkill", "--hang-at 8 --hang-rank 1", pre="trap '' TERM")
+
+    def stopping() -> bool:
+        for i in site.incidents(job_id):
+            acts = i["row"]["actions"]
+            if any(a["action"] == "stop" and a["finished_at"] is None for a in acts):
+                return True
+        return False
+
+    wait_for(stopping, 240, "the daemon to start stopping the job", lambda: site.why(job_id, work), poll=0.2)
+    site.daemon.kill(signal.SIGKILL)
+    site.daemon = site.start_daemon()
+    info = site.wait_end(job_id, work, 300)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", site.why(job_id, work)
+    inc = _one_stall(site, job_id)
+    assert inc["row"]["outcome"] == "resumed after a daemon restart: restart hook ran", inc["row"]
+    starts = [e for e in events(work) if e["event"] == "start"]
+    assert len(starts) == 6 and {e["nccl_p2p_disable"] for e in starts[3:]} == {"1"}, starts

@@ -10,6 +10,7 @@ stops a job that keeps hanging: at most ``max_restarts`` per ``restart_window_s`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpu_watchdog.act.checkpoint import request_checkpoint
@@ -38,9 +39,11 @@ def job_rank_processes(sample: NodeSample, job_id: str, rank_pids: dict[int, int
 
 
 class Recovery:
-    def __init__(self, ctx: ActContext, budget: RestartBudget) -> None:
+    def __init__(self, ctx: ActContext, budget: RestartBudget,
+                 before_give_up: Callable[[Incident, int], object] | None = None) -> None:
         self.ctx = ctx
         self.budget = budget
+        self.before_give_up = before_give_up  # runs while the job still runs (Slurm refuses to update an ended job)
 
     def handle(self, finding: Finding, target: JobTarget, sample: NodeSample,
                status: JobStatus | None) -> RecoveryResult:
@@ -83,6 +86,8 @@ class Recovery:
             ctx.fallback.save(target.job_id, decision, restart_env)
             inc.update(fallback={"level": decision.level, "name": decision.name, "env": decision.env,
                                  "reason": decision.reason})
+        if not allowed and self.before_give_up is not None:
+            self.before_give_up(inc, decision.level)
         self._checkpoint(inc, target, sample, status)
         self._stop(inc, target)
         if not allowed:
