@@ -43,7 +43,7 @@ backend = "proc"
 state_dir = "{base / 'state'}"
 
 [recovery]
-stop_grace_s = 4.0
+stop_grace_s = 3.0
 checkpoint_grace_s = 20.0
 max_restarts = 1
 
@@ -79,16 +79,17 @@ timeout_s = 30
         env["GPU_WATCHDOG_SOCKET"] = self.daemon.socket
         return env
 
-    def submit(self, name: str, train_args: str, *, pre: str = "", post: str = "",
+    def submit(self, name: str, train_args: str, *, pre: str = "", program: str = "-m gpu_watchdog.demo.train",
                sbatch_args: tuple[str, ...] = ()) -> tuple[str, Path]:
+        """A batch script that is only torchrun (after ``pre``): 3 gloo ranks of ``program``."""
         work = self.base / name
         work.mkdir()
         script = work / "job.sh"
+        if program.startswith("-m gpu_watchdog.demo.train"):
+            train_args = f"--ckpt-dir {work} --steps 16 --step-s 0.05 {train_args}"
         script.write_text(f"""#!/bin/bash
 {pre}
-torchrun --standalone --nproc-per-node 3 -m gpu_watchdog.demo.train --ckpt-dir {work} \\
-    --events {work / 'events.jsonl'} --steps 24 --step-s 0.1 {train_args}
-{post}
+torchrun --standalone --nproc-per-node 3 {program} --events {work / 'events.jsonl'} {train_args}
 """)
         job_id = self.cluster.sbatch(script, "-J", name, "-c", "3", "-o", str(work / "out.log"),
                                      "--open-mode=append", *sbatch_args, env=self.job_env())
@@ -115,7 +116,7 @@ torchrun --standalone --nproc-per-node 3 -m gpu_watchdog.demo.train --ckpt-dir {
                 return None
             if any(i["row"].get("outcome") is None for i in self.incidents(job_id)):
                 return None
-            time.sleep(3)
+            time.sleep(2)
             again = self.cluster.job(job_id)
             return again if again.get("JobState") == info["JobState"] and again.get("Restarts") == info.get(
                 "Restarts") else None
@@ -173,10 +174,13 @@ def site() -> Iterator[Site]:
 def jobs(site: Site) -> dict[str, tuple[str, Path]]:
     """The module's jobs, submitted together (they run side by side: one wait instead of four)."""
     return {
-        "hang": site.submit("hang", "--hang-at 8 --hang-rank 1"),
+        "hang": site.submit("hang", "--hang-at 5 --hang-rank 1"),
         "healthy": site.submit("healthy", "--hang-at 0"),
-        "client": site.submit("client", "--hang-at 8 --hang-rank 1 --client"),
-        "always": site.submit("always", "--hang-at 6 --hang-rank 2 --hang-always"),
+        "client": site.submit("client", "--hang-at 5 --hang-rank 1 --client"),
+        "always": site.submit("always", "--hang-at 4 --hang-rank 2 --hang-always"),
+        # rank 0 writes a checkpoint for 10 s while its peers wait in barrier: a legit pause
+        "save": site.submit("save", f"--scenario save --pause-s 10 --step-at 3 --steps 5 --workdir {site.base}",
+                            program=str(REPO / "tests" / "jobs" / "train.py")),
     }
 
 
@@ -207,11 +211,15 @@ def test_sbatch_torchrun_hang_is_requeued_with_the_fallback_and_completes(site: 
     assert len([e for e in ev if e["event"] == "done"]) == 3, ev
 
 
-def test_a_healthy_sbatch_job_is_never_touched(site: Site, jobs) -> None:
-    healthy, work = jobs["healthy"]
-    info = site.wait_end(healthy, work, 200)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", site.why(healthy, work)
-    assert site.incidents(healthy) == []
+@pytest.mark.parametrize("name", ["healthy", "save"])
+def test_healthy_sbatch_jobs_are_never_touched(site: Site, jobs, name: str) -> None:
+    """A healthy job, and one whose rank 0 saves for 10 s while the others wait: COMPLETED, never requeued."""
+    job_id, work = jobs[name]
+    info = site.wait_end(job_id, work, 200)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", site.why(job_id, work)
+    assert site.incidents(job_id) == []
+    if name == "save":
+        assert [e for e in events(work) if e["event"] == "pause_end"], events(work)
 
 
 def test_a_requeued_job_with_the_client_trains_on(site: Site, jobs) -> None:
@@ -249,7 +257,7 @@ def test_a_daemon_killed_before_its_requeue_hook_requeues_once_with_the_level(si
     rerun gets the fallback level that was stored before the stop."""
     for other, work in jobs.values():  # the others are done: only this job's incident is in flight
         site.wait_end(other, work, 300)
-    job_id, work = site.submit("sigkill", "--hang-at 8 --hang-rank 1", pre="trap '' TERM")
+    job_id, work = site.submit("sigkill", "--hang-at 5 --hang-rank 1", pre="trap '' TERM")
 
     def stopping() -> bool:
         for i in site.incidents(job_id):

@@ -90,7 +90,7 @@ class SlurmCluster:
             f"SlurmdPort={self.slurmd_port}",
             "AuthType=auth/munge", "CredType=cred/munge",
             # cred_expire: also how long a requeued job waits before it may start again (default 120 s)
-            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
+            f"AuthInfo=socket={self.munge_socket},cred_expire=5",
             "SlurmUser=root", "SlurmdUser=root",
             f"StateSaveLocation={self.root / 'state'}",
             f"SlurmdSpoolDir={self.root / 'spool'}",
