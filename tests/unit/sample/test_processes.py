@@ -646,3 +646,12 @@ def test_two_torchrun_jobs_without_run_id_are_two_jobs(tmp_path: Path) -> None:
     finally:
         for j in jobs:
             j.stop()
+
+
+def test_a_rank_that_starts_workers_with_other_ranks_stays_a_rank(procs: Procs) -> None:
+    """Healthy counterpart of the launcher rule: a torchrun rank (RANK) whose children claim other ranks of its
+    job (a framework's own worker processes) is still a rank; only an srun task's SLURM_PROCID yields."""
+    rank = {"TORCHELASTIC_RUN_ID": "te-9", "RANK": "0", "WORLD_SIZE": "1"}
+    pids = _spawn_tree(procs, [{"RANK": "5"}], **rank)
+    samples, _ = ProcessScanner().sample()
+    assert _ranks(samples, pids) == {pids[0]: 0, pids[1]: 5}

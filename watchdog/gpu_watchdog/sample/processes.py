@@ -132,6 +132,7 @@ class _Known:
     cmdline: tuple[str, ...] | None = None  # read once, on first use
     launcher_scoped: bool = False  # a torchrun rank without run id or endpoint: named after its agent
     launcher_id: str | None = None  # that name, fixed when first made (the agent may exit, the rank reparent)
+    slurm_rank: bool = False  # its rank is an srun task's SLURM_PROCID (no RANK of its own)
 
 
 _LINUX = sys.platform.startswith("linux")
@@ -213,7 +214,8 @@ class ProcessScanner:
         ident = identity_from_env(env)
         kept = {k: v for k, v in env.items() if k.startswith(self._keep_env)} if self._keep_env else {}
         known = _Known(proc, ctime, ident, kept, start if start is not None else 0.0,
-                       launcher_scoped=_wants_launcher_id(env, ident))
+                       launcher_scoped=_wants_launcher_id(env, ident),
+                       slurm_rank=ident is not None and ident.rank is not None and env.get("RANK") is None)
         self._known[pid] = known
         return known
 
@@ -421,8 +423,9 @@ class ProcessScanner:
 
 
 def _rank_launchers(idents: Mapping[int, _Known], ppids: Mapping[int, int]) -> set[int]:
-    """Processes with a rank that have a descendant claiming another rank of the same job: launchers
-    (``srun torchrun``: the srun task's SLURM_PROCID against its workers' RANK), never ranks themselves."""
+    """srun tasks (a rank from SLURM_PROCID) with a descendant claiming another rank of the same job: launchers
+    (``srun torchrun``: torchrun's agent against its workers' RANK), never ranks themselves. A rank from RANK
+    stays a rank whatever its children claim (a rank may start workers of its own with other ranks)."""
     out: set[int] = set()
     for pid, known in idents.items():
         ident = known.identity
@@ -431,8 +434,8 @@ def _rank_launchers(idents: Mapping[int, _Known], ppids: Mapping[int, int]) -> s
         up, hops = ppids.get(pid, 0), 0
         while up > 1 and hops < 64:
             anc = idents.get(up)
-            if anc is not None and anc.identity is not None and anc.identity.job_id == ident.job_id \
-                    and anc.identity.rank is not None and anc.identity != ident:
+            if anc is not None and anc.slurm_rank and anc.identity is not None \
+                    and anc.identity.job_id == ident.job_id and anc.identity != ident:
                 out.add(up)
             up, hops = ppids.get(up, 0), hops + 1
     return out
