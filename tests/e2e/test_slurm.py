@@ -80,17 +80,19 @@ timeout_s = 30
         return env
 
     def submit(self, name: str, train_args: str, *, pre: str = "", program: str = "-m gpu_watchdog.demo.train",
-               sbatch_args: tuple[str, ...] = ()) -> tuple[str, Path]:
+               background: bool = False, sbatch_args: tuple[str, ...] = ()) -> tuple[str, Path]:
         """A batch script that is only torchrun (after ``pre``): 3 gloo ranks of ``program``."""
         work = self.base / name
         work.mkdir()
         script = work / "job.sh"
         if program.startswith("-m gpu_watchdog.demo.train"):
-            train_args = f"--ckpt-dir {work} --steps 16 --step-s 0.05 {train_args}"
-        script.write_text(f"""#!/bin/bash
-{pre}
-torchrun --standalone --nproc-per-node 3 {program} --events {work / 'events.jsonl'} {train_args}
-""")
+            train_args = f"--ckpt-dir {work} --step-s 0.05 {train_args}"
+            train_args = train_args if "--steps" in train_args else f"{train_args} --steps 16"
+        run = f"torchrun --standalone --nproc-per-node 3 {program} --events {work / 'events.jsonl'} {train_args}"
+        if background:  # the --signal pattern of docs/slurm.md: bash runs a trap only between commands
+            run = (f"{run} &\ntrainer=$!\ntrap '{SCRIPTS / 'preempt.sh'}; exit $?' USR1\n"
+                   f"wait \"$trainer\"")
+        script.write_text(f"#!/bin/bash\n{pre}\n{run}\n")
         job_id = self.cluster.sbatch(script, "-J", name, "-c", "3", "-o", str(work / "out.log"),
                                      "--open-mode=append", *sbatch_args, env=self.job_env())
         return job_id, work
@@ -178,6 +180,7 @@ def jobs(site: Site) -> dict[str, tuple[str, Path]]:
         "healthy": site.submit("healthy", "--hang-at 0"),
         "client": site.submit("client", "--hang-at 5 --hang-rank 1 --client"),
         "always": site.submit("always", "--hang-at 4 --hang-rank 2 --hang-always"),
+        "preempt": site.submit("preempt", "--hang-at 0 --client --steps 80", background=True),
         # rank 0 writes a checkpoint for 10 s while its peers wait in barrier: a legit pause
         "save": site.submit("save", f"--scenario save --pause-s 10 --step-at 3 --steps 5 --workdir {site.base}",
                             program=str(REPO / "tests" / "jobs" / "train.py")),
@@ -188,6 +191,25 @@ def _one_stall(site: Site, job_id: str) -> dict[str, Any]:
     incs = [i for i in site.incidents(job_id) if i.get("kind") == "stall"]
     assert len(incs) == 1, incs
     return incs[0]
+
+
+def test_a_preempted_job_checkpoints_and_is_requeued(site: Site, jobs) -> None:
+    """First in the module: the signal must reach the job while it trains (the other jobs run meanwhile).
+    USR1 to the batch shell (what `--signal=B:USR1@N` sends): the trap runs preempt.sh, the in-job clients
+    save at a step boundary, `scontrol requeue`; the rerun resumes from that checkpoint and ends COMPLETED."""
+    job_id, work = jobs["preempt"]
+    wait_for(lambda: len([e for e in events(work) if e["event"] == "step"]) >= 9, 200, "three steps",
+             lambda: site.why(job_id, work), poll=0.5)
+    sent = site.cluster.run("scancel", "--signal=USR1", "--batch", job_id, check=False)
+    assert sent.returncode == 0, (sent.stderr, site.why(job_id, work))
+    info = site.wait_end(job_id, work, 300)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", site.why(job_id, work)
+    ev = events(work)
+    saved = [e["step"] for e in ev if e["event"] == "checkpoint"]
+    starts = [e for e in ev if e["event"] == "start"]
+    assert len(saved) == 1 and len(starts) == 6 and {e["step"] for e in starts[3:]} == set(saved), ev
+    assert len([e for e in ev if e["event"] == "done"]) == 3, ev
+    assert site.incidents(job_id) == []  # a preemption is no stall
 
 
 def test_sbatch_torchrun_hang_is_requeued_with_the_fallback_and_completes(site: Site, jobs) -> None:
