@@ -180,7 +180,7 @@ def jobs(site: Site) -> dict[str, tuple[str, Path]]:
         "healthy": site.submit("healthy", "--hang-at 0"),
         "client": site.submit("client", "--hang-at 5 --hang-rank 1 --client"),
         "always": site.submit("always", "--hang-at 4 --hang-rank 2 --hang-always"),
-        "preempt": site.submit("preempt", "--hang-at 0 --client --steps 80", background=True),
+        "preempt": site.submit("preempt", "--hang-at 0 --client --steps 200", background=True),
         # rank 0 writes a checkpoint for 10 s while its peers wait in barrier: a legit pause
         "save": site.submit("save", f"--scenario save --pause-s 10 --step-at 3 --steps 5 --workdir {site.base}",
                             program=str(REPO / "tests" / "jobs" / "train.py")),
