@@ -38,6 +38,21 @@ def _register(d: DaemonProc, job_id: str, pid: int, hook: str = "requeue") -> No
     assert out.returncode == 0, out.stdout + out.stderr + d.log_text()
 
 
+def _assert_replayable_trace(inc: dict, config: Path) -> None:
+    """The daemon's incident carries the node's samples before confirmation, the job's only, and ``replay`` of the
+    incident directory finds the same stall."""
+    d = Path(inc["stacks_dir"]).parent
+    assert inc["trace"] == "trace.jsonl"
+    recs = [json.loads(line) for line in (d / "trace.jsonl").read_text().splitlines()]
+    samples = [r for r in recs if r["type"] == "sample"]
+    assert samples[-1]["t"] <= inc["detected_at"] and inc["detected_at"] - samples[0]["t"] <= 120.0
+    assert samples[0]["t"] < inc["onset"]  # what led to the stall, not only the stall
+    assert {p["job"]["job_id"] for s in samples for p in s.get("processes", []) if p.get("job")} == {"train-42"}
+    out = subprocess.run([GW, "replay", "--config", str(config), str(d)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("stall ") and "job=train-42" in out.stdout, out
+
+
 @pytest.mark.slow
 def test_daemon_finds_registered_hang_and_runs_restart_hook_once(base: Path) -> None:
     d = DaemonProc(base, write_config(base))
@@ -52,6 +67,7 @@ def test_daemon_finds_registered_hang_and_runs_restart_hook_once(base: Path) -> 
                                      and i["job_id"] == "train-42"], 30, "incident finished", d.log_text)[0]
         assert inc["job_id"] == "train-42" and inc["kind"] == "stall"
         assert inc["culprit_ranks"] == [1], inc
+        _assert_replayable_trace(inc, base / "config.toml")
         stacks = sorted(p.name for p in Path(inc["stacks_dir"]).iterdir())
         assert stacks == [f"rank-{r}.json" for r in range(4)]
         acts = {a["action"]: a for a in inc["actions"]}
@@ -75,6 +91,35 @@ def test_daemon_finds_registered_hang_and_runs_restart_hook_once(base: Path) -> 
         d.kill(signal.SIGTERM)
         assert d.proc.returncode == 0, d.log_text()
         assert not Path(d.socket).exists()
+    finally:
+        job.stop()
+        d.kill()
+
+
+@pytest.mark.slow
+def test_a_restart_hook_that_exits_1_is_recorded_and_the_daemon_carries_on(base: Path) -> None:
+    """The scheduler refuses the requeue (the hook exits 1): the hung job is still stopped (nothing of it left
+    running unsupervised), the incident says the hook failed and why, and the daemon keeps serving."""
+    failing = '[hooks.failing]\nargv = ["/bin/sh", "-c", "echo requeue refused >&2; exit 1"]\ntimeout_s = 10\n'
+    d = DaemonProc(base, write_config(base, extra=failing))
+    job = start_job("hang", nproc=2, extra_args=("--rank-at", "1", "--step-at", "20", "--steps", "1000"),
+                    tmp_path=base / "job")
+    try:
+        d.wait_socket()
+        job.wait_ranks(60)
+        _register(d, "train-9", job.proc.pid, hook="failing")
+        inc = wait_for(lambda: [i for i in _incidents(base / "state") if i.get("outcome")
+                                     and i["job_id"] == "train-9"], 90, "incident finished", d.log_text)[0]
+        acts = {a["action"]: a for a in inc["actions"]}
+        assert acts["stop"]["ok"], inc["actions"]
+        assert acts["restart_hook"]["ok"] is False and "exit 1" in acts["restart_hook"]["detail"], acts
+        assert "requeue refused" in json.dumps(inc["restart_hook"]), inc
+        assert inc["outcome"] == "restart hook failed or missing", inc
+        wait_for(lambda: job.proc.poll() is not None, 15, "job stopped")
+        assert d.call("status")["ok"] and d.proc.poll() is None
+        assert "Traceback" not in d.log_text()
+        d.kill(signal.SIGTERM)
+        assert d.proc.returncode == 0, d.log_text()
     finally:
         job.stop()
         d.kill()

@@ -47,6 +47,7 @@ NPROC = 4
 INTERVAL_S = 1.0  # agent.interval_s, the default
 NVML_GPU_LOST = 15
 NVML_NOT_SUPPORTED = 3
+NVML_UNKNOWN = 999
 # Shared by every run: the shipped detection defaults, a short stop ladder, and quick give-up when a test
 # only wants the first incident (max_restarts = 0: record it, dump stacks, stop the job, exit 75).
 RECOVERY = {"stop_grace_s": 5.0, "checkpoint_grace_s": 20.0, "memory_release_timeout_s": 15.0}
@@ -321,6 +322,47 @@ UNSUPPORTED_NAMES = ("power", "power_limit", "temperature", "sm_clock", "traffic
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_nvml_unknown_mid_run_is_counted_not_a_fault_and_a_later_hang_is_still_found(nvml_standin, tmp_path):
+    """Every NVML call on GPU 2 starts failing with NVML_ERROR_UNKNOWN while the job trains (a driver hiccup,
+    not proof of a hardware fault): the agent counts the errors by class, drains nothing, raises no gpu_fault,
+    and keeps supervising: rank 2 is judged from its host counters, and when rank 1 later hangs the stall is
+    found and proven with stacks as usual."""
+    state = nvml_standin.require_scripted()
+    add_gpus(state)
+    events = tmp_path / "events.jsonl"
+    drained = tmp_path / "drain.jsonl"
+    hook = TESTS / "hookbin" / "record_hook.py"
+    cfg = write_config(tmp_path / "watchdog.toml", {
+        "recovery": GIVE_UP,
+        "faults": {"drain_command": [sys.executable, str(hook), str(drained), "0", "{node}", "{gpu}", "{reason}"]},
+    })
+    port = free_port()
+    placer = GpuPlacer(state, events, NPROC)
+    run = start_launch(["--backend", "nvml", "--config", str(cfg), "--metrics-addr", f"127.0.0.1:{port}"],
+                       train_argv(events, tmp_path, step_at=40, step_s=0.3), env=nvml_standin.env,
+                       tmp_path=tmp_path, job_id="unknown")
+    try:
+        with placer:
+            run.wait_for("training steps", lambda: len([e for e in read_events(events)
+                                                        if e["event"] == "step"]) >= 3 * NPROC, 90)
+            time.sleep(max(0.0, placer.last_placed_at + 2 * INTERVAL_S - time.time()))
+            placer.apply(state.inject_error, "*", NVML_UNKNOWN, gpu=2)
+            counted = run.wait_for("Unknown errors counted", lambda: scrape(port).get(
+                'gpu_watchdog_nvml_errors_total{error_class="NVMLError_Unknown"}', 0) >= 3, 60)
+            assert counted and run.incidents() == [], run.incidents()  # training goes on: nothing to report
+            inc = first_incident(run, 90)  # rank 1 hangs at step 40
+            rc = run.wait(timeout=90)
+    finally:
+        run.kill(placer.seen_pids)
+    out = run.output()
+    assert rc == EXIT_GAVE_UP, out[-4000:]
+    assert (inc["kind"], inc["signature"]) == ("stall", "idle_held"), inc
+    assert len(run.incidents()) == 1 and not drained.exists(), out[-4000:]
+    assert "gpu_watchdog/" not in out  # no traceback of ours
+    assert_culprit_proven(run.incidents()[0])
+
+
 def test_everything_optional_not_supported(nvml_standin, tmp_path):
     """GPUs that answer only utilization, memory and the process list (power, power limit, temperature,
     clocks, every field value and per-process utilization NOT_SUPPORTED): ``record`` and ``launch`` say

@@ -9,6 +9,8 @@ launcher exits 0 after exactly one incident and one restart.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -124,6 +126,30 @@ def test_prometheus_sees_stall_incident_and_restart(tmp_path: Path) -> None:
             if not p.query_range(q, t_start, t_end) and not prom.promql_metric_names(q) <= OPTIONAL_HERE:
                 empty.append(f"{where}: {q}")
         assert not empty, "no data in the run:\n" + "\n".join(empty) + "\n" + tail()
+        # Every alert rule evaluated cleanly against the real run's series.
+        rules = [r for g in p.api("rules")["groups"] for r in g["rules"]]
+        assert rules and all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+
+    _incident_trace_replays_and_plots(state, onset, tmp_path)
+
+
+def _incident_trace_replays_and_plots(state: Path, onset: float, tmp_path: Path) -> None:
+    """The launch incident of this real gloo hang carries the samples before its confirmation: ``replay`` of the
+    incident directory finds the stall again, and ``--plot`` draws it."""
+    (d,) = (state / "incidents").iterdir()
+    out = subprocess.run([sys.executable, "-m", "gpu_watchdog", "replay", str(d)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("stall ") and "job=e2e" in out.stdout, out
+    summary = json.loads((d / "summary.json").read_text())
+    replayed_onset = float(out.stdout.split("onset=")[1].split()[0])
+    assert abs(replayed_onset - summary["onset"]) < 0.01 and summary["onset"] <= onset + 2.0
+    if importlib.util.find_spec("matplotlib") is None:
+        return  # the [plot] extra: tests/unit/export/test_plot.py covers the figure itself
+    png = tmp_path / "incident.png"
+    out = subprocess.run([sys.executable, "-m", "gpu_watchdog", "incidents", "show", d.name, "--state-dir",
+                          str(state), "--plot", str(png)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and f"picture: {png}" in out.stdout, out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
 def test_launcher_metrics_addr_in_use_is_one_line(tmp_path: Path) -> None:

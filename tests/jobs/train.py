@@ -14,6 +14,8 @@ Scenarios (``--scenario``):
               work to its workers) and waits on a result queue; the worker blocks in an all_reduce of a private
               2-process gloo group whose other member never joins
   exit        rank ``--rank-at`` exits with code 3 at step ``--step-at``
+  dsleep      rank ``--rank-at`` sits in uninterruptible sleep (state D, as on a hung NFS mount) for ``--pause-s``
+              seconds at step ``--step-at``, then trains on (dsleep.c beside this script, built with cc)
 
 ``--cured-by NAME=VALUE`` arms the scenario's fault only while the environment variable NAME is not VALUE: a
 stand-in for a hang that a fallback setting cures (e.g. ``NCCL_P2P_DISABLE=1``) on a CPU box.
@@ -81,12 +83,26 @@ def hand_to_workers(events: str | None, rank: int, step: int) -> None:
     results.get()  # the rank's main thread waits on its workers: a queue wait, the collective is elsewhere
 
 
-def start_fr_pipe(rank: int) -> None:
-    """Serve dump requests from a helper thread: the main thread may be blocked in a collective."""
+def uninterruptible_sleep(seconds: float, workdir: str) -> None:
+    """Build dsleep.c (beside this script) and sit in state D for ``seconds``."""
+    import ctypes
+    import subprocess
+
+    lib = os.path.join(workdir, f"dsleep-{os.getpid()}.so")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dsleep.c")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", lib, src], check=True)
+    ctypes.CDLL(lib).uninterruptible_sleep(ctypes.c_uint(int(seconds)))
+
+
+def start_fr_pipe(rank: int) -> threading.Event:
+    """Serve dump requests from a helper thread: the main thread may be blocked in a collective. The event is set
+    once the helper is warm (the first dump of recorded entries imports torch._dynamo) or when FR is off."""
+    warm = threading.Event()
     pipe_prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
     dump_prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
     if not pipe_prefix or not dump_prefix:
-        return
+        warm.set()
+        return warm
     path = f"{pipe_prefix}{rank}.pipe"
     if not os.path.exists(path):
         os.mkfifo(path)
@@ -96,6 +112,8 @@ def start_fr_pipe(rank: int) -> None:
     def serve() -> None:
         import select
 
+        import torch._dynamo  # noqa: F401  # a dump's symbolizing imports it (~10 s on a loaded box): pay it now
+        warm.set()
         while True:
             select.select([rfd], [], [])
             if not os.read(rfd, 4096):
@@ -107,12 +125,13 @@ def start_fr_pipe(rank: int) -> None:
             os.replace(tmp, f"{dump_prefix}{rank}")
 
     threading.Thread(target=serve, daemon=True, name="fr-pipe").start()
+    return warm
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scenario", default="healthy",
-                    choices=["healthy", "hang", "desync", "queue", "save", "eval", "stop", "worker", "exit"])
+                    choices=["healthy", "hang", "desync", "queue", "save", "eval", "stop", "worker", "exit", "dsleep"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--step-at", type=int, default=5)
     ap.add_argument("--rank-at", type=int, default=1)
@@ -164,6 +183,10 @@ def main() -> None:
         if at and args.scenario == "exit" and rank == args.rank_at:
             log_event(args.events, rank=rank, step=step, event="hang_onset")
             os._exit(3)
+        if at and args.scenario == "dsleep" and rank == args.rank_at:
+            log_event(args.events, rank=rank, step=step, event="hang_onset")
+            uninterruptible_sleep(args.pause_s, args.workdir)
+            log_event(args.events, rank=rank, step=step, event="pause_end")
         if at and args.scenario == "desync" and rank == args.rank_at:
             log_event(args.events, rank=rank, step=step, event="hang_onset")
             dist.barrier()

@@ -114,15 +114,17 @@ def start_job(
     step_s: float = 0.05,
     step_at: int = 2,
     max_lifetime_s: int = 300,
+    script: Path = TRAIN,
 ) -> RunningJob:
     """Start ``torchrun --standalone --nproc-per-node N tests/jobs/train.py --scenario S`` with a short
-    ``--step-s`` and an early ``--step-at`` (override them in ``extra_args``: later flags win)."""
+    ``--step-s`` and an early ``--step-at`` (override them in ``extra_args``: later flags win). ``script``: another
+    job of tests/jobs/ that takes the same flags (groups.py)."""
     tmp_path = Path(tmp_path)
     tmp_path.mkdir(parents=True, exist_ok=True)
     events = tmp_path / f"events-{scenario}-{time.monotonic_ns()}.jsonl"
     log = events.with_suffix(".log")
     argv = [
-        _torchrun(), "--standalone", "--nproc-per-node", str(nproc), str(TRAIN),
+        _torchrun(), "--standalone", "--nproc-per-node", str(nproc), str(script),
         "--scenario", scenario, "--step-s", str(step_s), "--step-at", str(step_at),
         "--events", str(events), "--workdir", str(tmp_path), *extra_args,
     ]

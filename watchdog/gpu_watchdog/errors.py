@@ -44,3 +44,9 @@ class BackendUnavailable(WatchdogError):
     """The requested sampling backend cannot start (e.g. NVML driver not loaded)."""
 
     exit_code = EXIT_UNAVAILABLE
+
+
+class MissingExtra(WatchdogError):
+    """An optional extra the command needs is not installed, e.g. matplotlib for ``--plot`` (the ``[plot]`` extra)."""
+
+    exit_code = EXIT_UNAVAILABLE

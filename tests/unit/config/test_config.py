@@ -21,6 +21,7 @@ from gpu_watchdog.config.schema import (
     FallbackLevel,
     FaultsConfig,
     HookSpec,
+    RasConfig,
     RecoveryConfig,
     StacksConfig,
 )
@@ -135,6 +136,9 @@ def test_booleans_are_not_numbers_and_floats_are_not_integers(tmp_path: Path) ->
     ("[agent]\nbackend = 'cuda'\n", "agent.backend"),
     ("[agent]\nmetrics_addr = 'localhost'\n", "agent.metrics_addr"),
     ("[agent]\nmetrics_addr = 'localhost:99999'\n", "agent.metrics_addr"),
+    ("[ras]\nenabled = 'yes'\n", "ras.enabled"),
+    ("[ras]\naddr = 'localhost'\n", "ras.addr"),
+    ("[ras]\ntimeout_s = 0\n", "ras.timeout_s"),
     ("[recovery]\ncheckpoint_signal = 'SIGNOPE'\n", "recovery.checkpoint_signal"),
     ("[fallback]\nhealthy_reset_s = -5\n", "fallback.healthy_reset_s"),
     ("[fallback]\nnetwork_env = 'eth0'\n", "fallback.network_env"),
@@ -294,7 +298,7 @@ WEIRD = 'we"ird\\ \'q\' \u00e9\U0001f600\x7f\t\n\x01'  # quotes, backslash, unic
 # Every key of every section set to a value other than its default (test_every_key_is_set_in_FULL checks).
 FULL = Config(
     agent=AgentConfig(interval_s=0.25, backend="proc", state_dir="/var/tmp/gw \"state\"", hostname=WEIRD,
-                      metrics_addr="[::1]:9999"),
+                      metrics_addr="[::1]:9999", incident_trace_s=30.0),
     detect=DetectConfig(util_idle_max_percent=0.0, mem_held_min_bytes=0, proc_rss_held_min_bytes=1,
                         spin_util_min_percent=99.5, spin_power_max_ratio=1.0, spin_power_max_w=61.5,
                         spin_traffic_max_bytes_per_s=0.0, progress_cpu_min_cores=0.25,
@@ -312,10 +316,11 @@ FULL = Config(
     faults=FaultsConfig(xid_events=False, event_wait_ms=100, application_xids=(13, 79),
                         drain_command=("/usr/bin/drain", "--node={node}", "{reason} \u00e9 \\{{x}}"),
                         drain_hook="node-drain", drain_timeout_s=9.0),
+    ras=RasConfig(enabled="on", addr="[::1]:28029", timeout_s=3.5, poll_interval_s=2.0, confirm_gap_s=0.5),
     daemon=DaemonSettings(control_socket="/tmp/gw/c.sock", socket_group="", allowed_uids=(1000, 1001),
                           allowed_gids=(2000,), allow_root=False, max_request_bytes=4096, preempt_timeout_s=5.0,
-                          stop_unregistered=True, incident_max_age_days=1.5, incident_max_total_mb=64.0,
-                          housekeeping_interval_s=30.0, give_up_hook="requeue"),
+                          peer_timeout_s=7.0, stop_unregistered=True, incident_max_age_days=1.5,
+                          incident_max_total_mb=64.0, housekeeping_interval_s=30.0, give_up_hook="requeue"),
     hooks={
         "node-drain": HookSpec("node-drain", "command", ("/usr/local/bin/drain", "{node}", "'{incident}'"), 15.0),
         "requeue": HookSpec("requeue", "slurm-requeue", ("scontrol", "requeue", "--lvl={level}", "{job_id}"), 120.0),

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -90,6 +91,26 @@ def test_real_socket_refuses_peer_not_allowed(daemon: Daemon, base: Path) -> Non
     finally:
         srv.stop()
     assert not srv.path.exists()
+
+
+def test_a_silent_peer_is_dropped_after_peer_timeout_and_others_are_served(daemon: Daemon, base: Path) -> None:
+    """A client that connects and never finishes its request (a hung prolog) is disconnected after
+    daemon.peer_timeout_s; meanwhile other clients are answered."""
+    daemon.settings = DaemonSettings(control_socket=str(base / "c.sock"), socket_group="", peer_timeout_s=1.0)
+    srv = ControlServer(daemon.settings, daemon)
+    srv.start()
+    try:
+        stuck = socket.socket(socket.AF_UNIX)
+        stuck.connect(str(srv.path))
+        stuck.sendall(b'{"op": "sta')  # half a request, then silence
+        assert request(str(srv.path), {"op": "status"}, timeout_s=5.0)["ok"]  # served while the other hangs
+        stuck.settimeout(10.0)
+        t0 = time.monotonic()
+        assert stuck.recv(4096) == b""  # the server closed it
+        assert time.monotonic() - t0 < 5.0
+        stuck.close()
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize("job_id", ["a/b", "..", "a..b", "x\n", "x\x1b[31m", "", "-x", "a" * 200, 5, None])

@@ -276,6 +276,16 @@ def test_kernel_wchan_decides_only_when_python_frames_do_not() -> None:
     assert rs.state == "collective"
 
 
+def test_a_thread_in_uninterruptible_sleep_is_an_io_wait() -> None:
+    """State D (a hung NFS mount, a vfork parent) is an I/O wait whatever the wait channel is called; Python
+    frames that say more still win."""
+    rs = classify_thread(thread(MAIN, wchan="kernel_clone", kstate="D"), 0, 1)
+    assert (rs.state, rs.where) == ("io", "main (train.py:107)")
+    assert classify_thread(thread(MAIN, wchan="0", kstate="D"), 0, 1).state == "io"
+    assert classify_thread(thread(MAIN, wchan="kernel_clone", kstate="S"), 0, 1).state == "unknown"
+    assert classify_thread(thread(fr("all_reduce", C10D), MAIN, kstate="D"), 0, 1).state == "collective"
+
+
 def test_native_work_wait_is_a_collective_wait() -> None:
     th = thread(native("pthread_cond_wait", "libc.so.6"), native("c10d::Work::wait", "libtorch_cpu.so"),
                 native("pybind11::cpp_function::dispatcher", "libtorch_python.so"), fr("main", "/job/train.py", 60))

@@ -1,5 +1,5 @@
-"""gpu_watchdog.evidence.flight_recorder: settings, the non-blocking FIFO trigger, safe loading, and lagging
-ranks from REAL gloo Flight Recorder dumps (``_dump_fr_trace()`` inside a hung 2-rank torchrun job)."""
+"""gpu_watchdog.evidence.flight_recorder: settings, the non-blocking FIFO trigger, safe loading, and the culprit of
+REAL gloo Flight Recorder dumps (``_dump_fr_trace()`` inside a hung 2-rank torchrun job)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,10 @@ from gpu_watchdog.evidence.flight_recorder import (
     FrSettings,
     collect_dumps,
     fr_settings,
-    lagging_ranks,
-    last_collective_seq,
-    last_entry,
     load_dump,
     trigger_dumps,
 )
+from gpu_watchdog.evidence.fr_analysis import analyze_traces, read_trace
 
 
 def test_settings_from_env() -> None:
@@ -73,21 +71,6 @@ def test_load_dump_rejects_bad_files(tmp_path: Path) -> None:
         load_dump(tmp_path / "list")
 
 
-def _entry(seq: int, pg: str = "0", p2p: bool = False) -> dict:
-    return {"record_id": seq, "collective_seq_id": seq, "process_group": (pg, "default_pg"), "is_p2p": p2p,
-            "profiling_name": "gloo:all_reduce"}
-
-
-def test_lagging_ranks_from_entries_and_status() -> None:
-    a = {"entries": [_entry(1), _entry(2), _entry(3), _entry(9, pg="1")]}
-    b = {"entries": [_entry(1), _entry(2)], "pg_status": {"0": {"last_enqueued_collective": 2}}}
-    c = {"entries": [], "pg_status": {"0": {"last_enqueued_collective": 3}}}  # ring buffer emptied/wrapped
-    assert lagging_ranks({0: a, 1: b, 2: c}) == ({0: 3, 1: 2, 2: 3}, (1,))
-    assert lagging_ranks({0: a, 2: c}) == ({0: 3, 2: 3}, ())
-    assert last_collective_seq({"entries": []}) == 0
-    assert (last_entry(a) or {}).get("collective_seq_id") == 9 and last_entry({"entries": []}) is None
-
-
 @pytest.mark.slow
 def test_real_gloo_dumps_name_the_lagging_rank(tmp_path: Path) -> None:
     env = {"TORCH_FR_BUFFER_SIZE": "200", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr" / "trace_"),
@@ -115,10 +98,10 @@ def test_real_gloo_dumps_name_the_lagging_rank(tmp_path: Path) -> None:
         job.stop()
     dumps = {i: load_dump(p) for i, p in enumerate(copies)}
     assert {"version", "pg_config", "pg_status", "entries"} <= set(dumps[0])
-    last, behind = lagging_ranks(dumps)
-    assert last == {0: 3, 1: 2} and behind == (1,)
-    newest = last_entry(dumps[0])
-    assert newest is not None and newest["profiling_name"] == "gloo:all_reduce"
-    assert newest["collective_seq_id"] == 3 and newest["input_sizes"] == [[1024]]
+    a = analyze_traces([read_trace(d, r, copies[r].stat().st_mtime) for r, d in dumps.items()], min_wait_s=0.0)
+    assert a.culprit_ranks == (1,)
+    (g,) = a.groups  # the default group: rank 0 waits in all_reduce #3, rank 1 never enqueued it
+    assert (g.name, g.desc, g.kind, g.op, g.seq, g.sizes, g.waiting, g.missing) == (
+        "0", "default_pg", "missing", "all_reduce", 3, [[1024]], (0,), (1,))
     assert collect_dumps(settings, tmp_path / "later", newer_than=time.time() + 60) == []
     assert collect_dumps(settings, tmp_path / "only1", ranks=[1])[0].name == "fr-rank-1.pkl"

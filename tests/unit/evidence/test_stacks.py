@@ -91,7 +91,8 @@ def test_dump_real_process(sleeper: int) -> None:
     # time.sleep is C code: py-spy shows only the calling Python frame, idle.
     assert [f["name"] for f in main[0]["frames"]] == ["<module>"]
     assert main[0]["active"] is False
-    assert main[0].get("wchan", "").endswith("nanosleep")  # our addition, read from /proc
+    assert main[0].get("wchan", "").endswith("nanosleep")  # our additions, read from /proc
+    assert main[0].get("kstate") == "S"
 
 
 def test_native_dump_shows_c_frames(sleeper: int) -> None:

@@ -7,6 +7,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -655,3 +657,22 @@ def test_a_rank_that_starts_workers_with_other_ranks_stays_a_rank(procs: Procs) 
     pids = _spawn_tree(procs, [{"RANK": "5"}], **rank)
     samples, _ = ProcessScanner().sample()
     assert _ranks(samples, pids) == {pids[0]: 0, pids[1]: 5}
+
+
+def test_read_task_state_of_real_threads(tmp_path: Path) -> None:
+    """The scheduler state letter of a thread, read from /proc even when the command name holds ') ('."""
+    from gpu_watchdog.sample.processes import read_task_state
+
+    assert read_task_state(os.getpid(), threading.get_native_id()) == "R"  # this thread, reading its own stat
+    odd = tmp_path / "odd) (name"
+    shutil.copy(shutil.which("sleep") or "/bin/sleep", odd)
+    child = subprocess.Popen([str(odd), "30"])
+    try:
+        deadline = time.monotonic() + 10
+        while read_task_state(child.pid, child.pid) != "S" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert read_task_state(child.pid, child.pid) == "S"
+    finally:
+        child.kill()
+        child.wait()
+    assert read_task_state(child.pid, child.pid) == ""  # gone: unreadable, no exception

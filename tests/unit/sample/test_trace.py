@@ -245,8 +245,9 @@ def test_files_that_are_not_traces(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="trace not found") as ei:
         read_trace(tmp_path / "missing.trace")
     assert ei.value.exit_code == EXIT_NOINPUT
-    with pytest.raises(TraceError, match="cannot read trace"):
-        read_trace(tmp_path)
+    with pytest.raises(TraceError, match="no trace in .*: a directory must hold trace.jsonl") as ei:
+        read_trace(tmp_path)  # a directory stands for the trace.jsonl an incident directory holds
+    assert ei.value.exit_code == EXIT_NOINPUT
 
 
 def test_invalid_utf8_in_a_later_line(tmp_path: Path) -> None:

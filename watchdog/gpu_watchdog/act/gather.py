@@ -1,6 +1,9 @@
 """An incident's evidence, gathered the same way for every stall: a fresh py-spy dump of every rank kept raw in
 the incident, the diagnosis that names the culprit, the workers of a culprit waiting on them, Flight Recorder
-dumps when the job configured them, and the readable report."""
+dumps when the job configured them (analyzed across every process group), NCCL RAS for jobs that serve it (two
+polls compared, ``ras.json``), and the readable report. One verdict over the sources (``evidence.culprit``): the
+stacks name the culprit when they can tell the ranks apart, else the Flight Recorder, else RAS; the summary's
+``culprit_evidence`` says which source named it."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ from dataclasses import dataclass
 
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.detect.detector import Finding, JobStatus
-from gpu_watchdog.evidence.analyze import write_rank_stacks
+from gpu_watchdog.evidence import flight_recorder as fr
+from gpu_watchdog.evidence.analyze import fr_dir, write_rank_stacks
 from gpu_watchdog.evidence.collect import (
     WAITS_ON_WORKERS,
     blocked_workers,
@@ -18,7 +22,10 @@ from gpu_watchdog.evidence.collect import (
     dump_workers,
     rank_workers,
 )
+from gpu_watchdog.evidence.culprit import FLIGHT_RECORDER, NCCL_RAS, STACKS, SourceVerdict, merge_evidence
 from gpu_watchdog.evidence.diagnosis import Diagnosis, diagnose, format_ranks
+from gpu_watchdog.evidence.fr_analysis import FrAnalysis, analyze_traces, read_trace
+from gpu_watchdog.evidence.ras_poll import RasPoller, write_ras_evidence
 from gpu_watchdog.evidence.report import render_report
 from gpu_watchdog.model import NodeSample, RankStack
 from gpu_watchdog.store.incidents import Incident
@@ -47,6 +54,7 @@ class EvidenceGatherer:
         ctx, cfg = self.ctx, self.ctx.cfg
         job_id = finding.job_id or ""
         rank_pids = dict(status.rank_pids) if status else {}
+        diag: Diagnosis | None = None
         if not rank_pids or not cfg.stacks.enabled:
             out = Gathered()
         else:
@@ -72,9 +80,38 @@ class EvidenceGatherer:
                 ctx.say(f"culprit rank {culprit.rank} stack: {culprit.signature}")
             behind = self._workers(inc, diag, stacks, rank_pids, job_id)
             out = Gathered(tuple(stacks), diag, behind or culprit)
-        self._flight_recorder(inc, rank_pids)
+        fr = self._flight_recorder(inc, rank_pids)
+        ras = self._nccl_ras(inc, job_id, rank_pids, sample)
+        merged = self._decide(inc, finding, diag, fr, ras)
+        if merged is not None and merged is not diag:  # the recovery acts on the merged verdict
+            out = Gathered(out.stacks, merged, out.culprit or _culprit_stack(merged, list(out.stacks)))
         out.report(inc)
         return out
+
+    def _decide(self, inc: Incident, finding: Finding, diag: Diagnosis | None, fr: FrAnalysis | None,
+                ras: SourceVerdict | None = None) -> Diagnosis | None:
+        """One verdict over the evidence sources (``merge_evidence``): the stacks decide when they tell the ranks
+        apart, else the Flight Recorder (NCCL ranks all busy-waiting in the same device sync), else NCCL RAS. Returns
+        the diagnosis the recovery acts on: ``diag`` itself unless another source named the culprit."""
+        verdict = merge_evidence(diag, fr, *([ras] if ras is not None else []))
+        evidence = verdict.evidence or ("detector" if finding.culprit_ranks else None)
+        inc.update(culprit_evidence=evidence, evidence_disagreements=list(verdict.disagreements))
+        if fr is not None:
+            inc.update(flight_recorder={"culprit_ranks": list(fr.culprit_ranks), "reason": fr.reason,
+                                        "process_groups": [g.as_json() for g in fr.groups],
+                                        "ranks": list(fr.ranks), "no_dump": list(fr.no_dump),
+                                        "versions": list(fr.versions)})
+        for line in verdict.disagreements:
+            self.ctx.say(f"evidence disagrees: {line}")
+        if verdict.evidence in (None, STACKS):
+            return diag
+        stuck = [g for g in fr.groups if g.kind != "in_progress"] if fr and verdict.evidence == FLIGHT_RECORDER else []
+        collective = stuck[0].op if stuck else (diag.collective if diag else None)
+        desync = bool(diag and diag.desync) or any(g.kind == "mismatch" for g in stuck)
+        inc.update(culprit_ranks=list(verdict.culprit_ranks), reason=verdict.reason, collective=collective,
+                   desync=desync)
+        self.ctx.say(f"culprit: {verdict.reason}")
+        return Diagnosis(verdict.culprit_ranks, collective, verdict.reason, desync, diag.groups if diag else ())
 
     def _workers(self, inc: Incident, diag: Diagnosis, stacks: list[RankStack], rank_pids: dict[int, int],
                  job_id: str) -> RankStack | None:
@@ -105,26 +142,84 @@ class EvidenceGatherer:
         self.ctx.say(f"culprit: {reason}")
         return first.stack
 
-    def _flight_recorder(self, inc: Incident, rank_pids: dict[int, int]) -> None:
-        from gpu_watchdog.evidence import flight_recorder as fr
-        env: dict[str, str] = {}
-        for pid in rank_pids.values():
-            try:
-                import psutil
-
-                env = psutil.Process(pid).environ()
-                break
-            except Exception:
-                continue
+    def _flight_recorder(self, inc: Incident, rank_pids: dict[int, int]) -> FrAnalysis | None:
+        """Ask every rank for a Flight Recorder dump (NCCL's dump pipe, or the in-job helper serving the same FIFO
+        for gloo), wait for the fresh dumps, copy them and the job's dump-on-timeout files into the incident's
+        ``flight-recorder/``, and analyze them. None when the job runs without FR or no dump came."""
+        env, started = _rank_env(rank_pids)
         settings = fr.fr_settings(env)
         if settings is None:
-            return
+            return None
         entry = inc.begin_action("flight_recorder")
         try:
+            asked_at = time.time()
             triggered = fr.trigger_dumps(settings, sorted(rank_pids))
-            time.sleep(1.0 if triggered else 0.0)
-            files = fr.collect_dumps(settings, inc.dir / "flight-recorder")
-            inc.end_action(entry, bool(files), f"{len(files)} dump(s) collected, {len(triggered)} triggered")
-        except Exception as e:  # diagnostics must never block recovery
+            deadline = time.monotonic() + (FR_WAIT_S if triggered else 0.0)
+            while time.monotonic() < deadline and not _fresh(settings, rank_pids, asked_at):
+                time.sleep(0.2)
+            # this job's ranks only, written since they started: another job may share the default dump prefix
+            files = fr.collect_dumps(settings, fr_dir(inc.dir), ranks=sorted(rank_pids), newer_than=started)
+            traces = [read_trace(fr.load_dump(f), rank, f.stat().st_mtime)
+                      for f in files if (rank := fr.dump_rank(f)) is not None]
+        except Exception as e:  # diagnostics must never block recovery; a bad dump is "no evidence"
             inc.end_action(entry, False, f"flight recorder: {e}")
+            return None
+        if not traces:
+            inc.end_action(entry, False, f"no dump collected, {len(triggered)} triggered")
+            return None
+        analysis = analyze_traces(traces, min_wait_s=0.0)  # the stall is confirmed: every wait counts
+        inc.end_action(entry, True, f"{len(files)} dump(s) collected, {len(triggered)} triggered; {analysis.reason}")
+        return analysis
 
+    def _nccl_ras(self, inc: Incident, job_id: str, rank_pids: dict[int, int],
+                  sample: NodeSample) -> SourceVerdict | None:
+        """NCCL RAS, two polls compared (evidence.ras_poll): ``ras.json`` in the incident and ``ras_culprit_ranks``
+        in its summary. Nothing at all for a job RAS is not asked about (a gloo job, ``ras.enabled = off``).
+        Returns what RAS says as an evidence source (None: not asked, or it failed)."""
+        poller = self.ctx.ras or RasPoller(lambda: self.ctx.cfg.ras)
+        addr = poller.address(job_id, rank_pids)
+        if addr is None:
+            return None
+        world = max((p.job.world_size or 0 for p in sample.processes if p.job and p.job.job_id == job_id),
+                    default=0) or None
+        entry = inc.begin_action("nccl_ras", addr)
+        try:
+            evidence = poller.incident_evidence(job_id, rank_pids, world)
+            write_ras_evidence(inc.dir, evidence)
+            inc.update(ras_culprit_ranks=evidence.culprit_ranks, ras_hung_communicators=len(evidence.hung))
+            inc.end_action(entry, bool(evidence.hung), evidence.summary)
+            if evidence.hung:
+                self.ctx.say(evidence.summary)
+        except Exception as e:  # diagnostics must never block recovery
+            inc.end_action(entry, False, f"nccl ras: {e}")
+            return None
+        return SourceVerdict(NCCL_RAS, tuple(evidence.culprit_ranks) if evidence.hung else (), evidence.summary)
+
+FR_WAIT_S = 10.0  # how long to wait for the triggered ranks' dumps (the first one may import torch._dynamo)
+
+
+def _rank_env(rank_pids: dict[int, int]) -> tuple[dict[str, str], float | None]:
+    """The environment of one of the job's ranks (FR settings are job-wide) and the earliest rank start time (older
+    dump files belong to an earlier run)."""
+    import psutil
+
+    env: dict[str, str] = {}
+    started: list[float] = []
+    for pid in rank_pids.values():
+        try:
+            p = psutil.Process(pid)
+            started.append(p.create_time())
+            env = env or p.environ()
+        except Exception:
+            continue
+    return env, min(started) if started else None
+
+
+def _fresh(settings: fr.FrSettings, rank_pids: dict[int, int], asked_at: float) -> bool:
+    for rank in rank_pids:
+        try:
+            if settings.dump_path(rank).stat().st_mtime < asked_at:
+                return False
+        except OSError:
+            return False
+    return True

@@ -11,8 +11,10 @@ from typing import Any, Protocol
 from gpu_watchdog.act.stopper import JobProcess
 from gpu_watchdog.config.schema import Config
 from gpu_watchdog.detect.detector import Finding
+from gpu_watchdog.evidence.ras_poll import RasPoller
 from gpu_watchdog.job.protocol import ControlDir
 from gpu_watchdog.policy.budget import RestartBudget
+from gpu_watchdog.sample.recent import TRACE_NAME, RecentSamples
 from gpu_watchdog.store.fallback import FallbackStore
 from gpu_watchdog.store.incidents import Incident, IncidentStore
 
@@ -52,6 +54,8 @@ class ActContext:
     say: Callable[[str], None] = log.info
     gpu_pids: Callable[[], set[int]] | None = None  # processes holding GPU memory (NVML); None on the proc backend
     drained: set[str] = field(default_factory=set)  # GPUs whose fault already drained the node
+    ras: RasPoller | None = None  # the engine's NCCL RAS poller: an incident reuses its last poll
+    recent: RecentSamples | None = None  # the engine's ring of recent samples: each incident's trace
 
     def metric(self, name: str, *args: Any) -> None:
         """Count an event; a broken metrics collector is logged, never a reason to stop acting on a job."""
@@ -63,10 +67,22 @@ class ActContext:
             log.exception("metrics: %s failed", name)
 
     def open_incident(self, finding: Finding) -> Incident:
-        """Every incident starts here, so the incidents counter counts every one written."""
+        """Every incident starts here, so the incidents counter counts every one written and each one carries
+        the node's recent past (``trace.jsonl``)."""
         inc = self.incidents.create(finding, self.host)
         self.metric("incident", finding.kind)
+        self._keep_trace(inc, finding)
         return inc
+
+    def _keep_trace(self, inc: Incident, finding: Finding) -> None:
+        if self.recent is None:
+            return
+        event = {"t": finding.confirmed_at, "name": "incident", "id": inc.id, "kind": finding.kind,
+                 "signature": finding.signature, "onset": finding.onset}
+        text = self.recent.trace(finding.confirmed_at, finding.job_id, (event,))
+        if text is not None:
+            inc.keep_file(TRACE_NAME, text)
+            inc.update(trace=TRACE_NAME)
 
 
 BudgetFor = Callable[[str], RestartBudget]

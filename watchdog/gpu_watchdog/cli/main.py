@@ -1,8 +1,8 @@
 """The ``gpu-watchdog`` command line. Parsing and dispatch only; each command's work lives in its module.
 
 Exit codes (README "Exit codes"): 0 ok, 1 failure, 64 bad arguments, 65 bad trace data, 66 missing input,
-69 backend unavailable, 78 bad config; ``launch`` exits with the job's own code (or 75 when the restart
-budget is spent, 74 when a GPU of the job faulted and the node was drained).
+69 backend unavailable (``ras``: no RAS socket answers), 78 bad config; ``launch`` exits with the job's own
+code (or 75 when the restart budget is spent, 74 when a GPU of the job faulted and the node was drained).
 """
 
 from __future__ import annotations
@@ -113,13 +113,23 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     from gpu_watchdog.config.schema import resolve_state_dir
     from gpu_watchdog.store.incidents import IncidentStore
 
-    store = IncidentStore(args.state_dir or resolve_state_dir(_load_cfg(args)))
+    cfg = _load_cfg(args)
+    store = IncidentStore(args.state_dir or resolve_state_dir(cfg))
+    if args.plot and args.action != "show":
+        raise UsageError("--plot draws one incident: gpu-watchdog incidents show ID --plot FILE.png")
     if args.action == "show":
         if not args.id:
             raise UsageError("incidents show needs an incident id")
         inc = store.get(args.id)
+        picture = None
+        if args.plot:
+            from gpu_watchdog.export.plot import plot_incident
+
+            picture = plot_incident(inc.summary, inc.dir, args.plot, cfg.detect)
         report = inc.dir / "report.txt"
         sys.stdout.write(report.read_text() if report.exists() else json.dumps(inc.summary, indent=1) + "\n")
+        if picture is not None:
+            print(f"picture: {picture}")
         return 0
     items = store.list()
     if args.json:
@@ -217,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     inc.add_argument("action", nargs="?", choices=("list", "show"), default="list")
     inc.add_argument("id", nargs="?")
     inc.add_argument("--json", action="store_true")
+    inc.add_argument("--plot", metavar="FILE", help="show: draw the incident's trace to FILE (.png or .svg; "
+                     "needs the [plot] extra)")
     inc.set_defaults(func=cmd_incidents)
 
     e = sub.add_parser("env", help="print a job's fallback overlay as export lines (for restart scripts)")
@@ -268,3 +280,12 @@ def _register_daemon_commands(sub: Any) -> None:
 
 
 _EXTRA_COMMANDS.append(_register_daemon_commands)
+
+
+def _register_ras_command(sub: Any) -> None:
+    from gpu_watchdog.cli.ras import register
+
+    register(sub)
+
+
+_EXTRA_COMMANDS.append(_register_ras_command)

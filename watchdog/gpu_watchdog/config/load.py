@@ -33,11 +33,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-_CHOICES = {"agent.backend": ("auto", "nvml", "proc")}
+_CHOICES = {"agent.backend": ("auto", "nvml", "proc"), "ras.enabled": ("auto", "on", "off")}
 # Keys that may be zero; every other number must be > 0.
 _MAY_BE_ZERO = {"detect.spin_power_max_w", "detect.util_idle_max_percent", "detect.proc_rss_held_min_bytes",
                 "detect.mem_held_min_bytes", "recovery.max_restarts", "detect.progress_io_min_bytes_per_s",
-                "recovery.checkpoint_grace_s", "detect.spin_traffic_max_bytes_per_s"}
+                "recovery.checkpoint_grace_s", "detect.spin_traffic_max_bytes_per_s", "agent.incident_trace_s"}
 _RATIOS = {"detect.spin_power_max_ratio"}
 _PERCENTS = {"detect.util_idle_max_percent", "detect.spin_util_min_percent"}
 
@@ -59,6 +59,7 @@ def _is_socket_path(text: str) -> bool:
 # Non-empty strings with a format: (check, what the message says it must be).
 _STRING_CHECKS = {
     "agent.metrics_addr": (_is_host_port, "HOST:PORT (or empty)"),
+    "ras.addr": (_is_host_port, "HOST:PORT (or empty)"),
     "recovery.checkpoint_signal": (_is_signal_name, "a signal name such as SIGUSR1 (or empty)"),
     "daemon.control_socket": (_is_socket_path, "an absolute path of at most 100 bytes (or empty)"),
 }

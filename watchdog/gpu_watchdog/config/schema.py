@@ -22,6 +22,7 @@ class AgentConfig:
     state_dir: str = ""  # empty: /var/lib/gpu-watchdog as root, else ~/.local/state/gpu-watchdog
     hostname: str = ""  # empty: socket.gethostname()
     metrics_addr: str = ""  # HOST:PORT for /metrics and /healthz (conventional port 9408); empty: off
+    incident_trace_s: float = 120.0  # every incident keeps this much of the node's recent samples; 0: none
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,17 @@ class FaultsConfig:
     drain_timeout_s: float = 60.0  # drain_command's timeout (a drain_hook has its own timeout_s)
 
 
+@dataclass(frozen=True)
+class RasConfig:
+    """``[ras]``: NCCL's RAS socket, asked only while a job is suspect or stalled (docs/nccl-ras.md)."""
+
+    enabled: str = "auto"  # auto: jobs with a rank listening on the RAS port | on: every job | off: never
+    addr: str = ""  # HOST:PORT; empty: the ranks' NCCL_RAS_ADDR, else localhost:28028 (NCCL's default)
+    timeout_s: float = 10.0  # one query end to end (connect, handshake, report); RAS is asked for 40% of it
+    poll_interval_s: float = 5.0  # at most one query this often per suspect or stalled job
+    confirm_gap_s: float = 2.0  # the two queries an incident compares are at least this far apart
+
+
 DEFAULT_SOCKET = "/run/gpu-watchdog/control.sock"
 
 
@@ -142,6 +154,7 @@ class DaemonSettings:
     allow_root: bool = True  # root (uid 0) is always allowed; false only for tests
     max_request_bytes: int = 65536
     preempt_timeout_s: float = 60.0  # longest wait for a job's checkpoint acknowledgement
+    peer_timeout_s: float = 30.0  # a control-socket peer silent this long (mid-request or idle) is dropped
     stop_unregistered: bool = False  # stop stalled jobs nobody registered (there is no way to restart them)
     give_up_hook: str = ""  # a [hooks.NAME] run once when a job's restart budget is spent (e.g. slurm-give-up)
     incident_max_age_days: float = 30.0  # housekeeping: incident directories older than this are removed
@@ -182,6 +195,7 @@ class Config:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     fallback: FallbackConfig = field(default_factory=FallbackConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    ras: RasConfig = field(default_factory=RasConfig)
     daemon: DaemonSettings = field(default_factory=DaemonSettings)
     hooks: Mapping[str, HookSpec] = field(default_factory=dict)  # [hooks.NAME] by NAME
 
@@ -194,6 +208,7 @@ SECTIONS: dict[str, type] = {
     "recovery": RecoveryConfig,
     "fallback": FallbackConfig,
     "faults": FaultsConfig,
+    "ras": RasConfig,
     "daemon": DaemonSettings,
 }
 

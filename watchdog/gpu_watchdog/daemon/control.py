@@ -187,7 +187,7 @@ class ControlServer:
                 log.warning("control: refused pid %d: %s", cred.pid, why)
                 _send(conn, {"ok": False, "error": f"permission denied: {why}"})
                 return
-            conn.settimeout(30.0)
+            conn.settimeout(self.settings.peer_timeout_s)  # a stuck peer holds a thread, never the loop
             buf = b""
             limit = self.settings.max_request_bytes
             while not self._stop.is_set():

@@ -129,6 +129,8 @@ class Daemon:
             self._engine = Engine(self.cfg, self.backend, self.fallback, self._pool, health=self.health,
                                   metrics=self.metrics, heartbeats=self._heartbeats,
                                   attribute=self.registry.attribute, say=self._log_info)
+            self.ctx.ras = self._engine.ras  # an incident reuses the RAS polls made while the job was suspect
+            self.ctx.recent = self._engine.recent
         return self._engine
 
     @property

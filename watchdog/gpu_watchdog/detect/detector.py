@@ -144,7 +144,8 @@ def _observe_rank(p: ProcessSample, prev: _RankObs | None, t: float, device: str
     """
     same = prev is not None and prev.pid == p.pid and prev.create_time == p.create_time
     wait = kernel_wait(p.wchan, p.status)
-    doing = f"{wait} ({p.wchan or p.status})" if wait else ""
+    where = f"uninterruptible, {p.wchan}" if p.status == "disk-sleep" and p.wchan else (p.wchan or p.status)
+    doing = f"{wait} ({where})" if wait else ""
     stopped = p.status == "stopped"
     if same and prev is not None and p.status != "zombie" and t - prev.t < cfg.progress_min_window_s \
             and p.heartbeat_step == prev.heartbeat_step:

@@ -18,11 +18,13 @@ from typing import Any
 
 from gpu_watchdog.config.schema import Config
 from gpu_watchdog.detect.consistency import ConfigWatch
-from gpu_watchdog.detect.detector import RUNNING, DetectorState, Finding, JobStatus, step
+from gpu_watchdog.detect.detector import RUNNING, STALLED, SUSPECT, DetectorState, Finding, JobStatus, step
 from gpu_watchdog.evidence.collect import collect_stack_evidence
+from gpu_watchdog.evidence.ras_poll import RasPoller
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.model import NodeSample, StackEvidence
 from gpu_watchdog.sample.backends import Backend
+from gpu_watchdog.sample.recent import RecentSamples
 from gpu_watchdog.store.fallback import FallbackStore
 
 log = logging.getLogger("gpu_watchdog.engine")
@@ -70,6 +72,8 @@ class Engine:
         self._say = say
         self.state = DetectorState()
         self.last_sample: NodeSample | None = None
+        # The last agent.incident_trace_s of what the detector saw: every incident's trace (act.target).
+        self.recent = RecentSamples(cfg.agent.incident_trace_s, cfg.agent.interval_s)
         self.ticks_ok = 0
         self.ticks_failed = 0
         self.last_error = ""
@@ -77,6 +81,7 @@ class Engine:
         self._dumps: dict[str, Future[list[StackEvidence]]] = {}
         self._watches: dict[str, ConfigWatch] = {}
         self._healthy_since: dict[str, float] = {}
+        self.ras = RasPoller(lambda: self.cfg.ras)  # NCCL RAS, asked only about suspect or stalled jobs
 
     def new_run(self, job_id: str) -> None:
         """The job was restarted: its new ranks start with a clean slate (detector, launch-settings check,
@@ -85,6 +90,7 @@ class Engine:
         if watch is not None:
             watch.new_run()
         self._healthy_since.pop(job_id, None)
+        self.ras.forget(job_id)
         self.state = replace(self.state, jobs={j: s for j, s in self.state.jobs.items() if j != job_id},
                              ranks={k: o for k, o in self.state.ranks.items() if k[0] != job_id})
 
@@ -97,9 +103,13 @@ class Engine:
         self._check_clock(sample.t)
         try:
             sample = with_heartbeats(self._attribute(sample), self._heartbeats())
-            state, findings = step(self.state, sample, self.cfg.detect, self._finished_dumps())
+            dumps = self._finished_dumps()
+            self.recent.configure(self.cfg.agent.incident_trace_s, self.cfg.agent.interval_s)
+            self.recent.add(sample, dumps)
+            state, findings = step(self.state, sample, self.cfg.detect, dumps)
             self.state, self.last_sample = state, sample
             self._schedule_dumps(sample.t)
+            self._poll_ras(state.jobs)
             findings.extend(self._check_configs(sample.t))
             self._note_healthy(state.jobs)
             self._forget_ended(state.jobs)
@@ -171,6 +181,12 @@ class Engine:
                     fut.add_done_callback(lambda _f: wake())
                 self._dumps[js.job_id] = fut
 
+    def _poll_ras(self, jobs: Mapping[str, JobStatus]) -> None:
+        """Ask NCCL RAS about the jobs that look hung, on the poller's own thread (it never blocks the tick)."""
+        for js in jobs.values():
+            if js.state in (SUSPECT, STALLED) and js.rank_pids:
+                self.ras.poll_due(js.job_id, js.rank_pids)
+
     def _check_configs(self, t: float) -> list[Finding]:
         """Every job's ranks on this node must share their launch settings: the digest goes to the metrics
         (an alert compares nodes), a new mismatch becomes a finding."""
@@ -215,6 +231,8 @@ class Engine:
                 self.metrics.forget_job(job_id)
         for job_id in set(self._healthy_since) - set(jobs):
             del self._healthy_since[job_id]
+        for job_id in self.ras.jobs() - set(jobs):
+            self.ras.forget(job_id)
 
 
 def count_internal_error(metrics: Any, stage: str) -> None:

@@ -155,7 +155,7 @@ def _data_wait(fr: Frame) -> str | None:
 
 def _io(fr: Frame) -> str | None:
     if _file(fr) == "[kernel]":
-        return "" if kernel_wait(_name(fr)) == "io" else None
+        return "" if kernel_wait(_name(fr), str(fr.get("status") or "")) == "io" else None
     if _in(fr, *IO_FILES) or _last(fr) in IO_NAMES:
         return ""
     return None
@@ -206,13 +206,17 @@ def main_thread(threads: Iterable[Mapping[str, Any]], pid: int | None = None) ->
 
 
 def _frames_in_order(thread: Mapping[str, Any]) -> tuple[list[Frame], list[Frame]]:
-    """(python frames, native frames), each innermost first; the wchan pseudo-frame leads the native."""
+    """(python frames, native frames), each innermost first; the kernel pseudo-frame (the wait channel, and
+    the uninterruptible state D, which the kernel shows as an I/O wait) leads the native."""
     frames: Sequence[Frame] = thread.get("frames") or ()
     py = [f for f in frames if not is_native(f)]
     native = [f for f in frames if is_native(f)]
     wchan = str(thread.get("wchan") or "")
-    if wchan and wchan != "0":
-        native.insert(0, {"name": wchan, "filename": "[kernel]", "short_filename": "kernel", "line": 0})
+    uninterruptible = thread.get("kstate") == "D"
+    if (wchan and wchan != "0") or uninterruptible:
+        native.insert(0, {"name": wchan if wchan not in ("", "0") else "uninterruptible", "filename": "[kernel]",
+                          "short_filename": "kernel", "line": 0,
+                          "status": "disk-sleep" if uninterruptible else ""})
     return py, native
 
 

@@ -15,15 +15,18 @@ torch 2.13 (CPU build, gloo):
     last_completed_collective}}), ``entries`` (each with ``collective_seq_id``, ``profiling_name``
     such as ``gloo:all_reduce``, ``process_group`` = (pg name, desc), ``frames``, ``input_sizes``…).
 We unpickle with an unpickler that refuses every class, so a planted file in /tmp runs no code.
-The shipped ``torchfrtrace`` analyzer crashes on gloo dumps; nothing here uses it.
+The shipped ``torchfrtrace`` analyzer crashes on gloo dumps; nothing here uses it: ``fr_analysis`` reads the dumps
+of every process group and names the culprit.
 """
 
 from __future__ import annotations
 
 import errno
 import io
+import json
 import os
 import pickle
+import re
 import shutil
 import stat
 from collections.abc import Iterable, Mapping
@@ -32,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_DUMP_PREFIX = "/tmp/nccl_trace_rank_"
-DEFAULT_PG = "0"  # the default process group's name in dumps
 
 
 class FlightRecorderError(Exception):
@@ -142,7 +144,7 @@ def collect_dumps(
                 continue
             target = dest / f"fr-rank-{rank}.pkl"
             tmp = target.with_suffix(".tmp")
-            shutil.copyfile(src, tmp)
+            shutil.copy2(src, tmp)  # keeps the mtime: the dump time, against which waits are measured
             os.replace(tmp, target)
         except OSError:
             continue  # vanished or unreadable: the other ranks still count
@@ -158,52 +160,50 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 def load_dump(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read one FR dump. Raises FlightRecorderError with one line naming the file on any problem."""
+    """Read one FR dump: the pickle torch writes, or the JSON of ``_dump_nccl_trace_json``. Raises
+    FlightRecorderError with one line naming the file on any problem."""
     p = Path(path)
     try:
         data = p.read_bytes()
     except OSError as e:
         raise FlightRecorderError(f"{p}: cannot read Flight Recorder dump: {e.strerror}") from e
     try:
-        obj = _PlainUnpickler(io.BytesIO(data)).load()
+        obj = json.loads(data) if data[:1] == b"{" else _PlainUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # any unpickling failure means "not a dump"
-        raise FlightRecorderError(f"{p}: not a Flight Recorder dump ({type(e).__name__}: {e})") from e
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise FlightRecorderError(f"{p}: not a Flight Recorder dump ({type(e).__name__}: {msg})") from e
     if not isinstance(obj, dict) or not isinstance(obj.get("entries"), list):
         raise FlightRecorderError(f"{p}: not a Flight Recorder dump (no 'entries' list)")
     return obj
 
 
-def last_collective_seq(dump: Mapping[str, Any], pg: str = DEFAULT_PG) -> int:
-    """The last collective sequence id this rank enqueued on process group ``pg``: from ``pg_status``
-    when present (it survives the ring buffer wrapping), else the largest ``collective_seq_id`` among
-    the entries of that group; 0 when the rank recorded none."""
-    status = dump.get("pg_status")
-    if isinstance(status, Mapping) and isinstance(status.get(pg), Mapping):
-        v = status[pg].get("last_enqueued_collective")
-        if isinstance(v, int) and v >= 0:
-            return v
-    seqs = [
-        int(e.get("collective_seq_id", 0)) for e in dump.get("entries", ())
-        if isinstance(e, Mapping) and not e.get("is_p2p")
-        and str((e.get("process_group") or (DEFAULT_PG,))[0]) == pg
-    ]
-    return max(seqs, default=0)
+_DUMP_NAME = re.compile(r"^(?!.*\.(?:pipe|tmp)$).*?(\d+)(?:\.(?:pkl|pickle|json))?$")
 
 
-def lagging_ranks(
-    dumps: Mapping[int, Mapping[str, Any]], pg: str = DEFAULT_PG
-) -> tuple[dict[int, int], tuple[int, ...]]:
-    """({rank: last collective seq id}, ranks behind the maximum). The ranks behind never entered the
-    collective their peers are blocked in — the culprits, whatever their stacks show."""
-    last = {rank: last_collective_seq(d, pg) for rank, d in sorted(dumps.items())}
-    top = max(last.values(), default=0)
-    return last, tuple(r for r, s in last.items() if s < top)
+def dump_rank(path: str | os.PathLike[str], dump: Mapping[str, Any] | None = None) -> int | None:
+    """The global rank a dump belongs to: its ``rank`` field when it has one, else the trailing digits of its file
+    name (``<TORCH_FR_DUMP_TEMP_FILE prefix><rank>``, any prefix; ``fr-rank-<rank>.pkl`` in an incident)."""
+    if dump is not None:
+        r = dump.get("rank")
+        if isinstance(r, int) and not isinstance(r, bool) and r >= 0:
+            return r
+    m = _DUMP_NAME.match(Path(path).name)
+    return int(m.group(1)) if m else None
 
 
-def last_entry(dump: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The newest entry (largest record id), e.g. to print ``profiling_name`` and ``input_sizes``."""
-    entries: list[Mapping[str, Any]] = [e for e in dump.get("entries", ()) if isinstance(e, Mapping)]
-    if not entries:
-        return None
-    newest = max(entries, key=lambda e: int(e.get("record_id", 0)))
-    return dict(newest)
+def dump_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """The regular files of ``directory`` named like FR dumps (trailing rank digits; FIFOs and temp files skipped)."""
+    d = Path(directory)
+    try:
+        names = sorted(os.listdir(d))
+    except OSError:
+        return []
+    out: list[Path] = []
+    for n in names:
+        p = d / n
+        try:
+            if _DUMP_NAME.match(n) and stat.S_ISREG(os.stat(p).st_mode):
+                out.append(p)
+        except OSError:
+            continue
+    return out

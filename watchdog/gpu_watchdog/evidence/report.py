@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from gpu_watchdog.evidence.culprit import SOURCE_TITLES
 from gpu_watchdog.evidence.diagnosis import format_ranks, group_key
 from gpu_watchdog.model import RankStack
 
@@ -25,12 +27,20 @@ def render_report(summary: dict[str, Any], stacks: Sequence[RankStack]) -> str:
         f"onset {_when(s.get('onset'))}, detected {_when(s.get('detected_at'))} "
         f"(+{(s.get('detected_at') or 0) - (s.get('onset') or 0):.1f}s, evidence: {s.get('evidence')})",
     ]
+    if s.get("culprit_evidence") and s["culprit_evidence"] != "stacks":
+        lines.append(f"culprit named by: {SOURCE_TITLES.get(s['culprit_evidence'], s['culprit_evidence'])}")
+    for line in s.get("evidence_disagreements") or ():
+        lines.append(f"evidence disagrees: {line}")
     if s.get("advice"):
         lines.append(f"advice:  {s['advice']}")
     if s.get("fallback"):
         fb = s["fallback"]
         env = " ".join(f"{k}={v}" for k, v in sorted(fb.get("env", {}).items())) or "(no NCCL change)"
         lines.append(f"restart at fallback level {fb.get('level')} ({fb.get('name')}): {env}")
+    if s.get("trace"):
+        where = str(Path(s["stacks_dir"]).parent) if s.get("stacks_dir") else "INCIDENT_DIR"
+        lines.append(f"trace:   {s['trace']}, the samples before confirmation (gpu-watchdog replay {where}; "
+                     f"picture: gpu-watchdog incidents show {s['id']} --plot {s['id']}.png)")
     groups: dict[str, list[RankStack]] = {}
     for rs in stacks:
         groups.setdefault(group_key(rs), []).append(rs)
@@ -44,6 +54,10 @@ def render_report(summary: dict[str, Any], stacks: Sequence[RankStack]) -> str:
         lines.append(f"  {format_ranks(ranks)}: {g[0].state}{':' + g[0].op if g[0].op else ''}{tag}")
         for frame in g[0].signature.split(" <- "):
             lines.append(f"      {frame}")
+    fr_groups = (s.get("flight_recorder") or {}).get("process_groups") or []
+    if fr_groups:
+        lines += ["", "flight recorder, process groups with an unfinished collective:"]
+        lines += [f"  {g.get('kind')}: {g.get('detail')}" for g in fr_groups]
     if s.get("actions"):
         lines += ["", "actions:"]
         for a in s["actions"]:

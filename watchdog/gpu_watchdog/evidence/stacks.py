@@ -18,7 +18,8 @@ What py-spy 0.4 really prints (checked by experiment, as root, RUST_BACKTRACE=1)
     ``clock_nanosleep``. Hence we add each thread's kernel wait channel (``wchan``) when readable.
 
 Each thread object is py-spy's JSON, plus ``"wchan"`` (str, e.g. ``"hrtimer_nanosleep"``,
-``"futex_do_wait"``, ``"0"`` when running) added by gpu-watchdog on Linux when readable.
+``"futex_do_wait"``, ``"0"`` when running) and ``"kstate"`` (the thread's scheduler state letter, ``"D"`` for an
+uninterruptible wait) added by gpu-watchdog on Linux when readable.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any, TextIO
 import psutil
 
 from gpu_watchdog.errors import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE
-from gpu_watchdog.sample.processes import read_wchan
+from gpu_watchdog.sample.processes import read_task_state, read_wchan
 
 OUTCOMES = ("ok", "py_spy_missing", "permission_denied", "exited", "stopped", "timeout", "error")
 
@@ -107,31 +108,41 @@ def _is_gone(pid: int) -> bool:
         return False
 
 
-def _read_wchans(pid: int) -> dict[int, str]:
-    """{tid: kernel wait channel} of every thread of pid; empty where /proc hides it."""
-    out: dict[int, str] = {}
+KernelWaits = dict[int, tuple[str, str]]  # {tid: (wchan, state letter)}
+
+
+def _read_kernel_waits(pid: int) -> KernelWaits:
+    """{tid: (kernel wait channel, scheduler state)} of every thread of pid; empty where /proc hides it."""
+    out: KernelWaits = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return out
     for t in tids:
-        if t.isdigit() and (w := read_wchan(pid, int(t))):
-            out[int(t)] = w
+        if t.isdigit():
+            w, st = read_wchan(pid, int(t)), read_task_state(pid, int(t))
+            if w or st:
+                out[int(t)] = (w, st)
     return out
 
 
-def _add_wchan(threads: list[dict[str, Any]], before: dict[int, str], after: dict[int, str]) -> None:
+def _add_kernel_waits(threads: list[dict[str, Any]], before: KernelWaits, after: KernelWaits) -> None:
     # The kernel wait channel tells sleep (hrtimer_nanosleep) from lock waits (futex_*) when py-spy
     # shows only the calling Python frame. Read before and after the dump: py-spy's ptrace stop
     # interrupts the sleep, and on a busy machine the thread may still be runnable ("0") right
-    # after; any non-"0" value is the wait the thread sits in.
+    # after; any non-"0" value is the wait the thread sits in. State D (uninterruptible: a hung NFS mount, a
+    # vfork parent) says "waiting in the kernel" whatever the channel's name.
     for th in threads:
         tid = th.get("os_thread_id")
         if not isinstance(tid, int):
             continue
         seen = [w for w in (before.get(tid), after.get(tid)) if w is not None]
-        if seen:
-            th["wchan"] = next((w for w in seen if w not in ("", "0")), seen[0])
+        wchans = [w for w, _ in seen if w]
+        if wchans:
+            th["wchan"] = next((w for w in wchans if w != "0"), wchans[0])
+        states = [st for _, st in seen if st]
+        if states:
+            th["kstate"] = "D" if "D" in states else states[0]
 
 
 def _wakeups(pid: int) -> int | None:
@@ -174,7 +185,7 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
     argv = [py_spy, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else [])
     if nonblocking and not native:  # py-spy can only unwind native frames of a paused process
         argv.append("--nonblocking")
-    wchans_before = _read_wchans(pid)
+    waits_before = _read_kernel_waits(pid)
     wakeups[0] = _wakeups(pid)
     try:
         proc = subprocess.Popen(
@@ -213,7 +224,7 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
         except ValueError as e:
             return done("error", f"py-spy printed unreadable JSON for pid {pid}: {e}", raw)
         wakeups[1] = _wakeups(pid)
-        _add_wchan(threads, wchans_before, _read_wchans(pid))
+        _add_kernel_waits(threads, waits_before, _read_kernel_waits(pid))
         return done("ok", f"{len(threads)} threads", raw, tuple(threads))
     # Failed: decide by the process's fate first (the text differs between versions), then by text.
     if _is_gone(pid):

@@ -149,6 +149,8 @@ class Launcher:
         self.engine = engine = Engine(self.cfg, backend, self.fallback, self._pool, health=self.health,
                                       metrics=self.metrics, heartbeats=lambda: {self.job_id: self.control.steps()},
                                       on_dump_done=self._wake.set, say=self.say)
+        self.ctx.ras = engine.ras  # an incident reuses the RAS polls made while the job was suspect
+        self.ctx.recent = engine.recent
         restart_env: dict[str, str] = dict(self.fallback.load(self.job_id).get("env") or {})
         attempt = 0
         try:

@@ -481,6 +481,18 @@ def read_wchan(pid: int, tid: int | None = None) -> str:
         return ""
 
 
+def read_task_state(pid: int, tid: int) -> str:
+    """A thread's scheduler state letter from /proc (``R``, ``S``, ``D`` uninterruptible, ``T`` …): ``""`` when
+    unreadable. The field after the command name, which may itself hold spaces and parentheses."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    rest = stat[stat.rfind(")") + 1:].split()
+    return rest[0] if rest else ""
+
+
 def _io_bytes(proc: psutil.Process) -> int | None:
     try:
         io = proc.io_counters()

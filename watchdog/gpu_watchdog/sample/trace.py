@@ -21,6 +21,7 @@ from gpu_watchdog.errors import EXIT_NOINPUT, TraceError
 from gpu_watchdog.model import NodeSample, StackEvidence
 
 FORMAT = "gpu-watchdog-trace"
+DIR_TRACE = "trace.jsonl"  # the trace inside an incident directory: ``replay DIR`` reads it
 VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 
@@ -30,9 +31,17 @@ def header(backend: str, hostname: str, interval_s: float, created: float) -> di
             "interval_s": interval_s, "created": created}
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # per model class: an incident writes 120 s of samples at once
+
+
 def _plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
+    if names is not None:
+        return {n: _plain(getattr(obj, n)) for n in names}
+    if isinstance(obj, (str, int, float)) or obj is None:
+        return obj
     if isinstance(obj, (tuple, list)):
         return [_plain(x) for x in obj]
     if isinstance(obj, dict):
@@ -150,8 +159,13 @@ def _lines(f: IO[bytes], p: Path) -> Iterator[str]:
 
 
 def read_trace(path: str | Path) -> tuple[dict[str, Any], Iterator[Record]]:
-    """Open a trace: returns its header and an iterator over its records (events as plain dicts)."""
+    """Open a trace: returns its header and an iterator over its records (events as plain dicts). A directory
+    (an incident's) stands for the ``trace.jsonl`` in it."""
     p = Path(path)
+    if p.is_dir():
+        if not (p / DIR_TRACE).is_file():
+            raise TraceNotFound(f"no trace in {p}: a directory must hold {DIR_TRACE} (an incident's does)")
+        p = p / DIR_TRACE
     try:
         f = p.open("rb")  # decoded line by line: a bad byte is reported with its line
     except FileNotFoundError:

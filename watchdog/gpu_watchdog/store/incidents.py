@@ -4,8 +4,9 @@ Each holds ``summary.json`` (the contract in DESIGN.md: id, job_id, kind, signat
 culprit_ranks, collective, stacks_dir, actions, fallback — plus host, ranks, reason, advice, and ``finding``,
 the detector's own words, kept when ``reason`` is replaced by the stack diagnosis), ``stacks/`` (raw py-spy
 output per rank), ``report.txt`` (readable: culprit first, then the grouped stacks) and whatever else the
-recovery collected (Flight Recorder dumps, NCCL debug logs of the restart). ``summary.json`` is rewritten
-atomically after every change, so a crash never leaves half of it.
+recovery collected (Flight Recorder dumps, NCCL debug logs of the restart), and ``trace.jsonl``: the node's
+samples of the ``agent.incident_trace_s`` before confirmation, in the trace format (``replay`` runs on it).
+``summary.json`` is rewritten atomically after every change, so a crash never leaves half of it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Incident:
     summary: dict[str, Any] = field(default_factory=dict)
     journal: Store | None = None  # the daemon's SQLite store: actions logged there before and after they run
     _seqs: dict[int, int] = field(default_factory=dict, repr=False)
+    _kept: dict[str, str] = field(default_factory=dict, repr=False)  # files written once, held until on disk
 
     @property
     def id(self) -> str:
@@ -43,7 +45,19 @@ class Incident:
     def save(self) -> None:
         """Write summary.json. A full or read-only state dir keeps the summary in memory (the next save tries
         again, so it lands once space returns) instead of stopping the recovery that is writing it."""
-        self._write("summary.json", json.dumps(self.summary, indent=1, sort_keys=True) + "\n")
+        if self._write("summary.json", json.dumps(self.summary, indent=1, sort_keys=True) + "\n"):
+            self._write_kept()
+
+    def keep_file(self, name: str, text: str) -> None:
+        """Write a file the incident has only once (its trace): held in memory until it is on disk, so a full
+        disk or a deleted directory gets it on a later save, like the summary."""
+        self._kept[name] = text
+        self._write_kept()
+
+    def _write_kept(self) -> None:
+        for name, text in list(self._kept.items()):
+            if not (self.dir / name).exists():
+                self._write(name, text)
 
     def _write(self, name: str, text: str) -> bool:
         try:

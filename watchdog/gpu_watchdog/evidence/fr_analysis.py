@@ -1,0 +1,472 @@
+"""Name the ranks that broke a hung job from Flight Recorder dumps of every process group (pure functions).
+
+A real job runs many process groups (TP, DP, PP, …) and the hang sits in one of them. Per group, the members'
+last enqueued collective sequence ids and the entries at the frontier tell who waits and who never came:
+
+* **missing**: members that never enqueued the collective their peers wait in;
+* **mismatch**: members in a different op, or with different sizes / dtypes, at the same sequence id (the side
+  that differs from the job's other ranks at that sequence id in groups of the same description is named);
+* **p2p**: a send or recv whose partner has no matching recv / send.
+
+A missing rank is not the culprit when it is itself blocked in another group waiting on someone else: the ranks
+waiting form a graph (waiter → the ranks it waits for) and the culprits are where the chains end: ranks blocked
+on nobody (or with no dump at all). A chain that closes on itself (a send posted while the partner runs a
+collective that waits for the sender) names the rank whose send/recv nobody matches. A group whose waiters had
+waited less than ``min_wait_s`` at dump time is "in progress" (a slow rank, not a hang) and names nobody.
+
+Dump format (``torch/csrc/distributed/c10d/FlightRecorder.hpp``, read the same for gloo and NCCL, versions 2.x):
+``pg_config`` {group name: {name, desc, ranks: "[0, 1]"}} (NCCL fills it; gloo leaves one empty entry, so group
+members are then the ranks whose entries name the group), ``pg_status`` {pg_id: {last_enqueued_collective,
+last_started_collective, last_completed_collective}} where pg_id is the rank-local id the entries carry in
+``pg_id``, and ``entries`` with ``process_group`` = (name, desc), ``collective_seq_id``, ``p2p_seq_id``,
+``is_p2p``, ``profiling_name`` ("nccl:all_reduce", "nccl:send 0->1", "gloo:recv 1<-0"), ``input_sizes``,
+``input_dtypes``, ``state`` (scheduled / started / completed: NCCL tracks it; gloo always says scheduled and marks a
+finished entry ``retired``), ``time_created_ns``. Everything is read defensively: a field of the wrong type is
+treated as absent.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gpu_watchdog.evidence.diagnosis import format_ranks
+
+DEFAULT_MIN_WAIT_S = 10.0  # a wait shorter than this at dump time is a slow rank, not a hang
+DEFAULT_DESC = "default_pg"
+_P2P_NAME = re.compile(r"^(send|recv)\s+(\d+)\s*(->|<-)\s*(\d+)$")
+
+
+@dataclass(frozen=True)
+class FrOp:
+    """One recorded operation of one rank in one group."""
+
+    seq: int  # collective_seq_id (a p2p op carries the group's current collective seq)
+    p2p_seq: int
+    op: str  # "all_reduce", "send", "recv", … (backend prefix dropped)
+    peer: int | None  # a p2p op's partner, as a rank local to the group
+    sizes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    state: str
+    done: bool
+    created_s: float | None
+
+    @property
+    def is_p2p(self) -> bool:
+        return self.peer is not None or self.op in ("send", "recv")
+
+
+@dataclass
+class GroupView:
+    """One rank's view of one process group."""
+
+    name: str
+    desc: str
+    members: tuple[int, ...] | None = None  # global ranks, from pg_config
+    last_enqueued: int = -1
+    last_completed: int = -1
+    ops: list[FrOp] = field(default_factory=list)  # oldest first
+
+    def pending(self) -> list[FrOp]:
+        return [o for o in self.ops if not o.done]
+
+
+@dataclass(frozen=True)
+class RankTrace:
+    rank: int
+    version: str
+    groups: Mapping[str, GroupView]
+    dumped_at: float | None = None  # unix seconds the dump was written (its file's mtime)
+    entries: int = 0
+
+
+@dataclass(frozen=True)
+class GroupFinding:
+    """A process group with an unfinished collective (or p2p) and what its members did."""
+
+    name: str
+    desc: str
+    kind: str  # "missing" | "mismatch" | "p2p" | "blocked" (waits on ranks blocked elsewhere) | "in_progress"
+    op: str | None
+    sizes: list[list[int]] | None
+    dtypes: list[str] | None
+    seq: int | None
+    members: tuple[int, ...]
+    waiting: tuple[int, ...]
+    missing: tuple[int, ...]
+    mismatch: str | None = None  # "op" | "sizes" | "dtypes"
+    culprits: tuple[int, ...] = ()  # the members this group alone blames (before following chains)
+    waited_s: float | None = None
+    detail: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return {"name": self.name, "desc": self.desc, "kind": self.kind, "op": self.op, "sizes": self.sizes,
+                "dtypes": self.dtypes, "seq": self.seq, "members": list(self.members),
+                "waiting_ranks": list(self.waiting), "missing_ranks": list(self.missing),
+                "mismatch": self.mismatch, "culprit_ranks": list(self.culprits), "waited_s": self.waited_s,
+                "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class FrAnalysis:
+    culprit_ranks: tuple[int, ...]
+    reason: str
+    groups: tuple[GroupFinding, ...] = ()
+    ranks: tuple[int, ...] = ()  # ranks with a dump
+    no_dump: tuple[int, ...] = ()  # members of some group (or below world_size) without a dump: suspects
+    versions: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+# ---- reading one dump ---------------------------------------------------------------------------------------
+
+def _int(v: Any, default: int = -1) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else default
+
+
+def parse_ranks(text: Any) -> tuple[int, ...] | None:
+    """pg_config's ``ranks``: the string "[0, 1, 2]" (or a list); None when absent, empty or malformed."""
+    if isinstance(text, (list, tuple)):
+        items = list(text)
+    elif isinstance(text, str) and text.strip().startswith("[") and text.strip().endswith("]"):
+        inner = text.strip()[1:-1].strip()
+        items = [p.strip() for p in inner.split(",")] if inner else []
+    else:
+        return None
+    out: list[int] = []
+    for p in items:
+        if isinstance(p, int) and not isinstance(p, bool):
+            out.append(p)
+        elif isinstance(p, str) and p.isdigit():
+            out.append(int(p))
+        else:
+            return None
+    return tuple(out) or None
+
+
+def _op_of(entry: Mapping[str, Any]) -> tuple[str, int | None]:
+    """("all_reduce", None) from "gloo:all_reduce"; ("send", 1) from "nccl:send 0->1"; ("recv", 0) from
+    "nccl:recv 1<-0" (the peer is local to the group)."""
+    name = entry.get("profiling_name")
+    name = name.split(":", 1)[1] if isinstance(name, str) and ":" in name else (name if isinstance(name, str) else "?")
+    m = _P2P_NAME.match(name.strip())
+    if m:
+        kind, a, _arrow, b = m.groups()
+        return kind, int(b)  # send src->dst: peer dst; recv dst<-src: peer src
+    return name.strip() or "?", None
+
+
+def _sizes(v: Any) -> tuple[tuple[int, ...], ...]:
+    if not isinstance(v, (list, tuple)):
+        return ()
+    return tuple(tuple(_int(x, 0) for x in s) if isinstance(s, (list, tuple)) else () for s in v)
+
+
+def _is_done(entry: Mapping[str, Any], op: str, seq: int, gv: GroupView, gloo: bool) -> bool:
+    if entry.get("state") == "completed":
+        return True
+    if gloo and entry.get("retired") is True:  # gloo never updates state; a finished work is retired
+        return True
+    # pg_status counts collectives only; a retired NCCL entry that is not completed timed out (still unfinished)
+    return op not in ("send", "recv") and not entry.get("is_p2p") and 0 <= seq <= gv.last_completed
+
+
+def _group_of(entry: Mapping[str, Any]) -> tuple[str, str]:
+    """An entry's (group name, desc); the default group "0" when it names none."""
+    pg = entry.get("process_group")
+    if not isinstance(pg, (list, tuple)) or not pg:
+        return "0", ""
+    return str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
+
+
+def read_trace(doc: Mapping[str, Any], rank: int, dumped_at: float | None = None) -> RankTrace:
+    """The analysis' view of one loaded dump (``flight_recorder.load_dump``)."""
+    version = str(doc.get("version", "?"))
+    entries = [e for e in doc.get("entries", ()) if isinstance(e, Mapping)]
+    entries.sort(key=lambda e: _int(e.get("record_id"), 0))
+    groups: dict[str, GroupView] = {}
+    pg_id_name: dict[str, str] = {}
+
+    def view(name: str, desc: str) -> GroupView:
+        gv = groups.get(name)
+        if gv is None:
+            gv = groups[name] = GroupView(name, desc)
+        elif desc and not gv.desc:
+            gv.desc = desc
+        return gv
+
+    config = doc.get("pg_config")
+    if isinstance(config, Mapping):
+        for key, info in config.items():
+            if not isinstance(info, Mapping):
+                continue
+            members = parse_ranks(info.get("ranks"))
+            name = str(info.get("name", key))
+            if members and name:
+                view(name, str(info.get("desc") or "")).members = members
+    for e in entries:
+        name, desc = _group_of(e)
+        view(name, desc)
+        if "pg_id" in e:
+            pg_id_name[str(e["pg_id"])] = name
+    status = doc.get("pg_status")
+    if isinstance(status, Mapping):
+        for pg_id, st in status.items():
+            known = pg_id_name.get(str(pg_id))
+            if known is None or not isinstance(st, Mapping):
+                continue  # a group whose entries left the ring buffer: its name is unknown
+            gv = groups[known]
+            gv.last_enqueued = max(gv.last_enqueued, _int(st.get("last_enqueued_collective")))
+            gv.last_completed = max(gv.last_completed, _int(st.get("last_completed_collective")))
+    for e in entries:
+        gv = groups[_group_of(e)[0]]
+        op, peer = _op_of(e)
+        seq = _int(e.get("collective_seq_id"), 0)
+        gloo = str(e.get("profiling_name", "")).startswith("gloo:")
+        created = e.get("time_created_ns")
+        gv.ops.append(FrOp(
+            seq=seq, p2p_seq=_int(e.get("p2p_seq_id"), 0), op=op, peer=peer, sizes=_sizes(e.get("input_sizes")),
+            dtypes=tuple(str(d) for d in e.get("input_dtypes") or () if isinstance(d, str)),
+            state=str(e.get("state", "?")), done=_is_done(e, op, seq, gv, gloo),
+            created_s=created / 1e9 if isinstance(created, (int, float)) and created > 0 else None))
+        if not (peer is not None or e.get("is_p2p")):
+            gv.last_enqueued = max(gv.last_enqueued, seq)
+    return RankTrace(rank, version, groups, dumped_at, len(entries))
+
+
+# ---- the analysis -------------------------------------------------------------------------------------------
+
+def _members(name: str, traces: Mapping[int, RankTrace], world: set[int]) -> tuple[int, ...]:
+    for t in traces.values():
+        gv = t.groups.get(name)
+        if gv is not None and gv.members:
+            return gv.members
+    known = {r for r, t in traces.items() if name in t.groups}
+    descs = {t.groups[name].desc for t in traces.values() if name in t.groups}
+    if name == "0" or DEFAULT_DESC in descs:
+        known |= world
+    return tuple(sorted(known))
+
+
+def _signature(o: FrOp, kind: str) -> object:
+    return {"op": o.op, "sizes": o.sizes, "dtypes": o.dtypes}[kind]
+
+
+def _op_at(gv: GroupView | None, seq: int) -> FrOp | None:
+    if gv is None:
+        return None
+    return next((o for o in reversed(gv.ops) if o.seq == seq and not o.is_p2p), None)
+
+
+def _waited(traces: Mapping[int, RankTrace], ops: Mapping[int, FrOp]) -> float | None:
+    ages = [traces[r].dumped_at - o.created_s for r, o in ops.items()  # type: ignore[operator]
+            if traces[r].dumped_at is not None and o.created_s is not None]
+    return round(max(ages), 1) if ages else None
+
+
+def _deviants(members_ops: Mapping[int, FrOp], name: str, desc: str, seq: int,
+              traces: Mapping[int, RankTrace]) -> tuple[str | None, tuple[int, ...]]:
+    """(mismatch kind, the ranks whose op at ``seq`` differs). A tie inside the group is broken by what every rank
+    of every group with the same description did at the same sequence id (TP groups run the same program)."""
+    for kind in ("op", "sizes", "dtypes"):
+        sigs = {r: _signature(o, kind) for r, o in members_ops.items()}
+        if len(set(sigs.values())) < 2:
+            continue
+        votes = Counter(sigs.values())
+        top = votes.most_common()
+        if top[0][1] == top[1][1]:  # tie: ask the sibling groups
+            votes = Counter()
+            for t in traces.values():
+                for gv in t.groups.values():
+                    if gv.desc == desc and gv.name != name:
+                        o = _op_at(gv, seq)
+                        if o is not None:
+                            votes[_signature(o, kind)] += 1
+            ranked = [s for s, _ in votes.most_common() if s in set(sigs.values())]
+            if not ranked or (len(votes) > 1 and votes.most_common()[0][1] == votes.most_common()[1][1]):
+                return kind, tuple(sorted(sigs))  # cannot tell which side: name them all
+            normal = ranked[0]
+        else:
+            normal = top[0][0]
+        return kind, tuple(sorted(r for r, s in sigs.items() if s != normal))
+    return None, ()
+
+
+def _fmt_sizes(o: FrOp | None) -> str:
+    return "x".join(str(list(s)) for s in o.sizes) if o and o.sizes else "-"
+
+
+@dataclass
+class _Graph:
+    """Who waits for whom, filled group by group."""
+
+    waits: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
+    blocked: set[int] = field(default_factory=set)  # ranks with an unfinished op in a stuck group
+    direct: set[int] = field(default_factory=set)  # mismatch deviants: the cause wherever they are
+    p2p_blame: set[int] = field(default_factory=set)  # ranks that posted a send/recv nobody matches
+
+
+def _where(name: str, desc: str) -> str:
+    return f"group {name}{f' ({desc})' if desc else ''}"
+
+
+def _collective_finding(name: str, desc: str, members: tuple[int, ...], views: Mapping[int, GroupView | None],
+                        traces: Mapping[int, RankTrace], g: _Graph) -> GroupFinding | None:
+    coll = [o for gv in views.values() if gv is not None for o in gv.pending() if not o.is_p2p]
+    if not coll:
+        return None
+    seq = min(o.seq for o in coll)
+    present = {r: o for r in members if (o := _op_at(views.get(r), seq)) is not None}
+    waiting = tuple(sorted(r for r, o in present.items() if not o.done))
+    lost = {r for r in members if r not in traces}
+    missing = tuple(sorted(lost | {r for r in members if r in traces and r not in present
+                                   and (views.get(r) is None or views[r].last_enqueued < seq)}))  # type: ignore[union-attr]
+    ref = present[waiting[0]] if waiting else next(iter(present.values()))
+    waited = _waited(traces, {r: present[r] for r in waiting})
+    kind_m, deviants = _deviants(present, name, desc, seq, traces) if len(present) > 1 else (None, ())
+    base: dict[str, Any] = dict(name=name, desc=desc, op=ref.op, sizes=[list(s) for s in ref.sizes],
+                                dtypes=list(ref.dtypes), seq=seq, members=members, waiting=waiting, missing=missing,
+                                waited_s=waited)
+    where = f"{_where(name, desc)} {ref.op} #{seq}"
+    g.blocked.update(waiting)
+    if deviants:
+        g.direct.update(deviants)
+        for r in waiting:
+            g.waits[r] |= set(deviants) - {r}
+        what = ", ".join(f"{format_ranks([r])} {present[r].op} {_fmt_sizes(present[r])}" for r in deviants)
+        normal = next((o for r, o in present.items() if r not in deviants), ref)
+        return GroupFinding(kind="mismatch", mismatch=kind_m, culprits=deviants, **base,
+                            detail=f"{where}: {kind_m} mismatch: {what} where the others run {normal.op} "
+                                   f"{_fmt_sizes(normal)}")
+    for r in waiting:
+        g.waits[r] |= set(missing)
+    if missing:
+        return GroupFinding(kind="missing", culprits=missing, **base,
+                            detail=f"{where} {_fmt_sizes(ref)}: {_waits(waiting)}; {format_ranks(missing)} never "
+                                   "enqueued it")
+    return GroupFinding(kind="blocked", **base, detail=f"{where}: {_waits(waiting)}, no member is missing")
+
+
+def _p2p_findings(name: str, desc: str, members: tuple[int, ...], views: Mapping[int, GroupView | None],
+                  traces: Mapping[int, RankTrace], g: _Graph) -> list[GroupFinding]:
+    """Unfinished sends/recvs whose partner posted fewer matching recvs/sends. Peers in dumps are local to the
+    group: the sorted member list maps them to global ranks."""
+    order = sorted(members)
+    out: list[GroupFinding] = []
+
+    def count(r: int, op: str, peer: int, upto: int | None = None) -> int:
+        gv = views.get(r)
+        return 0 if gv is None else sum(
+            1 for x in gv.ops if x.op == op and x.peer is not None and x.peer < len(order) and order[x.peer] == peer
+            and (upto is None or x.p2p_seq <= upto))
+
+    for r, gv in sorted(views.items()):
+        for o in gv.pending() if gv is not None else ():
+            if o.peer is None or o.peer >= len(order) or o.op not in ("send", "recv"):
+                continue
+            peer = order[o.peer]
+            want = "recv" if o.op == "send" else "send"
+            if count(peer, want, r) >= count(r, o.op, peer, o.p2p_seq):
+                continue
+            waited = _waited(traces, {r: o})
+            g.waits[r].add(peer)
+            g.blocked.add(r)
+            g.p2p_blame.add(r)
+            out.append(GroupFinding(
+                name=name, desc=desc, kind="p2p", op=o.op, sizes=[list(s) for s in o.sizes], dtypes=list(o.dtypes),
+                seq=o.p2p_seq, members=members, waiting=(r,), missing=(peer,), waited_s=waited,
+                detail=f"{_where(name, desc)}: {format_ranks([r])} {o.op} {'to' if o.op == 'send' else 'from'} rank "
+                       f"{peer} (p2p #{o.p2p_seq}) has no matching {want} on rank {peer}"))
+    return out
+
+
+def _waits(ranks: Sequence[int]) -> str:
+    return f"{format_ranks(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
+
+
+def _reach(start: int, waits: Mapping[int, set[int]], stop: set[int]) -> set[int]:
+    seen: set[int] = set()
+    todo = [start]
+    while todo:
+        r = todo.pop()
+        if r in seen:
+            continue
+        seen.add(r)
+        if r not in stop or r == start:
+            todo.extend(waits.get(r, ()))
+    return seen
+
+
+def _roots(g: _Graph) -> set[int]:
+    """Follow every waiter's chain to the ranks blocked on nobody (a mismatch deviant ends a chain too). A chain
+    that only loops (a deadlock: a send posted where the partner runs a collective) names the ranks in the loop
+    whose send/recv nobody matches, else every rank of the loop."""
+    roots: set[int] = set()
+    for start in sorted(g.waits):
+        seen = _reach(start, g.waits, g.direct)
+        ends = {r for r in seen if r in g.direct or (not g.waits.get(r) and r not in g.blocked)}
+        if ends:
+            roots |= ends
+            continue
+        loop = {r for r in seen if any(r in _reach(n, g.waits, g.direct) for n in g.waits.get(r, ()))}
+        roots |= (loop & g.p2p_blame) or loop
+    return roots
+
+
+def analyze_traces(traces: Sequence[RankTrace], *, world_size: int | None = None,
+                   min_wait_s: float = DEFAULT_MIN_WAIT_S) -> FrAnalysis:
+    """Name the culprits of a hung job from its ranks' dumps (see the module docstring for the rules)."""
+    by_rank = {t.rank: t for t in traces}
+    world = set(range(world_size)) if world_size else set()
+    world |= set(by_rank)
+    g = _Graph()
+    findings: list[GroupFinding] = []
+    for name in sorted({n for t in traces for n in t.groups}, key=lambda n: (len(n), n)):
+        members = _members(name, by_rank, world)
+        if len(members) < 2:
+            continue  # a single-rank group waits on nobody
+        views = {r: by_rank[r].groups.get(name) for r in members if r in by_rank}
+        desc = next((gv.desc for gv in views.values() if gv is not None and gv.desc), "")
+        f = _collective_finding(name, desc, members, views, by_rank, g)
+        findings += ([f] if f else []) + _p2p_findings(name, desc, members, views, by_rank, g)
+    # Young waits: the job may just be slow. Judged over the whole job, not group by group: one chain of waits
+    # started by one slow rank spans several groups. A mismatch is wrong however young.
+    ages = [f.waited_s for f in findings if f.kind != "mismatch" and f.waited_s is not None]
+    young = bool(ages) and max(ages) < min_wait_s
+    if young:
+        findings = [f if f.kind == "mismatch" else replace(
+            f, kind="in_progress", culprits=(), detail=f"{f.detail} (waiting {max(ages):.1f} s at most, < "
+                                                       f"{min_wait_s:g} s: still in progress)") for f in findings]
+        g = _Graph(direct=g.direct)
+    stuck = [f for f in findings if f.kind != "in_progress"]
+    members_all = {r for f in findings for r in f.members}
+    no_dump = tuple(sorted((members_all | world) - set(by_rank)))
+    notes: list[str] = []
+    empty = sorted(r for r, t in by_rank.items() if t.entries == 0)
+    if empty:
+        notes.append(f"{format_ranks(empty)} recorded no entries (Flight Recorder off, or nothing run yet)")
+    if no_dump:
+        notes.append(f"{format_ranks(no_dump)} left no dump (suspect: exited, unreachable, or FR off)")
+    versions = tuple(sorted({t.version for t in traces}))
+    if not stuck:
+        if findings:
+            reason = "; ".join(f.detail for f in findings) + "; no hang in the Flight Recorder"
+        elif not traces:
+            reason = "no Flight Recorder dumps"
+        else:
+            reason = "every process group finished its last collective; no hang in the Flight Recorder"
+        return FrAnalysis((), reason, tuple(findings), tuple(sorted(by_rank)), no_dump, versions, tuple(notes))
+    culprits = tuple(sorted(_roots(g) | g.direct)) or (no_dump if not young else ())
+    parts = [f.detail for f in stuck]
+    chained = sorted({r for f in stuck for r in f.culprits} - set(culprits))
+    if chained:
+        parts.append(f"{format_ranks(chained)} {'is' if len(chained) == 1 else 'are'} blocked elsewhere (not the "
+                     "cause)")
+    if culprits and set(culprits) <= set(no_dump):
+        parts.append(f"{format_ranks(culprits)} left no dump")
+    parts.insert(0, f"culprit {format_ranks(culprits)}" if culprits else "culprit unknown")
+    return FrAnalysis(culprits, "; ".join(parts), tuple(findings), tuple(sorted(by_rank)), no_dump, versions,
+                      tuple(notes))
