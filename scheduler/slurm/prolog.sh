@@ -5,6 +5,8 @@
 # (re-read by the daemon every tick), with the restart hook named in GPU_WATCHDOG_RESTART_HOOK
 # (default "slurm-requeue": define [hooks.slurm-requeue] type = "slurm-requeue" in the daemon config).
 # It always exits 0: a watchdog that is down must never drain the node or fail the job.
+# slurmd runs a Prolog/Epilog with no PATH and only a fixed set of SLURM_* variables.
+PATH="${PATH:-/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin}"; export PATH
 GW="${GPU_WATCHDOG:-gpu-watchdog}"
 HOOK="${GPU_WATCHDOG_RESTART_HOOK:-slurm-requeue}"
 CGROUP_ROOT="${GPU_WATCHDOG_CGROUP_ROOT:-/sys/fs/cgroup}"

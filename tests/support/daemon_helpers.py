@@ -51,13 +51,13 @@ timeout_s = {hook_timeout}
 
 
 class DaemonProc:
-    def __init__(self, base: Path, config: Path) -> None:
+    def __init__(self, base: Path, config: Path, env: dict[str, str] | None = None) -> None:
         self.base = base
         self.config = config
         self.log = base / "daemon.log"
         with open(self.log, "ab") as f:
             self.proc = subprocess.Popen([GW, "run", "--config", str(config)], stdout=f, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True, env=env)
 
     @property
     def socket(self) -> str:

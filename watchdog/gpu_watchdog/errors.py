@@ -57,6 +57,13 @@ class TraceError(WatchdogError):
     exit_code = EXIT_DATAERR
 
 
+class StateUnreadable(WatchdogError):
+    """A state file exists (or may) but cannot be read: never taken for "no state" (``env`` would hand a job
+    level 0 silently)."""
+
+    exit_code = EXIT_NOINPUT
+
+
 class BackendUnavailable(WatchdogError):
     """The requested sampling backend cannot start (e.g. NVML driver not loaded)."""
 

@@ -320,7 +320,7 @@ FULL = Config(
     daemon=DaemonSettings(control_socket="/tmp/gw/c.sock", socket_group="", allowed_uids=(1000, 1001),
                           allowed_gids=(2000,), allow_root=False, max_request_bytes=4096, preempt_timeout_s=5.0,
                           peer_timeout_s=7.0, stop_unregistered=True, incident_max_age_days=1.5,
-                          incident_max_total_mb=64.0, housekeeping_interval_s=30.0),
+                          incident_max_total_mb=64.0, housekeeping_interval_s=30.0, give_up_hook="requeue"),
     hooks={
         "node-drain": HookSpec("node-drain", "command", ("/usr/local/bin/drain", "{node}", "'{incident}'"), 15.0),
         "requeue": HookSpec("requeue", "slurm-requeue", ("scontrol", "requeue", "--lvl={level}", "{job_id}"), 120.0),

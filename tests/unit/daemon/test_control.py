@@ -271,3 +271,97 @@ def test_slurm_prolog_epilog_with_standin_scontrol(base: Path) -> None:
     pro = subprocess.run([str(repo / "scheduler/slurm/prolog.sh")], env=env, capture_output=True, text=True,
                          timeout=30)
     assert pro.returncode == 0 and "not registered" in pro.stderr
+
+
+def test_job_start_registers_the_live_pids_and_names_the_exited(daemon: Daemon, sleeper) -> None:
+    """Seen on Slurm: one exited helper pid made the daemon refuse the whole registration."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    live = sleeper()
+    reply = handle_request(daemon, {"op": "job-start", "job_id": "j", "pids": [gone.pid, live]}, ROOT)
+    assert reply["ok"] and reply["pids"] == [live] and reply["gone"] == [gone.pid]
+    with pytest.raises(UsageError, match="none of the pids"):
+        handle_request(daemon, {"op": "job-start", "job_id": "k", "pids": [gone.pid]}, ROOT)
+
+
+def test_a_run_merges_its_tasks_and_a_new_run_gets_a_clean_control_dir(daemon: Daemon, sleeper) -> None:
+    """Every srun task's TaskProlog registers its own pid (same run: joined); a requeued run (next
+    SLURM_RESTART_COUNT) replaces the registration and never sees the last run's checkpoint request."""
+    first, second, rerun = sleeper(), sleeper(), sleeper()
+    r0 = handle_request(daemon, {"op": "job-start", "job_id": "77", "pids": [first], "run": 0}, ROOT)
+    handle_request(daemon, {"op": "job-start", "job_id": "77", "pids": [second], "run": 0}, ROOT)
+    assert [p["pid"] for p in daemon.registrations()["77"]["pids"]] == [first, second]
+    old = Path(r0["control_dir"])
+    assert old.is_dir() and old.name == "run-0"
+    (old / "request.json").write_text('{"id": "old"}')
+    r1 = handle_request(daemon, {"op": "job-start", "job_id": "77", "pids": [rerun], "run": 1}, ROOT)
+    assert [p["pid"] for p in daemon.registrations()["77"]["pids"]] == [rerun]
+    new = Path(r1["control_dir"])
+    assert new != old and new.is_dir() and list(new.iterdir()) == []
+    assert daemon.control_dir("77").path == new
+    for bad in (-1, "1", True, 1.5):
+        with pytest.raises(UsageError, match="run must be"):
+            handle_request(daemon, {"op": "job-start", "job_id": "77", "pids": [rerun], "run": bad}, ROOT)
+
+
+def test_task_prolog_exports_the_fallback_env(base: Path) -> None:
+    """The shipped TaskProlog against a real daemon: the task's pid ($PPID) registered, the job's fallback
+    overlay, level and control dir printed as Slurm TaskProlog lines; a daemon that is down: a `print`
+    line, exit 0."""
+    from gpu_watchdog.policy.fallback import FallbackDecision
+    from gpu_watchdog.store.fallback import FallbackStore
+
+    (base / "c.toml").write_text(f'[agent]\nbackend = "proc"\nstate_dir = "{base / "state"}"\n'
+                                 f'[daemon]\ncontrol_socket = "{base / "c.sock"}"\nsocket_group = ""\n'
+                                 '[hooks.slurm-requeue]\ntype = "slurm-requeue"\n')
+    FallbackStore(base / "state").save("4711", FallbackDecision(1, "p2p-off", {"NCCL_P2P_DISABLE": "1",
+                                                                              "NCCL_IB_HCA": "^mlx5_1,x"}),
+                                       {"NCCL_P2P_DISABLE": "1", "NCCL_IB_HCA": "^mlx5_1,x"})
+    env = {**os.environ, "SLURM_JOB_ID": "4711", "SLURM_RESTART_COUNT": "2", "GPU_WATCHDOG": GW,
+           "GPU_WATCHDOG_SOCKET": str(base / "c.sock")}
+    task = [sys.executable, "-c", "import subprocess, sys; r = subprocess.run([sys.argv[1]], capture_output=True, "
+            "text=True); print(r.stdout, end=''); import time; time.sleep(30)",
+            str(REPO / "scheduler/slurm/task_prolog.sh")]
+    d = subprocess.Popen([GW, "run", "--config", str(base / "c.toml")], stderr=subprocess.DEVNULL)
+    try:
+        wait_for((base / "c.sock").exists, 20, "the daemon's control socket")
+        t = subprocess.Popen(task, env=env, stdout=subprocess.PIPE, text=True)
+        try:
+            lines = []
+            assert t.stdout is not None
+            for _ in range(4):
+                lines.append(t.stdout.readline().strip())
+            reg = request(str(base / "c.sock"), {"op": "status"})
+            assert reg["registered"] == ["4711"]
+        finally:
+            t.kill()
+            t.wait()
+        assert "export NCCL_P2P_DISABLE=1" in lines and "export NCCL_IB_HCA=^mlx5_1,x" in lines  # verbatim
+        assert "export GPU_WATCHDOG_FALLBACK_LEVEL=1" in lines
+        ctl = [ln for ln in lines if ln.startswith("export GPU_WATCHDOG_CONTROL_DIR=")]
+        assert ctl and ctl[0].endswith("/run/4711/run-2"), lines
+    finally:
+        d.send_signal(signal.SIGTERM)
+        d.wait(15)
+    out = subprocess.run([str(REPO / "scheduler/slurm/task_prolog.sh")], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0 and out.stdout.startswith("print gpu-watchdog task prolog: job 4711 not registered")
+    assert "export" not in out.stdout
+
+
+def test_env_fails_loudly_on_an_unreadable_state_dir(base: Path) -> None:
+    """`gpu-watchdog env` as a job user cannot open the 0750 state dir: exit 66 with one line, never a silent
+    level 0. A state dir that exists without the job's file is level 0."""
+    state = base / "state"
+    (state / "jobs").mkdir(parents=True)
+    ok = subprocess.run([GW, "env", "--state-dir", str(state), "--job", "j"], capture_output=True, text=True,
+                        timeout=30)
+    assert ok.returncode == 0 and "level 0" in ok.stdout
+    (state / "jobs" / "j.json").write_text("{not json")
+    bad = subprocess.run([GW, "env", "--state-dir", str(state), "--job", "j"], capture_output=True, text=True,
+                         timeout=30)
+    assert bad.returncode == 66 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1, bad
+    assert "cannot read" in bad.stderr
+    missing = subprocess.run([GW, "env", "--state-dir", str(base / "nope"), "--job", "j"], capture_output=True,
+                             text=True, timeout=30)
+    assert missing.returncode == 66 and "cannot read the state dir" in missing.stderr, missing

@@ -23,7 +23,7 @@ from gpu_watchdog.sample.processes import ProcessScanner, identity_from_env
 from waiting import wait_for
 
 ID_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID",
-           "SLURM_LOCALID", "SLURM_NTASKS", "GPU_WATCHDOG_JOB_ID")
+           "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_ID", "GPU_WATCHDOG_JOB_ID")
 SLEEP = "import time; time.sleep(120)"
 # Burn ~0.5 s of CPU, then sleep: a dataloader worker that did some work.
 BURN = "import time\ne = time.process_time() + 0.5\nwhile time.process_time() < e: pass\ntime.sleep(120)"
@@ -86,8 +86,8 @@ def mine(samples: tuple[ProcessSample, ...], *ps: subprocess.Popen[bytes]) -> di
 @pytest.mark.parametrize(("env", "ident"), [
     ({"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "te-1"},
      JobIdentity("te-1", 2, 2, 4)),
-    ({"SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8"},
-     JobIdentity("4242", 5, 1, 8)),
+    ({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
+      "SLURM_NTASKS": "8"}, JobIdentity("4242", 5, 1, 8)),  # an srun task
     ({"SLURM_JOB_ID": "4242", "TORCHELASTIC_RUN_ID": "te-1", "RANK": "3", "SLURM_PROCID": "0"},
      JobIdentity("4242", 3, None, None)),  # torchrun inside Slurm: the Slurm job id, torchrun's RANK
     ({"GPU_WATCHDOG_JOB_ID": "wd-7", "SLURM_JOB_ID": "4242", "TORCHELASTIC_RUN_ID": "te-1", "RANK": "1",
@@ -123,7 +123,10 @@ def test_identity_from_env_unit() -> None:
     assert identity_from_env({}) is None
     assert identity_from_env({"PATH": "/bin"}) is None
     assert identity_from_env({"RANK": "x"}) is None
-    assert identity_from_env({"SLURM_PROCID": "3"}) == JobIdentity("unknown", 3)
+    assert identity_from_env({"SLURM_PROCID": "3", "SLURM_STEP_ID": "0"}) == JobIdentity("unknown", 3)
+    # A batch step's shell (and what it starts outside srun) has SLURM_PROCID=0 but no step: a job member only.
+    assert identity_from_env({"SLURM_JOB_ID": "9", "SLURM_PROCID": "0"}) == JobIdentity("9")
+    assert identity_from_env({"SLURM_JOB_ID": "9", "SLURM_PROCID": "0", "RANK": "2"}) == JobIdentity("9", 2)
     assert identity_from_env({"RANK": "1", "LOCAL_RANK": "z", "WORLD_SIZE": "4"}) == JobIdentity("unknown", 1,
                                                                                                 None, 4)
     assert identity_from_env({"TORCHELASTIC_RUN_ID": "r"}) == JobIdentity("r")  # torchrun's own agent, no rank
@@ -339,7 +342,7 @@ def test_a_process_that_execs_into_a_rank_is_found(procs: Procs) -> None:
     # Under `launch` torchrun's environment holds GPU_WATCHDOG_JOB_ID: the fork has the job id, no RANK.
     ({"GPU_WATCHDOG_JOB_ID": "fork-job"}, JobIdentity("fork-job", 3)),
     # torchrun under Slurm: the fork carries torchrun's own identity (the srun task's SLURM_PROCID).
-    ({"SLURM_JOB_ID": "77", "SLURM_PROCID": "0"}, JobIdentity("77", 3)),
+    ({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0"}, JobIdentity("77", 3)),
 ])
 def test_a_worker_caught_before_it_execs_is_read_again(procs: Procs, launcher_env: dict[str, str],
                                                        worker: JobIdentity) -> None:
@@ -362,6 +365,64 @@ def test_a_worker_caught_before_it_execs_is_read_again(procs: Procs, launcher_en
     later, _ = scanner.sample()
     s = {s.pid: s for s in later}[child.pid]
     assert s.is_rank and s.job == worker
+
+
+# A Slurm-like tree: `parent` starts `n` children (each with the env given) and sleeps; children sleep.
+_SPAWN = ("import os, subprocess, sys, time, json\n"
+          "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], env={**os.environ, **e})\n"
+          "        for e in json.loads(sys.argv[1])]\n"
+          "time.sleep(120)\n")
+
+
+def _spawn_tree(procs: Procs, child_envs: list[dict[str, str]], **env: str) -> list[int]:
+    """A parent with ``env`` whose children get ``child_envs``; returns [parent, *children] once all exec'd."""
+    import json
+
+    p = subprocess.Popen([sys.executable, "-c", _SPAWN, json.dumps(child_envs)], env=clean_env(**env),
+                         start_new_session=True)
+    procs.started.append(p)
+    kids = wait_for(lambda: (lambda c: c if len(c) == len(child_envs) and all(
+        _env_ready(k.pid, e) for k, e in zip(sorted(c, key=lambda k: k.pid), child_envs)) else None)(
+        psutil.Process(p.pid).children()), 15.0, "the children to exec", poll=0.05)
+    return [p.pid, *sorted(k.pid for k in kids)]
+
+
+def _ranks(samples: tuple[ProcessSample, ...], pids: list[int]) -> dict[int, int | None]:
+    return {s.pid: s.job.rank for s in samples if s.pid in pids and s.is_rank and s.job is not None}
+
+
+def test_sbatch_torchrun_batch_shell_and_agent_are_no_ranks(procs: Procs) -> None:
+    """sbatch + torchrun: the batch shell (and torchrun's agent) carry SLURM_PROCID=0 without a step; only the
+    workers (RANK) are ranks. Seen on Slurm 22.05: ranks [0, 0, 1, 2] and the job read as 'waiting on rank 0'
+    until waiting_timeout_s (600 s)."""
+    batch = {"SLURM_JOB_ID": "501", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1"}
+    workers = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "3", "TORCHELASTIC_RUN_ID": "none"}
+               for r in range(3)]
+    pids = _spawn_tree(procs, workers, **batch)
+    samples, errors = ProcessScanner().sample()
+    assert _ranks(samples, pids) == dict(zip(pids[1:], [0, 1, 2])), samples
+    assert not [e for e in errors if e.error_class == "DuplicateRank"]
+
+
+def test_srun_torchrun_agent_is_no_rank(procs: Procs) -> None:
+    """`srun torchrun ...`: the srun task (torchrun's agent) has SLURM_PROCID=0 in a step; its workers' RANK
+    wins and the agent is a launcher, not a second rank 0."""
+    task = {"SLURM_JOB_ID": "502", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    workers = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"} for r in range(2)]
+    pids = _spawn_tree(procs, workers, **task)
+    samples, _ = ProcessScanner().sample()
+    assert _ranks(samples, pids) == dict(zip(pids[1:], [0, 1]))
+
+
+def test_srun_python_tasks_are_ranks_and_the_batch_shell_is_not(procs: Procs) -> None:
+    """`srun python train.py` from a batch script: slurmstepd's tasks (SLURM_PROCID in a step) are the ranks;
+    the batch shell and srun (SLURM_PROCID=0, no step) are not, though they are not the tasks' ancestors."""
+    job = {"SLURM_JOB_ID": "503", "SLURM_NTASKS": "3"}
+    shell = procs.start(SLEEP, SLURM_PROCID="0", **job)
+    tasks = _spawn_tree(procs, [{"SLURM_STEP_ID": "0", "SLURM_PROCID": str(r), **job} for r in range(3)])
+    samples, errors = ProcessScanner().sample()
+    assert _ranks(samples, [shell.pid, *tasks]) == dict(zip(tasks[1:], [0, 1, 2]))
+    assert not [e for e in errors if e.error_class == "DuplicateRank"]
 
 
 class _ScriptedScanner:
@@ -587,6 +648,15 @@ def test_two_torchrun_jobs_without_run_id_are_two_jobs(tmp_path: Path) -> None:
     finally:
         for j in jobs:
             j.stop()
+
+
+def test_a_rank_that_starts_workers_with_other_ranks_stays_a_rank(procs: Procs) -> None:
+    """Healthy counterpart of the launcher rule: a torchrun rank (RANK) whose children claim other ranks of its
+    job (a framework's own worker processes) is still a rank; only an srun task's SLURM_PROCID yields."""
+    rank = {"TORCHELASTIC_RUN_ID": "te-9", "RANK": "0", "WORLD_SIZE": "1"}
+    pids = _spawn_tree(procs, [{"RANK": "5"}], **rank)
+    samples, _ = ProcessScanner().sample()
+    assert _ranks(samples, pids) == {pids[0]: 0, pids[1]: 5}
 
 
 def test_read_task_state_of_real_threads(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ stops a job that keeps hanging: at most ``max_restarts`` per ``restart_window_s`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpu_watchdog.act.checkpoint import request_checkpoint
@@ -43,9 +44,11 @@ def _on_gpus(finding: Finding, sample: NodeSample) -> bool:
 
 
 class Recovery:
-    def __init__(self, ctx: ActContext, budget: RestartBudget) -> None:
+    def __init__(self, ctx: ActContext, budget: RestartBudget,
+                 before_give_up: Callable[[Incident, int], object] | None = None) -> None:
         self.ctx = ctx
         self.budget = budget
+        self.before_give_up = before_give_up  # runs while the job still runs (Slurm refuses to update an ended job)
 
     def handle(self, finding: Finding, target: JobTarget, sample: NodeSample,
                status: JobStatus | None) -> RecoveryResult:
@@ -82,6 +85,15 @@ class Recovery:
                          if p.job and p.job.job_id == target.job_id and p.heartbeat_step is not None), default=None)
         allowed, why_not = self.budget.allow(time.time(), hang_step)
 
+        restart_env: dict[str, str] = {}
+        if allowed:  # stored before the stop: a daemon killed before its restart hook resumes at this level
+            restart_env = dict(decision.env)
+            restart_env.update(diagnostics_env(cfg.fallback, inc.dir, restart_env))
+            ctx.fallback.save(target.job_id, decision, restart_env)
+            inc.update(fallback={"level": decision.level, "name": decision.name, "env": decision.env,
+                                 "reason": decision.reason})
+        if not allowed and self.before_give_up is not None:
+            self.before_give_up(inc, decision.level)
         self._checkpoint(inc, target, sample, status)
         self._stop(inc, target)
         if not allowed:
@@ -93,11 +105,7 @@ class Recovery:
             ctx.say(f"giving up: restart budget spent: {why_not}")
             return RecoveryResult(inc, give_up=True, level=decision.level)
 
-        restart_env = dict(decision.env)
-        restart_env.update(diagnostics_env(cfg.fallback, inc.dir, restart_env))
-        ctx.fallback.save(target.job_id, decision, restart_env)
-        inc.update(fallback={"level": decision.level, "name": decision.name, "env": decision.env,
-                             "reason": decision.reason}, advice=decision.advice or None)
+        inc.update(advice=decision.advice or None)
         ctx.say(f"fallback level {decision.level}: {decision.reason}")
         if decision.advice:
             ctx.say(f"advice: {decision.advice}")

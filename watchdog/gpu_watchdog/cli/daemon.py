@@ -12,6 +12,16 @@ from gpu_watchdog.cli.args import add_common_options, checked_overrides, pid_arg
 from gpu_watchdog.errors import EXIT_FAILURE, UsageError
 
 
+def _run_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"not a run number (an integer >= 0): {text!r}")
+    return value
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from gpu_watchdog.daemon.service import main_run
 
@@ -52,13 +62,17 @@ def cmd_hook(args: argparse.Namespace) -> int:
         if args.restart_hook:
             req["restart_hook"] = args.restart_hook
         req["checkpoint_opt_in"] = bool(args.checkpoint)
+        if args.run is not None:
+            req["run"] = args.run
     if args.hook_op == "preempt" and args.timeout:
         req["timeout_s"] = args.timeout
     if args.hook_op == "incidents":
         req["limit"] = args.limit
     timeout = (args.timeout or 60.0) + 10.0
     reply = request(_socket_path(args), req, timeout_s=timeout)
-    if args.json:
+    if args.export and args.hook_op == "job-start" and reply.get("ok"):
+        sys.stdout.write(_task_prolog_exports(reply))
+    elif args.json:
         json.dump(reply, sys.stdout, indent=1)
         sys.stdout.write("\n")
     elif reply.get("ok") and args.hook_op in ("status", "incidents"):
@@ -88,6 +102,20 @@ def _readable(op: str, reply: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _task_prolog_exports(reply: dict[str, Any]) -> str:
+    """The job-start reply as Slurm TaskProlog lines: the fallback overlay, the level and the run's control dir."""
+    from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV
+    from gpu_watchdog.policy.fallback import task_prolog_lines
+
+    env = {k: str(v) for k, v in dict(reply.get("env") or {}).items()}
+    env[FALLBACK_LEVEL_ENV] = str(int(reply.get("level") or 0))
+    if reply.get("control_dir"):
+        env[CONTROL_DIR_ENV] = str(reply["control_dir"])
+    gone = reply.get("gone") or []
+    note = f"print gpu-watchdog: pids {gone} had exited before registration\n" if gone else ""
+    return note + task_prolog_lines(env)
+
+
 def register(sub: Any) -> None:
     r = sub.add_parser("run", help="the node daemon (systemd service)")
     add_common_options(r, backend=True, state_dir=True, metrics=True)
@@ -103,6 +131,10 @@ def register(sub: Any) -> None:
     h.add_argument("--cgroup", metavar="PATH", help="the job's cgroup (relative to /sys/fs/cgroup)")
     h.add_argument("--restart-hook", metavar="NAME", help="a hook name from the daemon's config")
     h.add_argument("--checkpoint", action="store_true", help="the job opts in to checkpoint requests")
+    h.add_argument("--run", type=_run_arg, metavar="N",
+                   help="job-start: the job's run (Slurm: SLURM_RESTART_COUNT); one control dir per run")
+    h.add_argument("--export", action="store_true",
+                   help="job-start: print the job's fallback env and control dir as Slurm TaskProlog lines")
     h.add_argument("--timeout", type=positive_float, metavar="S", help="preempt: longest wait for the ack")
     h.add_argument("--limit", type=int, default=20, help="incidents: how many")
     h.add_argument("--json", action="store_true", help="print the daemon's JSON reply (default: readable text)")

@@ -167,7 +167,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     from gpu_watchdog.store.fallback import FallbackStore
 
     store = FallbackStore(args.state_dir or resolve_state_dir(_load_cfg(args)))
-    data = store.load(validate_job_id(args.job))
+    data = store.read(validate_job_id(args.job))  # unreadable state: StateUnreadable, exit 66, one line
     sys.stdout.write(f"# gpu-watchdog fallback for job {args.job}: level {data.get('level', 0)}"
                      f" ({data.get('name', 'none')})\n")
     sys.stdout.write(export_lines(dict(data.get("env") or {})))

@@ -156,6 +156,7 @@ class DaemonSettings:
     preempt_timeout_s: float = 60.0  # longest wait for a job's checkpoint acknowledgement
     peer_timeout_s: float = 30.0  # a control-socket peer silent this long (mid-request or idle) is dropped
     stop_unregistered: bool = False  # stop stalled jobs nobody registered (there is no way to restart them)
+    give_up_hook: str = ""  # a [hooks.NAME] run once when a job's restart budget is spent (e.g. slurm-give-up)
     incident_max_age_days: float = 30.0  # housekeeping: incident directories older than this are removed
     incident_max_total_mb: float = 2048.0  # ... and the oldest go until all incidents fit in this
     housekeeping_interval_s: float = 600.0
@@ -165,6 +166,10 @@ class DaemonSettings:
 HOOK_TYPES: dict[str, tuple[str, ...]] = {
     "command": (),
     "slurm-requeue": ("scontrol", "requeue", "{job_id}"),
+    # The job's Slurm reason for a give-up: the job was stopped and is not requeued (squeue/sacct show it).
+    "slurm-give-up": ("scontrol", "update", "job={job_id}",
+                      "comment=gpu-watchdog: gave up, the job kept hanging (restart budget spent; incident {incident} "
+                      "on {node})"),
     "k8s-delete-pod": ("kubectl", "delete", "pod", "{job_id}", "--wait=false"),
 }
 HOOK_MAX_TIMEOUT_S = 86400.0

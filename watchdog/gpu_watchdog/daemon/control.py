@@ -7,7 +7,12 @@ tests), its uid is in ``daemon.allowed_uids``, or its primary or supplementary g
 
 Requests (one JSON object per line; one JSON reply per line, always with ``ok``, and ``error`` when not ok):
 - ``{"op": "job-start", "job_id", "pids": [..] | "cgroup": "…", "restart_hook": NAME|null,
-  "checkpoint_opt_in": bool}`` — pids must be live; a non-root peer may only register its own processes.
+  "checkpoint_opt_in": bool, "run": N|null}`` — the live pids are registered, those that exited are named in the
+  reply's ``gone`` (refused only when none is live and no cgroup is given); a non-root peer may only register
+  its own processes. ``run`` (Slurm: ``SLURM_RESTART_COUNT``) keys the job's control directory: a
+  registration of the same run adds its pids to the job's (every srun task's TaskProlog registers), a new run
+  replaces the registration and starts from a clean control directory. The reply names the run's
+  ``control_dir`` and the job's fallback overlay (``level``, ``env``) for the TaskProlog to export.
 - ``{"op": "job-end", "job_id"}``
 - ``{"op": "preempt", "job_id", "timeout_s"}`` — ask the job to checkpoint now; waits (bounded by
   ``daemon.preempt_timeout_s``) for its acknowledgement.
@@ -32,7 +37,7 @@ from typing import Any, Protocol
 
 from gpu_watchdog.config.schema import Config, DaemonSettings
 from gpu_watchdog.daemon.cgroups import cgroup_pids, validate_cgroup
-from gpu_watchdog.daemon.registry import validate_pids_live
+from gpu_watchdog.daemon.registry import live_pids
 from gpu_watchdog.errors import UsageError, WatchdogError
 from gpu_watchdog.policy.fallback import validate_job_id
 
@@ -46,6 +51,7 @@ class Daemon(Protocol):
 
     def registrations(self) -> dict[str, dict[str, Any]]: ...
     def register(self, reg: dict[str, Any]) -> None: ...
+    def start_reply(self, job_id: str) -> dict[str, Any]: ...
     def unregister(self, job_id: str) -> bool: ...
     def manual_restart(self, job_id: str) -> bool: ...
     def preempt(self, job_id: str, timeout_s: float) -> dict[str, Any]: ...
@@ -254,40 +260,7 @@ def handle_request(daemon: Daemon, req: dict[str, Any], cred: PeerCred) -> dict[
         return {"ok": True, "incidents": daemon.recent_incidents(limit)}
     job_id = _job_id(req)
     if op == "job-start":
-        unknown = set(req) - {"op", "job_id", "pids", "cgroup", "restart_hook", "checkpoint_opt_in"}
-        if unknown:
-            raise UsageError(f"unknown field {sorted(unknown)[0]!r}")
-        hook = req.get("restart_hook")
-        if hook is not None and (not isinstance(hook, str) or hook not in daemon.cfg.hooks):
-            raise UsageError(f"unknown restart_hook {hook!r}: hooks are defined in the daemon's config only "
-                             f"(known: {', '.join(sorted(daemon.cfg.hooks)) or 'none'})")
-        opt_in = req.get("checkpoint_opt_in", False)
-        if not isinstance(opt_in, bool):
-            raise UsageError("checkpoint_opt_in must be true or false")
-        pids = req.get("pids", [])
-        cgroup = req.get("cgroup")
-        if not isinstance(pids, list) or len(pids) > MAX_PIDS:
-            raise UsageError(f"pids must be a list of at most {MAX_PIDS} pids")
-        if cgroup is not None:  # the cgroup is re-read every tick: it may still be empty (Slurm prolog)
-            if not validate_cgroup(cgroup).is_dir():
-                raise UsageError(f"cgroup {cgroup!r} does not exist")
-            pids = list(pids) + cgroup_pids(cgroup)
-        elif not pids:
-            raise UsageError("job-start needs pids or a cgroup")
-        procs = validate_pids_live(pids)
-        if cred.uid != 0:
-            for p in procs:
-                if p["uid"] != cred.uid:
-                    raise UsageError(f"pid {p['pid']} belongs to uid {p['uid']}, not to you (uid {cred.uid})")
-            old = daemon.registrations().get(job_id)
-            if old is not None and int(old.get("registered_by_uid", -1)) != cred.uid:
-                raise UsageError(f"job {job_id!r} is registered by another user")
-        daemon.register({"job_id": job_id, "pids": procs, "cgroup": cgroup, "restart_hook": hook,
-                         "checkpoint_opt_in": opt_in, "registered_by_uid": cred.uid})
-        log.info("control: job %s registered by uid %d: pids %s, hook %s", job_id, cred.uid,
-                 [p["pid"] for p in procs], hook)
-        return {"ok": True, "job_id": job_id, "pids": [p["pid"] for p in procs],
-                "control_dir": str(daemon.state_dir / "run" / job_id)}
+        return _job_start(daemon, req, job_id, cred)
     _owned(daemon, job_id, cred)
     if op == "job-end":
         daemon.unregister(job_id)
@@ -301,6 +274,54 @@ def handle_request(daemon: Daemon, req: dict[str, Any], cred: PeerCred) -> dict[
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise UsageError("timeout_s must be a number > 0")
     return daemon.preempt(job_id, min(float(timeout), daemon.settings.preempt_timeout_s))
+
+
+def _job_start(daemon: Daemon, req: dict[str, Any], job_id: str, cred: PeerCred) -> dict[str, Any]:
+    unknown = set(req) - {"op", "job_id", "pids", "cgroup", "restart_hook", "checkpoint_opt_in", "run"}
+    if unknown:
+        raise UsageError(f"unknown field {sorted(unknown)[0]!r}")
+    hook = req.get("restart_hook")
+    if hook is not None and (not isinstance(hook, str) or hook not in daemon.cfg.hooks):
+        raise UsageError(f"unknown restart_hook {hook!r}: hooks are defined in the daemon's config only "
+                         f"(known: {', '.join(sorted(daemon.cfg.hooks)) or 'none'})")
+    opt_in = req.get("checkpoint_opt_in", False)
+    if not isinstance(opt_in, bool):
+        raise UsageError("checkpoint_opt_in must be true or false")
+    run = req.get("run")
+    if run is not None and (isinstance(run, bool) or not isinstance(run, int) or run < 0):
+        raise UsageError("run must be an integer >= 0 or null")
+    pids = req.get("pids", [])
+    cgroup = req.get("cgroup")
+    if not isinstance(pids, list) or len(pids) > MAX_PIDS:
+        raise UsageError(f"pids must be a list of at most {MAX_PIDS} pids")
+    if cgroup is not None:  # the cgroup is re-read every tick: it may still be empty (Slurm prolog)
+        if not validate_cgroup(cgroup).is_dir():
+            raise UsageError(f"cgroup {cgroup!r} does not exist")
+        pids = list(pids) + cgroup_pids(cgroup)
+    elif not pids:
+        raise UsageError("job-start needs pids or a cgroup")
+    procs, gone = live_pids(pids)
+    if not procs and cgroup is None:
+        raise UsageError(f"none of the pids {', '.join(map(str, gone))} is a live process")
+    old = daemon.registrations().get(job_id)
+    if cred.uid != 0:
+        for p in procs:
+            if p["uid"] != cred.uid:
+                raise UsageError(f"pid {p['pid']} belongs to uid {p['uid']}, not to you (uid {cred.uid})")
+        if old is not None and int(old.get("registered_by_uid", -1)) != cred.uid:
+            raise UsageError(f"job {job_id!r} is registered by another user")
+    if old is not None and old.get("run") == run and int(old.get("registered_by_uid", -1)) == cred.uid:
+        # Another task of the same run (srun step): its pids join the job's; a dead one stays harmless (the
+        # registry checks every pid's create time).
+        mine = {p["pid"] for p in procs}
+        procs = [p for p in old.get("pids") or [] if p["pid"] not in mine] + procs
+        cgroup = cgroup or old.get("cgroup")
+    daemon.register({"job_id": job_id, "pids": procs, "cgroup": cgroup, "restart_hook": hook,
+                     "checkpoint_opt_in": opt_in, "registered_by_uid": cred.uid, "run": run})
+    log.info("control: job %s (run %s) registered by uid %d: pids %s, hook %s%s", job_id, run, cred.uid,
+             [p["pid"] for p in procs], hook, f"; exited before registration: {gone}" if gone else "")
+    return {"ok": True, "job_id": job_id, "pids": [p["pid"] for p in procs], "gone": gone, "run": run,
+            **daemon.start_reply(job_id)}
 
 
 # -- client ------------------------------------------------------------------------------------------

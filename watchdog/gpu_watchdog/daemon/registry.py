@@ -41,7 +41,7 @@ class Registry:
     def register(self, reg: dict[str, Any]) -> None:
         with self._lock:
             self.store.put_job(reg["job_id"], reg["pids"], reg.get("cgroup"), reg.get("restart_hook"),
-                               bool(reg.get("checkpoint_opt_in")), int(reg["registered_by_uid"]))
+                               bool(reg.get("checkpoint_opt_in")), int(reg["registered_by_uid"]), run=reg.get("run"))
             self._jobs[reg["job_id"]] = dict(reg, registered_at=time.time())
 
     def unregister(self, job_id: str) -> bool:
@@ -129,19 +129,29 @@ def _uid_of(pid: int) -> int:
         return -1
 
 
-def validate_pids_live(pids: list[int]) -> list[dict[str, Any]]:
-    """pid → {pid, create_time, uid} for live, non-zombie processes; UsageError names the first bad one."""
-    out = []
+def live_pids(pids: list[int]) -> tuple[list[dict[str, Any]], list[int]]:
+    """({pid, create_time, uid} of the live, non-zombie processes, the pids that have exited). A pid that is
+    no pid, or one the daemon may not read, is a UsageError naming it."""
+    out, gone = [], []
     for pid in pids:
         if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
             raise UsageError(f"not a pid: {pid!r}")
         try:
             p = psutil.Process(pid)
             if p.status() == psutil.STATUS_ZOMBIE:
-                raise UsageError(f"pid {pid} is not a live process")
+                gone.append(pid)
+                continue
             out.append({"pid": pid, "create_time": p.create_time(), "uid": p.uids().real})
         except psutil.NoSuchProcess:
-            raise UsageError(f"pid {pid} is not a live process") from None
+            gone.append(pid)
         except psutil.AccessDenied:
             raise UsageError(f"pid {pid}: access denied") from None
-    return out
+    return out, gone
+
+
+def validate_pids_live(pids: list[int]) -> list[dict[str, Any]]:
+    """``live_pids`` for callers that need every pid alive: UsageError names the first that is not."""
+    live, gone = live_pids(pids)
+    if gone:
+        raise UsageError(f"pid {gone[0]} is not a live process")
+    return live

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import signal
 import socket
@@ -153,7 +154,18 @@ class Daemon:
         return self.engine.ticks_failed
 
     def control_dir(self, job_id: str) -> ControlDir:
-        return ControlDir(self.state_dir / "run" / job_id)
+        """The job's control directory; with a run (Slurm's restart count) one per run, so that a requeued
+        job's clients never read the previous run's checkpoint request."""
+        reg = self.registry.get(job_id)
+        run = reg.get("run") if reg else None
+        base = self.state_dir / "run" / job_id
+        return ControlDir(base / f"run-{int(run)}" if run is not None else base)
+
+    def start_reply(self, job_id: str) -> dict[str, Any]:
+        """What a registration hands back to the job: its control directory and its fallback overlay."""
+        data = self.fallback.load(job_id)
+        return {"control_dir": str(self.control_dir(job_id).path), "level": int(data.get("level", 0)),
+                "env": dict(data.get("env") or {})}
 
     def target(self, job_id: str, reg: dict[str, Any]) -> RegisteredJob:
         return RegisteredJob(self, job_id, reg)
@@ -167,7 +179,21 @@ class Daemon:
         return self.registry.registrations()
 
     def register(self, reg: dict[str, Any]) -> None:
+        old = self.registry.get(reg["job_id"])
         self.registry.register(reg)
+        if old is None or old.get("run") != reg.get("run"):
+            self._fresh_control_dir(reg)
+
+    def _fresh_control_dir(self, reg: dict[str, Any]) -> None:
+        """A clean control directory for a new run, owned by the registrant (its clients write there)."""
+        control = self.control_dir(reg["job_id"])
+        control.create()
+        uid = int(reg.get("registered_by_uid", 0))
+        if uid:
+            try:
+                os.chown(control.path, uid, -1)
+            except OSError as e:
+                log.warning("job %s: cannot hand %s to uid %d: %s", reg["job_id"], control.path, uid, e)
 
     def unregister(self, job_id: str) -> bool:
         # The restart budget outlives the registration: a job requeued by its restart hook ends (epilog)
@@ -258,7 +284,10 @@ class Daemon:
         reg = self.registrations().get(job_id)
         if reg is None:
             return
-        result = Recovery(self.ctx, self.budget(job_id)).handle(finding, self.target(job_id, reg), sample, status)
+        hook = self.settings.give_up_hook
+        before_give_up = (lambda inc, level: self.run_hook(inc, job_id, "give_up_hook", hook, level)) if hook else None
+        result = Recovery(self.ctx, self.budget(job_id), before_give_up).handle(
+            finding, self.target(job_id, reg), sample, status)
         result.incident.finish("gave up: restart budget spent (no restart hook run)" if result.give_up
                                else "restart hook ran" if result.restarted else "restart hook failed or missing")
 
@@ -287,25 +316,29 @@ class Daemon:
                    else "drain not run")
 
     def run_restart_hook(self, inc: Incident, job_id: str, hook_name: str | None, level: int) -> bool:
+        return self.run_hook(inc, job_id, "restart_hook", hook_name, level)
+
+    def run_hook(self, inc: Incident, job_id: str, action: str, hook_name: str | None, level: int) -> bool:
+        """Run a [hooks.NAME] for this job as the incident's ``action`` (restart_hook, give_up_hook)."""
         spec = self.cfg.hooks.get(hook_name or "")
         if spec is None:
-            why = (f"restart hook {hook_name!r} is no longer in the config" if hook_name
+            why = (f"{action.replace('_', ' ')} {hook_name!r} is no longer in the config" if hook_name
                    else "the job registered no restart hook")
-            inc.record_action("restart_hook", False, f"not run: {why}")
+            inc.record_action(action, False, f"not run: {why}")
             return False
         try:
             values = placeholder_values(job_id, self.host, level, inc.id)
         except UsageError as e:
-            inc.record_action("restart_hook", False, f"not run: {e}")
+            inc.record_action(action, False, f"not run: {e}")
             return False
         argv = render_argv(spec.argv, values)
-        entry = inc.begin_action("restart_hook", f"{spec.name}: {' '.join(argv)} (timeout {spec.timeout_s:g}s)")
+        entry = inc.begin_action(action, f"{spec.name}: {' '.join(argv)} (timeout {spec.timeout_s:g}s)")
         env_file = str(self.fallback.root / f"{job_id}.json")
         res = run_hook(spec, values, extra_env={"GPU_WATCHDOG_FALLBACK_FILE": env_file})
         inc.end_action(entry, res.ok, res.detail())
-        inc.update(restart_hook=res.to_json())
-        self.ctx.metric("action", "restart_hook", res.ok)
-        (log.info if res.ok else log.warning)("job %s: restart hook %s", job_id, res.detail())
+        inc.update(**{action: res.to_json()})
+        self.ctx.metric("action", action, res.ok)
+        (log.info if res.ok else log.warning)("job %s: %s %s", job_id, action.replace("_", " "), res.detail())
         return res.ok
 
     # -- the control API's requests ------------------------------------------------------------------------

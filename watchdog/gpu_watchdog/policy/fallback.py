@@ -137,6 +137,18 @@ def diagnostics_env(cfg: FallbackConfig, incident_dir: Path, base_env: dict[str,
     return env
 
 
+def task_prolog_lines(env: dict[str, str]) -> str:
+    """Slurm's TaskProlog protocol: ``export NAME=VALUE`` taken verbatim to the end of the line (no shell
+    quoting); a value with a line break cannot be said that way and is left out with a ``print`` line."""
+    out = []
+    for k, v in sorted(env.items()):
+        if "\n" in v or "\r" in v or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            out.append(f"print gpu-watchdog: {k!r} not exported (not expressible in a TaskProlog line)\n")
+        else:
+            out.append(f"export {k}={v}\n")
+    return "".join(out)
+
+
 def export_lines(env: dict[str, str]) -> str:
     import shlex
 

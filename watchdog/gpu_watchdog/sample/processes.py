@@ -33,7 +33,7 @@ log = logging.getLogger("gpu_watchdog.sample.processes")
 JOB_ID_ENV = "GPU_WATCHDOG_JOB_ID"
 _RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 _JOB_ID_SOURCES = (JOB_ID_ENV, "SLURM_JOB_ID", _RUN_ID_ENV)
-_RANK_SOURCES = ("RANK", "SLURM_PROCID")
+_SLURM_STEP_ENV = "SLURM_STEP_ID"  # set for an srun task; a batch step's shell (and all it starts) has none
 _REREAD_YOUNG_S = 30.0  # how long after its start a process without a rank of its own is read again (exec)
 _NO_RUN_ID = "none"  # torchrun's --rdzv-id default: every job launched without one says so
 _LAUNCHED_ID_PREFIX = "torchrun-"
@@ -94,12 +94,23 @@ def _wants_launcher_id(env: Mapping[str, str], ident: JobIdentity | None) -> boo
             and _job_id_from_env(env, True) is None)
 
 
+def rank_from_env(env: Mapping[str, str]) -> int | None:
+    """``RANK``; else ``SLURM_PROCID``, but only in an srun task (``SLURM_STEP_ID`` set). A batch step's shell
+    carries ``SLURM_PROCID=0`` and hands it to everything it starts (torchrun's agent, wrappers, ``srun``
+    itself): none of those is a rank."""
+    if env.get("RANK") is not None:
+        return _int_or_none(env.get("RANK"))
+    if env.get("SLURM_PROCID") is not None and env.get(_SLURM_STEP_ENV):
+        return _int_or_none(env.get("SLURM_PROCID"))
+    return None
+
+
 def identity_from_env(env: Mapping[str, str]) -> JobIdentity | None:
     """The job identity a process carries in its environment, or None when it is not a rank of a job.
 
     A torchrun rank without a run id or endpoint is ``unknown`` here; ``ProcessScanner`` names it after its
     torchrun agent."""
-    rank = next((_int_or_none(env.get(k)) for k in _RANK_SOURCES if env.get(k) is not None), None)
+    rank = rank_from_env(env)
     job_id = _job_id_from_env(env, rank is not None)
     if rank is None and job_id is None:
         return None
@@ -121,6 +132,7 @@ class _Known:
     cmdline: tuple[str, ...] | None = None  # read once, on first use
     launcher_scoped: bool = False  # a torchrun rank without run id or endpoint: named after its agent
     launcher_id: str | None = None  # that name, fixed when first made (the agent may exit, the rank reparent)
+    slurm_rank: bool = False  # its rank is an srun task's SLURM_PROCID (no RANK of its own)
 
 
 _LINUX = sys.platform.startswith("linux")
@@ -202,7 +214,8 @@ class ProcessScanner:
         ident = identity_from_env(env)
         kept = {k: v for k, v in env.items() if k.startswith(self._keep_env)} if self._keep_env else {}
         known = _Known(proc, ctime, ident, kept, start if start is not None else 0.0,
-                       launcher_scoped=_wants_launcher_id(env, ident))
+                       launcher_scoped=_wants_launcher_id(env, ident),
+                       slurm_rank=ident is not None and ident.rank is not None and env.get("RANK") is None)
         self._known[pid] = known
         return known
 
@@ -259,12 +272,14 @@ class ProcessScanner:
                 idents[pid] = known
         children = self._tree(ppids)
         launched = self._launcher_ids(idents, ppids, starts)
+        launchers = _rank_launchers(idents, ppids)
         samples = []
         for pid, known in idents.items():
             parent = idents.get(ppids.get(pid, 0))
-            # A dataloader worker inherits RANK: only the topmost process of a (job, rank) is the rank.
+            # A dataloader worker inherits RANK: only the topmost process of a (job, rank) is the rank. A
+            # process that started ranks of its own job (torchrun's agent in an srun task) is none.
             is_rank = known.identity is not None and known.identity.rank is not None and not (
-                parent is not None and parent.identity == known.identity)
+                parent is not None and parent.identity == known.identity) and pid not in launchers
             if not is_rank and pid not in extra:
                 continue
             s = self._read(pid, known, ppids.get(pid, 0), children, starts, errors)
@@ -405,6 +420,25 @@ class ProcessScanner:
                              cpu_time_s=cpu_total, io_bytes=io_total, rss_bytes=rss, cmdline=cmdline,
                              job=known.identity, wakeups=wakeups, wchan=read_wchan(pid),
                              exit_status=read_exit_status(pid) if status == psutil.STATUS_ZOMBIE else None)
+
+
+def _rank_launchers(idents: Mapping[int, _Known], ppids: Mapping[int, int]) -> set[int]:
+    """srun tasks (a rank from SLURM_PROCID) with a descendant claiming another rank of the same job: launchers
+    (``srun torchrun``: torchrun's agent against its workers' RANK), never ranks themselves. A rank from RANK
+    stays a rank whatever its children claim (a rank may start workers of its own with other ranks)."""
+    out: set[int] = set()
+    for pid, known in idents.items():
+        ident = known.identity
+        if ident is None or ident.rank is None:
+            continue
+        up, hops = ppids.get(pid, 0), 0
+        while up > 1 and hops < 64:
+            anc = idents.get(up)
+            if anc is not None and anc.slurm_rank and anc.identity is not None \
+                    and anc.identity.job_id == ident.job_id and anc.identity != ident:
+                out.add(up)
+            up, hops = ppids.get(up, 0), hops + 1
+    return out
 
 
 def _split_job_id(job_id: str, launcher: int) -> str:

@@ -37,7 +37,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     restart_hook TEXT,
     checkpoint_opt_in INTEGER NOT NULL DEFAULT 0,
     registered_by_uid INTEGER NOT NULL,
-    registered_at REAL NOT NULL
+    registered_at REAL NOT NULL,
+    run INTEGER                    -- the scheduler's run of the job (Slurm: SLURM_RESTART_COUNT); NULL: none
 );
 CREATE TABLE IF NOT EXISTS incidents (
     id TEXT PRIMARY KEY,
@@ -89,6 +90,8 @@ class Store:
             if ok != "ok":
                 raise sqlite3.DatabaseError(f"integrity check failed: {ok}")
         db.executescript(SCHEMA)
+        if "run" not in {row[1] for row in db.execute("PRAGMA table_info(jobs)")}:  # a store from before runs
+            db.execute("ALTER TABLE jobs ADD COLUMN run INTEGER")
         return db
 
     def _degrade(self, why: str) -> None:
@@ -108,10 +111,11 @@ class Store:
 
     # -- jobs ----------------------------------------------------------------------------------------
     def put_job(self, job_id: str, pids: list[dict[str, Any]], cgroup: str | None, restart_hook: str | None,
-                checkpoint_opt_in: bool, uid: int, now: float | None = None) -> None:
-        self._exec("INSERT OR REPLACE INTO jobs VALUES (?,?,?,?,?,?,?)",
+                checkpoint_opt_in: bool, uid: int, now: float | None = None, run: int | None = None) -> None:
+        self._exec("INSERT OR REPLACE INTO jobs (job_id, pids, cgroup, restart_hook, checkpoint_opt_in,"
+                   " registered_by_uid, registered_at, run) VALUES (?,?,?,?,?,?,?,?)",
                    (job_id, json.dumps(pids), cgroup, restart_hook, int(checkpoint_opt_in), uid,
-                    time.time() if now is None else now))
+                    time.time() if now is None else now, run))
 
     def delete_job(self, job_id: str) -> bool:
         existed = bool(self._exec("SELECT 1 FROM jobs WHERE job_id=?", (job_id,)))
@@ -121,10 +125,10 @@ class Store:
     def jobs(self) -> dict[str, dict[str, Any]]:
         out = {}
         for row in self._exec("SELECT job_id, pids, cgroup, restart_hook, checkpoint_opt_in, registered_by_uid,"
-                              " registered_at FROM jobs"):
+                              " registered_at, run FROM jobs"):
             out[row[0]] = {"job_id": row[0], "pids": json.loads(row[1]), "cgroup": row[2], "restart_hook": row[3],
                            "checkpoint_opt_in": bool(row[4]), "registered_by_uid": row[5],
-                           "registered_at": row[6]}
+                           "registered_at": row[6], "run": row[7]}
         return out
 
     # -- incidents and actions -----------------------------------------------------------------------

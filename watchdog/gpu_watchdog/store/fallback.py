@@ -4,12 +4,14 @@ hook read to start the next run with the chosen NCCL settings."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from gpu_watchdog.atomic import note_write_error
 from gpu_watchdog.config.schema import FallbackConfig
+from gpu_watchdog.errors import StateUnreadable
 from gpu_watchdog.job.protocol import write_json_atomic
 from gpu_watchdog.policy.fallback import FallbackDecision, validate_job_id
 
@@ -34,6 +36,26 @@ class FallbackStore:
         except (OSError, ValueError):
             return {"job_id": job_id, "level": 0, "env": {}, "updated_at": None}
         return data if isinstance(data, dict) else {"job_id": job_id, "level": 0, "env": {}, "updated_at": None}
+
+    def read(self, job_id: str) -> dict[str, Any]:
+        """``load`` for a reader that must not mistake an unreadable state dir for level 0 (``gpu-watchdog env``,
+        a TaskProlog): only a missing file is level 0; anything else is StateUnreadable naming the path."""
+        path = self._path(job_id)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            if not self.root.parent.is_dir() or not os.access(self.root.parent, os.R_OK | os.X_OK):
+                raise StateUnreadable(f"cannot read the state dir {self.root.parent}: missing or not readable "
+                                      f"(fallback of job {job_id})") from None
+            return {"job_id": job_id, "level": 0, "env": {}, "updated_at": None}
+        except PermissionError:
+            raise StateUnreadable(f"cannot read {path}: permission denied (the state dir is the daemon's; "
+                                  "a job gets its level from the TaskProlog)") from None
+        except (OSError, ValueError) as e:
+            raise StateUnreadable(f"cannot read {path}: {e}") from None
+        if not isinstance(data, dict):
+            raise StateUnreadable(f"cannot read {path}: not a JSON object")
+        return data
 
     def level(self, job_id: str) -> int:
         """The job's level; read from disk once, then kept (metrics ask for every job on every tick)."""
