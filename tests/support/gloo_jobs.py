@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 from gpu_watchdog.demo.runner import read_events
 from repo_paths import REPO
 
@@ -81,8 +82,14 @@ class RunningJob:
         return self.rank_pids()
 
     def stop(self) -> None:
-        """Kill torchrun and every rank (one process group), then reap torchrun. Idempotent."""
-        pids = list(self.rank_pids().values())
+        """Kill torchrun, every rank and anything else it started, then reap torchrun. Idempotent. The tree is read
+        before the kill: ranks may sit in sessions of their own, and a rank that had not yet logged its start would
+        otherwise outlive a failed test (it did: orphaned ranks ran on for an hour and disturbed later tests)."""
+        try:
+            tree = [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.Error:
+            tree = []
+        pids = sorted(set(self.rank_pids().values()) | set(tree))
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
