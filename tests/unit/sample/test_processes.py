@@ -382,7 +382,7 @@ def _spawn_tree(procs: Procs, child_envs: list[dict[str, str]], **env: str) -> l
                          start_new_session=True)
     procs.started.append(p)
     kids = wait_for(lambda: (lambda c: c if len(c) == len(child_envs) and all(
-        _env_ready(k.pid, e) for k, e in zip(sorted(c, key=lambda k: k.pid), child_envs)) else None)(
+        _env_ready(k.pid, e) for k, e in zip(sorted(c, key=lambda k: k.pid), child_envs, strict=False)) else None)(
         psutil.Process(p.pid).children()), 15.0, "the children to exec", poll=0.05)
     return [p.pid, *sorted(k.pid for k in kids)]
 
@@ -400,7 +400,7 @@ def test_sbatch_torchrun_batch_shell_and_agent_are_no_ranks(procs: Procs) -> Non
                for r in range(3)]
     pids = _spawn_tree(procs, workers, **batch)
     samples, errors = ProcessScanner().sample()
-    assert _ranks(samples, pids) == dict(zip(pids[1:], [0, 1, 2])), samples
+    assert _ranks(samples, pids) == dict(zip(pids[1:], [0, 1, 2], strict=True)), samples
     assert not [e for e in errors if e.error_class == "DuplicateRank"]
 
 
@@ -411,7 +411,7 @@ def test_srun_torchrun_agent_is_no_rank(procs: Procs) -> None:
     workers = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"} for r in range(2)]
     pids = _spawn_tree(procs, workers, **task)
     samples, _ = ProcessScanner().sample()
-    assert _ranks(samples, pids) == dict(zip(pids[1:], [0, 1]))
+    assert _ranks(samples, pids) == dict(zip(pids[1:], [0, 1], strict=True))
 
 
 def test_srun_python_tasks_are_ranks_and_the_batch_shell_is_not(procs: Procs) -> None:
@@ -421,7 +421,7 @@ def test_srun_python_tasks_are_ranks_and_the_batch_shell_is_not(procs: Procs) ->
     shell = procs.start(SLEEP, SLURM_PROCID="0", **job)
     tasks = _spawn_tree(procs, [{"SLURM_STEP_ID": "0", "SLURM_PROCID": str(r), **job} for r in range(3)])
     samples, errors = ProcessScanner().sample()
-    assert _ranks(samples, [shell.pid, *tasks]) == dict(zip(tasks[1:], [0, 1, 2]))
+    assert _ranks(samples, [shell.pid, *tasks]) == dict(zip(tasks[1:], [0, 1, 2], strict=True))
     assert not [e for e in errors if e.error_class == "DuplicateRank"]
 
 
