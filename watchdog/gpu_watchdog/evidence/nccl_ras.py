@@ -173,6 +173,11 @@ def _join(a: str, b: str) -> str:
 
 
 # -- the report -----------------------------------------------------------------------------------------------
+def _host_pid(host: str, pid: int) -> HostPid | None:
+    """Where a rank's process runs, or None when RAS could not tell (host "unknown", pid -1)."""
+    return (host, pid) if pid >= 0 and host and host != "unknown" else None
+
+
 @dataclass(frozen=True)
 class RasRank:
     rank: int  # the rank in its communicator
@@ -185,7 +190,7 @@ class RasRank:
 
     @property
     def key(self) -> HostPid | None:
-        return (self.host, self.pid) if self.pid >= 0 and self.host and self.host != "unknown" else None
+        return _host_pid(self.host, self.pid)
 
 
 @dataclass(frozen=True)
@@ -200,7 +205,7 @@ class RasMissingRank:
 
     @property
     def key(self) -> HostPid | None:
-        return (self.host, self.pid) if self.pid >= 0 and self.host and self.host != "unknown" else None
+        return _host_pid(self.host, self.pid)
 
 
 @dataclass(frozen=True)
