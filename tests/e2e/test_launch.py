@@ -825,6 +825,35 @@ def test_job_that_always_hangs_spends_the_budget_and_exits_75(tmp_path: Path,
 
 
 @pytest.mark.slow
+def test_readme_client_pattern_keeps_the_good_checkpoint_when_the_hang_comes_back_before_a_step(
+        tmp_path: Path, launch: Callable[..., Launched]) -> None:
+    """Issue 23: the README's pattern; the first run hangs at step 3 (saved: step 2), every later run hangs again
+    before its first client.step(): the callback is not called (never with None), the step-2 checkpoint survives,
+    each run resumes from it, and the job ends by the budget (75) — never TypeError, never exit 1."""
+    ckpt, events_path = tmp_path / "ckpt.pt", tmp_path / "events.jsonl"
+    job = torchrun(2, REPO / "tests" / "jobs" / "readme_client.py", "--ckpt", str(ckpt), "--events",
+                   str(events_path), "--hang-at", "3")
+    lc = launch("readme", job, config=FAST_CFG + "max_restarts = 2\nmax_no_progress_restarts = 2\n")
+    rc = lc.wait(240)
+    out = lc.output()
+    assert rc == EXIT_BUDGET_SPENT, out[-6000:]
+    assert "TypeError" not in out
+    _assert_no_job_left(lc)
+    events = read_events(events_path)
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [2]  # saved once, by the first run
+    starts = sorted(e["step"] for e in events if e["event"] == "start" and e["rank"] == 0)
+    assert starts[0] == 0 and starts[1:] and set(starts[1:]) == {2}  # every later run resumed from step 2
+    incs = lc.incidents()
+    assert len(incs) == len(starts)
+    ckpts = [next(a for a in i["actions"] if a["action"] == "checkpoint") for i in incs]
+    assert ckpts[0]["outcome"] == "ok" and "rank 0: aborted_saved at step 2" in ckpts[0]["detail"]
+    for a in ckpts[1:]:  # nothing completed in those runs: not saved, and said so
+        assert a["ok"] is False and "skipped: no step completed in this run" in a["detail"], a
+    import torch
+    assert torch.load(ckpt, weights_only=True)["step"] == 2
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario, pause", [("save", 45), ("eval", 30)])
 def test_a_long_rank0_pause_is_not_a_stall_on_shipped_defaults(tmp_path: Path, launch: Callable[..., Launched],
                                                               scenario: str, pause: int) -> None:

@@ -369,11 +369,12 @@ class Daemon:
         res = request_checkpoint(self.control_dir(job_id), f"preempt-{int(time.time() * 1000)}", self.cfg.recovery,
                                  timeout_s=timeout_s, running=running if ranks else lambda: True,
                                  signal_ranks=ranks if reg.get("checkpoint_opt_in") else ())
-        if res.how == "client":
-            return {"ok": not res.missing, "job_id": job_id,
+        if res.how == "client":  # "skipped" (no step completed yet) leaves the resumed-from state: safe to stop
+            error = (f"no acknowledgement from ranks {list(res.missing)} within {timeout_s:g}s" if res.missing
+                     else f"a rank's save failed: {res.detail}" if res.outcome == "failed" else "")
+            return {"ok": not error, "job_id": job_id, "outcome": res.outcome,
                     "acks": {str(r): a.get("outcome") for r, a in res.acks.items()},
-                    **({"error": f"no acknowledgement from ranks {list(res.missing)} within {timeout_s:g}s"}
-                       if res.missing else {})}
+                    **({"error": error} if error else {})}
         if res.how == "signal":
             return {"ok": res.ok, "job_id": job_id, "signal": self.cfg.recovery.checkpoint_signal,
                     "sent_to": list(res.sent_to)}

@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[job] rank 0 of {world}: {'resuming after step ' + str(start - 1) if start > 1 else 'fresh start'}; "
               f"NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE', '(unset)')}", flush=True)
 
-    def save(step: int | None) -> None:
-        if rank == 0 and step is not None:  # data parallel: every rank holds the same state
+    def save(step: int) -> None:
+        if rank == 0:  # data parallel: every rank holds the same state
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
             tmp.replace(ckpt)

@@ -10,14 +10,22 @@
 
 A Python signal handler cannot run while the main thread is blocked in a C++ collective (RESEARCH §2), so a
 helper thread watches the control directory. On a request it lets the main thread save at its next step
-boundary; if that boundary does not come within the request's ``boundary_s``, it dumps the Flight Recorder
-(when enabled), aborts the default process group and saves the last completed step's state, then the process
-exits with EXIT_ABORTED (86). Whether the abort makes the blocked call raise depends on the backend and the
-torch build (seen not to unblock gloo all_reduce/recv on torch 2.13 CPU here, though RESEARCH §2 reports it
-did), so the helper thread does not rely on it: after a short wait it saves from its own thread. A save at a
-boundary exits with EXIT_CHECKPOINTED (85). The callback must save the state *as of* the step it is given: the
-model is unchanged between ``client.step(n)`` and the optimizer step of n+1, where a hung gradient all-reduce sits.
-torch is imported only when an abort is needed.
+boundary (the callback runs in the main thread, inside ``client.step``, while collectives still work: the one
+path where a sharded FSDP/DCP save can work) and the process exits with EXIT_CHECKPOINTED (85). If that
+boundary does not come within the request's ``boundary_s``, the helper thread dumps the Flight Recorder (when
+enabled) and aborts the default process group. Measured on torch 2.13 CPU (gloo): ``_abort_process_group()``
+returns at once, the main thread's pending ``all_reduce``/``recv`` does NOT raise (still blocked 15 s later), and
+the default group is gone (``dist.get_rank()`` and every collective raise ValueError, ``dist.is_initialized()``
+is False). RESEARCH §2 reports the call raising on other builds; when it does, ``training()`` saves in the main
+thread. Either way, after a 2 s wait the helper thread itself calls the callback, then the process exits with
+EXIT_ABORTED (86). So the callback must not use the process group: no collectives, no ``dist.get_rank()``
+(capture the rank before training).
+
+The callback is called with the last step completed *in this run* and must save the state *as of* that step:
+the model is unchanged between ``client.step(n)`` and the optimizer step of n+1, where a hung gradient
+all-reduce sits. When no step completed in this run (it hung again before its first ``client.step``), the
+callback is not called at all: the state on disk is the one this run resumed from, and the acknowledgement says
+``skipped``. A callback that raises is acknowledged ``failed``. torch is imported only when an abort is needed.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from gpu_watchdog.job.protocol import (
 )
 
 log = logging.getLogger("gpu_watchdog.job")
+NO_STEP = "no step completed in this run (the state on disk is the one it resumed from)"
 
 
 class _Exit(BaseException):
@@ -52,7 +61,7 @@ class Client:
         self.rank = rank
         self.poll_s = poll_s
         self.last_step: int | None = None
-        self._callback: Callable[[int | None], None] | None = None
+        self._callback: Callable[[int], None] | None = None
         self._request: dict | None = None
         self._boundary_reached = threading.Event()
         self._aborted = threading.Event()
@@ -70,8 +79,9 @@ class Client:
     def enabled(self) -> bool:
         return self.control_dir is not None
 
-    def on_checkpoint(self, fn: Callable[[int | None], None]) -> None:
-        """Register the save callback and announce the opt-in to the agent."""
+    def on_checkpoint(self, fn: Callable[[int], None]) -> None:
+        """Register the save callback (called with the last step completed in this run, never without one)
+        and announce the opt-in to the agent."""
         self._callback = fn
         if not self.enabled or self._thread is not None:
             return
@@ -169,16 +179,21 @@ class Client:
             if self._saved:
                 return
             self._saved = True
-            if self._callback is not None:
+            step, detail = self.last_step, ""
+            if step is None:  # never write an older state (or None) over the checkpoint this run resumed from
+                outcome, detail = "skipped", NO_STEP
+                log.warning("gpu-watchdog: checkpoint skipped: %s", NO_STEP)
+            elif self._callback is not None:
                 try:
-                    self._callback(self.last_step)
+                    self._callback(step)
                 except Exception as e:
-                    log.error("gpu-watchdog: checkpoint callback failed: %s", e)
-                    outcome = "failed"
+                    log.error("gpu-watchdog: checkpoint callback failed: %s: %s", type(e).__name__, e)
+                    outcome, detail = "failed", f"{type(e).__name__}: {e}"
             if self.control_dir is not None and self._request is not None:
                 write_json_atomic(self.control_dir / f"ack-{self.rank}.json",
                                   {"id": self._request["id"], "rank": self.rank, "pid": os.getpid(),
-                                   "outcome": outcome, "step": self.last_step, "t": time.time()})
+                                   "outcome": outcome, "step": step, "t": time.time(),
+                                   **({"detail": detail} if detail else {})})
 
     def _wait_for_peers(self) -> None:
         """Hold this rank's exit until every client announced on this node has acked the request (bounded by

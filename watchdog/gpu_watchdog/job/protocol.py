@@ -6,9 +6,10 @@ The agent gives the job a control directory through ``GPU_WATCHDOG_CONTROL_DIR``
 - ``request.json``        the agent's checkpoint request: {id, t, boundary_s, grace_s}; a client that has
                           saved and acked waits up to ``grace_s`` for every announced client's ack before
                           its process exits (an exiting rank makes torchrun SIGTERM its peers mid-save)
-- ``ack-<rank>.json``     the client's answer: {id, rank, pid, outcome, step, t}; outcome is one of
+- ``ack-<rank>.json``     the client's answer: {id, rank, pid, outcome, step, t, detail?}; outcome is one of
                           ``saved`` (at a step boundary), ``aborted_saved`` (after aborting the process
-                          group), ``aborted`` (nothing to save on this rank) or ``failed``
+                          group), ``skipped`` (no step completed in this run: the callback was not called,
+                          ``step`` is null) or ``failed`` (the callback raised; ``detail`` says what)
 Files are written to a temp name and renamed, so a reader never sees half a file.
 """
 
