@@ -24,7 +24,7 @@ EXIT_CODES: dict[int, str] = {
     EXIT_USAGE: "bad command-line arguments",
     EXIT_DATAERR: "bad input data (trace, stacks file, NCCL RAS report)",
     EXIT_NOINPUT: "an input does not exist or cannot be read (trace, incident, stacks dir)",
-    EXIT_UNAVAILABLE: "a required service is unavailable (NVML, py-spy, the metrics port, NCCL RAS)",
+    EXIT_UNAVAILABLE: "a required service is unavailable (NVML, py-spy, the metrics port, NCCL RAS, the daemon)",
     EXIT_SOFTWARE: "launch: internal error; the job was stopped first",
     EXIT_GPU_FAULT: "launch: a GPU of the job faulted; the node was drained",
     EXIT_BUDGET_SPENT: "launch: the restart budget is spent",
@@ -66,6 +66,13 @@ class StateUnreadable(WatchdogError):
 
 class BackendUnavailable(WatchdogError):
     """The requested sampling backend cannot start (e.g. NVML driver not loaded)."""
+
+    exit_code = EXIT_UNAVAILABLE
+
+
+class ServiceUnavailable(WatchdogError):
+    """A service the command needs, or must not compete with, is there or not as required: no daemon answers
+    ``hook``'s request, or another daemon already serves ``run``'s control socket."""
 
     exit_code = EXIT_UNAVAILABLE
 

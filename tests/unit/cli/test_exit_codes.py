@@ -75,6 +75,8 @@ def write_incident(state: Path, iid: str, report: bool) -> None:
     ("bad config file content", ["config", "show", "--config", "{tmp}/bad.toml"], errors.EXIT_CONFIG,
      "agent.backend"),
     ("analyze of a directory without stacks", ["analyze", "{tmp}"], errors.EXIT_NOINPUT, ""),
+    ("hook status with no daemon", ["hook", "status", "--socket", "{tmp}/none.sock"], errors.EXIT_UNAVAILABLE,
+     "cannot reach the daemon"),
 ])
 def test_real_exits(tmp_path: Path, case: str, argv: list[str], code: int, words: str) -> None:
     (tmp_path / "bad.jsonl").write_text("not json\n")

@@ -19,6 +19,11 @@ Requests (one JSON object per line; one JSON reply per line, always with ``ok``,
 - ``{"op": "restart", "job_id"}`` — checkpoint → stop → restart hook at the next fallback level.
 - ``{"op": "status"}``, ``{"op": "incidents", "limit": N}``
 A non-root peer may only end, preempt or restart jobs it registered.
+
+One daemon per socket: ``start`` refuses (ServiceUnavailable, exit 69) when the socket already answers, and
+removes only a stale one (nothing listening). The daemon never unlinks a socket it did not create (it compares
+the file's device and inode with the one it bound); ``ensure`` (every tick and on SIGHUP) recreates a socket that
+vanished and reports one that another process replaced.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Any, Protocol
 from gpu_watchdog.config.schema import Config, DaemonSettings
 from gpu_watchdog.daemon.cgroups import cgroup_pids, validate_cgroup
 from gpu_watchdog.daemon.registry import live_pids
-from gpu_watchdog.errors import UsageError, WatchdogError
+from gpu_watchdog.errors import ServiceUnavailable, UsageError, WatchdogError
 from gpu_watchdog.policy.fallback import validate_job_id
 
 
@@ -120,24 +125,37 @@ class ControlServer:
         self.daemon = daemon
         self.path = Path(settings.control_socket)
         self._sock: socket.socket | None = None
+        self._pending: socket.socket | None = None  # a recreated socket, for the accept thread to switch to
+        self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file this server bound
+        self._replaced_logged = False
+        self._ensure_lock = threading.Lock()  # the tick and SIGHUP may both call ensure()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     def start(self) -> None:
+        self._sock = self._bind()
+        self._thread = threading.Thread(target=self._accept_loop, name="control", daemon=True)
+        self._thread.start()
+
+    def _bind(self) -> socket.socket:
+        """Bind and listen on the socket path: refused when a daemon answers there; a stale socket is removed."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        refuse_if_served(self.path)
         try:
-            st = os.lstat(self.path)
-            if not stat.S_ISSOCK(st.st_mode):
-                raise UsageError(f"{self.path} exists and is not a socket: refusing to replace it")
-            self.path.unlink()  # a stale socket from a killed daemon
+            os.unlink(self.path)  # a stale socket from a killed daemon (refuse_if_served: nothing listens)
         except FileNotFoundError:
             pass
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         old = os.umask(0o177)  # never briefly reachable by others: created 0600, then widened to 0660
         try:
             sock.bind(str(self.path))
+        except OSError:
+            sock.close()
+            raise
         finally:
             os.umask(old)
+        st = os.lstat(self.path)
+        self._identity = (st.st_dev, st.st_ino)
         gid = socket_gid(self.settings)
         if gid is not None:
             os.chown(self.path, -1, gid)
@@ -147,24 +165,65 @@ class ControlServer:
         os.chmod(self.path, 0o660)
         sock.listen(32)
         sock.settimeout(0.5)
-        self._sock = sock
-        self._thread = threading.Thread(target=self._accept_loop, name="control", daemon=True)
-        self._thread.start()
+        return sock
+
+    def ours(self) -> bool:
+        """Whether the socket file at the path is the one this server bound (not a vanished or replaced one)."""
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._identity
+
+    def ensure(self) -> str | None:
+        """Called every tick and on SIGHUP: None while the control API is reachable, else why not. A socket file
+        that vanished is recreated (and logged); one replaced by another process is left alone (never unlinked)."""
+        with self._ensure_lock:
+            return self._ensure()
+
+    def _ensure(self) -> str | None:
+        if self._sock is None:
+            return "the control API is not started"
+        if self.ours():
+            self._replaced_logged = False
+            return None
+        if os.path.lexists(self.path):
+            why = (f"{self.path} is no longer this daemon's socket (replaced by another process): the control API "
+                   "is unreachable; this daemon does not remove it")
+            if not self._replaced_logged:
+                log.error("control: %s", why)
+                self._replaced_logged = True
+            return why
+        try:
+            sock = self._bind()
+        except (OSError, WatchdogError) as e:
+            why = f"the control socket {self.path} vanished and cannot be recreated: {e}"
+            log.error("control: %s", why)
+            return why
+        self._pending = sock  # the accept thread switches over and closes the old socket itself
+        log.warning("control: the socket %s had vanished (deleted?): recreated", self.path)
+        return None
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(2)
-        if self._sock is not None:
-            self._sock.close()
-        try:
-            self.path.unlink()
-        except OSError:
-            pass
+        for sock in (self._sock, self._pending):
+            if sock is not None:
+                sock.close()
+        if self.ours():  # never another daemon's socket, nor a file put there after ours vanished
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
 
     def _accept_loop(self) -> None:
-        assert self._sock is not None
         while not self._stop.is_set():
+            if self._pending is not None:  # ensure() recreated the socket: switch over, close the old one here
+                old, self._sock, self._pending = self._sock, self._pending, None
+                if old is not None:
+                    old.close()
+            assert self._sock is not None
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:
@@ -324,9 +383,36 @@ def _job_start(daemon: Daemon, req: dict[str, Any], job_id: str, cred: PeerCred)
             **daemon.start_reply(job_id)}
 
 
+def refuse_if_served(path: str | Path) -> None:
+    """ServiceUnavailable (exit 69) when a daemon answers on ``path``; returns when nothing is there or the socket
+    is stale (connection refused: nothing listens). Anything else that is there is refused too: never replaced."""
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ServiceUnavailable(f"{path} exists and is not a socket: refusing to replace it")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    s.settimeout(2.0)
+    try:
+        s.connect(str(path))
+        pid = peer_cred(s).pid
+    except (ConnectionRefusedError, FileNotFoundError):
+        return  # stale: a killed daemon's socket
+    except OSError as e:
+        raise ServiceUnavailable(f"cannot tell whether a daemon serves {path} ({e.strerror or e}): refusing to "
+                                 "replace it") from None
+    finally:
+        s.close()
+    raise ServiceUnavailable(f"another gpu-watchdog daemon (pid {pid}) already serves the control socket {path}: "
+                             "not starting a second one (stop it first, or set daemon.control_socket)")
+
+
 # -- client ------------------------------------------------------------------------------------------
 def request(path: str, req: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
-    """Send one request to the daemon and return its reply (UsageError when it cannot be reached)."""
+    """Send one request to the daemon and return its reply (ServiceUnavailable, exit 69, when it cannot be
+    reached)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     s.settimeout(timeout_s)
     try:
@@ -339,7 +425,7 @@ def request(path: str, req: dict[str, Any], timeout_s: float = 120.0) -> dict[st
                 break
             buf += chunk
     except OSError as e:
-        raise WatchdogError(f"cannot reach the daemon at {path}: {e.strerror or e}") from None
+        raise ServiceUnavailable(f"cannot reach the daemon at {path}: {e.strerror or e}") from None
     finally:
         s.close()
     try:

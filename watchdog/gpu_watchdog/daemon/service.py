@@ -98,6 +98,7 @@ class Daemon:
         self.health = health or LoopHealth.for_interval(cfg.agent.interval_s)
         self.backend: Backend | None = backend
         self.backend_why = "injected" if backend else ""
+        self._stopping = threading.Event()  # set when run() ends: cuts a restart backoff short
         self.ctx = ActContext(cfg, self.host, self.incidents, self.fallback, metrics, self._log_info)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="watchdog-work")
         self._engine: Engine | None = None
@@ -216,6 +217,7 @@ class Daemon:
 
     # -- the sampling tick (apscheduler job) -----------------------------------------------------------
     def tick(self) -> None:
+        self.check_control()
         tick = self.engine.tick()
         if tick.ok:
             assert tick.sample is not None
@@ -229,6 +231,11 @@ class Daemon:
             self._set_status(ready=True)
         else:
             self._set_status()
+
+    def check_control(self) -> None:
+        """The control API is reachable (a vanished socket recreated), else /healthz says why not."""
+        if self._control is not None:
+            self.health.problem("control", self._control.ensure())
 
     def _on_finding(self, f: Finding, sample: NodeSample, status: JobStatus | None) -> None:
         regs = self.registrations()
@@ -286,10 +293,17 @@ class Daemon:
             return
         hook = self.settings.give_up_hook
         before_give_up = (lambda inc, level: self.run_hook(inc, job_id, "give_up_hook", hook, level)) if hook else None
-        result = Recovery(self.ctx, self.budget(job_id), before_give_up).handle(
+        result = Recovery(self.ctx, self.budget(job_id), before_give_up, wait=self._backoff_wait).handle(
             finding, self.target(job_id, reg), sample, status)
+        if result.held:  # observed, not acted on: the job waits (Engine.hold) and is watched on
+            self.engine.hold(job_id, finding.onset, result.held, result.held_on, result.held_doing)
+            return
         result.incident.finish("gave up: restart budget spent (no restart hook run)" if result.give_up
                                else "restart hook ran" if result.restarted else "restart hook failed or missing")
+
+    def _backoff_wait(self, seconds: float) -> bool:
+        """The restart backoff on a worker thread, cut short when the daemon stops: False when cut."""
+        return not self._stopping.wait(seconds)
 
     def _observe(self, finding: Finding, sample: NodeSample, status: JobStatus | None, stop: bool, why: str) -> None:
         target = _UnregisteredRanks(self, finding.job_id or "") if stop else None
@@ -487,10 +501,12 @@ class Daemon:
                     continue
                 if signum == signal.SIGHUP:
                     self.reload()
+                    self.check_control()
                     continue
                 log.info("received %s: stopping", signal.Signals(signum).name)
                 break
         finally:
+            self._stopping.set()
             self.notifier.stopping("stopping")
             sched.shutdown(wait=False)
             if self._control is not None:
@@ -537,7 +553,11 @@ def _now_utc() -> Any:
 def main_run(config_path: str | None, overrides: dict[str, Any]) -> int:
     cfg = load_config(config_path, overrides)  # ConfigError → exit 78 naming the key
     from gpu_watchdog.config.schema import resolve_state_dir
+    from gpu_watchdog.daemon.control import refuse_if_served
     from gpu_watchdog.export.http import start_metrics
+
+    if cfg.daemon.control_socket:  # one daemon per socket: before anything binds or writes (exit 69)
+        refuse_if_served(cfg.daemon.control_socket)
 
     health = LoopHealth.for_interval(cfg.agent.interval_s)  # one health for /healthz and the systemd pings
     metrics, server = start_metrics(cfg, health)

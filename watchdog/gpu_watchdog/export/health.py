@@ -13,6 +13,10 @@ the loop (stack dump, checkpoint grace, stop ladder). Both readers use the same 
   ``/healthz`` and ``gpu_watchdog_up``); only a wedged loop (an NVML call that never returns, a deadlock)
   stops the pings. Before the first tick: False (systemd arms its watchdog only after ``READY=1``).
 
+A problem outside the loop that makes the agent not useful (the daemon's control API unreachable: its socket
+vanished and could not be recreated, or another process replaced it) is set with ``problem(what, reason)`` and
+cleared with ``problem(what, None)``: ``status()`` is not ok while one is set; ``loop_alive()`` ignores it.
+
 ``Pinger`` is the thread that asks ``loop_alive()`` every ``interval_s`` and pings while it holds. It has no
 work of its own, so it keeps running when the loop is stuck.
 """
@@ -45,6 +49,7 @@ class LoopHealth:
         self._last_tick: float | None = None
         self._failure: str | None = None  # why the last tick's sampling failed; None: it sampled
         self._busy_until: float | None = None
+        self._problems: dict[str, str] = {}  # what → why, for status() only
 
     @classmethod
     def for_interval(cls, interval_s: float) -> LoopHealth:
@@ -84,11 +89,22 @@ class LoopHealth:
                 self._last_tick = now
             self._busy_until = None
 
+    def problem(self, what: str, reason: str | None) -> None:
+        """Set (``reason``) or clear (None) a problem outside the loop that makes ``status()`` not ok."""
+        with self._lock:
+            if reason is None:
+                self._problems.pop(what, None)
+            else:
+                self._problems[what] = " ".join(reason.split())
+
     def status(self) -> tuple[bool, str]:
         """(healthy, reason) for ``/healthz``."""
         now = self._clock()
         with self._lock:
             last, failure, busy_until = self._last_tick, self._failure, self._busy_until
+            problems = "; ".join(self._problems.values())
+        if problems:
+            return False, problems
         limit = self.max_age_s
         if busy_until is not None and now < busy_until:
             return True, "recovering a job (sampling paused)"
