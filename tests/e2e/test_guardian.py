@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import signal
 import time
 from pathlib import Path
@@ -11,11 +13,13 @@ import pytest
 from launch_harness import REPO, base_env, read_events, start_launch, torchrun
 
 
-def _alive(pids: list[int]) -> list[int]:
+def _alive(pids: list[int] | dict[int, float]) -> list[int]:
+    """The pids still alive (not zombies); with create times, only the very processes (a reused pid is not)."""
     out = []
     for pid in pids:
         try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE and (not isinstance(pids, dict) or p.create_time() == pids[pid]):
                 out.append(pid)
         except psutil.NoSuchProcess:
             continue
@@ -30,37 +34,62 @@ def _guardians() -> list[psutil.Process]:
     return found
 
 
+def _burn(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
 @pytest.mark.slow
-def test_a_sigkilled_launch_takes_its_job_down_within_10s(tmp_path: Path) -> None:
+@pytest.mark.parametrize("attempt", range(3))
+@pytest.mark.parametrize("victims", ["launch", "launch+torchrun", "launch, loaded machine"])
+def test_a_sigkilled_launch_takes_its_job_down_within_10s(tmp_path: Path, victims: str, attempt: int) -> None:
+    """Whatever dies with ``launch`` — torchrun too (an OOM kill, ``kill -9`` of the process group), or on a loaded
+    machine — no process of the job is alive 10 s later: torchrun 2.13 starts every rank in a session of its own,
+    so the guardian must know the job's whole tree, not only torchrun's session."""
     events = tmp_path / "events.jsonl"
     argv = [torchrun(), "--standalone", "--nproc-per-node", "2", str(REPO / "tests" / "jobs" / "sleepy.py"),
             "--steps", "2000", "--events", str(events)]
     run = start_launch(["--backend", "proc"], argv, env=base_env(), tmp_path=tmp_path, job_id="t-guardian")
+
     def rank_pids() -> list[int] | None:
         pids = [e["pid"] for e in read_events(events) if e["event"] == "start"]
         return pids if len(pids) == 2 else None
 
+    burners: list[multiprocessing.Process] = []
     try:
         pids = run.wait_for("both ranks up", rank_pids, 90)
         # The harness runs `timeout -s KILL N gpu-watchdog launch …`: SIGKILL the launcher, not the wrapper.
         wrapper = psutil.Process(run.proc.pid)
         launcher = next(p for p in wrapper.children() if "launch" in p.cmdline())
-        job = [c.pid for c in launcher.children(recursive=True) if "gpu_watchdog.launch.guardian" not in " ".join(
-            c.cmdline())]  # torchrun and the ranks
+        tree = [c for c in launcher.children(recursive=True)
+                if "gpu_watchdog.launch.guardian" not in " ".join(c.cmdline())]  # torchrun and the ranks
+        job = {c.pid: c.create_time() for c in tree}
         assert set(pids) <= set(job)
+        (torchrun_proc,) = [c for c in tree if c.ppid() == launcher.pid]
+        if "loaded" in victims:  # every core busy, as on a node whose other jobs compute
+            burners = [multiprocessing.Process(target=_burn, args=(20.0,), daemon=True)
+                       for _ in range(2 * (os.cpu_count() or 2))]
+            for b in burners:
+                b.start()
         launcher.send_signal(signal.SIGKILL)
+        if "torchrun" in victims:
+            torchrun_proc.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         while _alive(job) and time.monotonic() - t0 < 10:
             time.sleep(0.2)
         left = _alive(job)
-        assert not left, f"job processes alive 10 s after launch was SIGKILLed: {left}"
+        assert not left, f"job processes alive 10 s after {victims} was SIGKILLed: {left}"
+        print(f"{victims}: {len(job)} job processes gone {time.monotonic() - t0:.1f} s after the SIGKILL")
         # the guardian says so once the ladder is done (just after the last process went)
         deadline = time.monotonic() + 10
         while "guardian: launch is gone; stopped" not in run.output() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert "guardian: launch is gone; stopped" in run.output()
     finally:
-        run.kill()
+        for b in burners:
+            b.kill()
+        run.kill(extra=pids if "pids" in locals() else ())
 
 
 @pytest.mark.slow

@@ -1,65 +1,120 @@
-"""The job never outlives ``launch``: a small guardian process stops it if ``launch`` dies, even by SIGKILL.
+"""The job never outlives ``launch``: a small guardian process stops it if ``launch`` dies, even by SIGKILL —
+and even when torchrun dies with it.
 
 ``launch`` starts the job in a session of its own and, beside it, a guardian (``python -m
 gpu_watchdog.launch.guardian``, in another session, so a signal to the job or to the terminal never reaches it)
 whose stdin is a pipe that only ``launch`` holds. When ``launch`` ends the run normally it writes ``done`` first and
 the guardian exits. When ``launch`` dies any other way the pipe closes with nothing written: the guardian stops
-every process of the job's session (torchrun and its ranks stay in it; a rank that left it was already stopped by
-``launch`` on its own tick) with the usual ladder — SIGCONT + SIGTERM, ``grace_s``, SIGKILL — and exits. Processes
-are matched by session id *and* start time no earlier than the session leader's, so a recycled session id is never
+every process of the job with the usual ladder — SIGCONT + SIGTERM, ``grace_s``, SIGKILL — and exits.
+
+Every process of the job: torchrun (2.13) starts each rank in a session of its own, and when torchrun dies with
+``launch`` (both SIGKILLed: an OOM kill, ``kill -9`` of the process group) its ranks are re-parented to init, out
+of any tree that starts at torchrun. So while it waits the guardian keeps the job's process tree itself: every
+``SCAN_S`` it reads /proc and adds each process whose parent, or whose session leader, is already in the job
+(checked by start time: the parent's or leader's recorded start, and a start no earlier than it), starting from
+the job's first process. A process it once saw stays in the job after its parent dies. At the stop it scans once
+more (children started since the last scan), runs the ladder, and repeats for anything the ladder's grace let
+start. Nothing else is ever signalled: processes are matched by pid *and* start time, so a recycled pid is never
 hit.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
+from dataclasses import dataclass
 
 DONE = b"done\n"
+SCAN_S = 1.0  # how often the guardian re-reads the job's process tree while launch runs
 
 
-def session_members(sid: int, not_before: float) -> list[tuple[int, float]]:
-    """(pid, start token) of every process in session ``sid`` started at or after ``not_before`` (clock ticks
-    since boot, /proc/PID/stat field 22)."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                rest = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        # rest[0] is field 3 (state): session is field 6, start time field 22
-        if int(rest[3]) == sid and float(rest[19]) >= not_before and int(name) != os.getpid():
-            out.append((int(name), float(rest[19])))
-    return out
+@dataclass(frozen=True)
+class ProcStat:
+    pid: int
+    ppid: int
+    sid: int
+    start: float  # clock ticks since boot (/proc/PID/stat field 22): with the pid, the process's identity
 
 
-def start_token(pid: int) -> float | None:
+def read_stat(pid: int | str) -> ProcStat | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return float(f.read().rsplit(b")", 1)[1].split()[19])
+            rest = f.read().rsplit(b")", 1)[1].split()
+        # rest[0] is field 3 (state): ppid is field 4, session field 6, start time field 22
+        return ProcStat(int(pid), int(rest[1]), int(rest[3]), float(rest[19]))
     except (OSError, IndexError, ValueError):
         return None
 
 
-def stop_session(sid: int, not_before: float, grace_s: float) -> int:
-    """The stop ladder over the session's processes; returns how many there were."""
-    import psutil
+def scan() -> dict[int, ProcStat]:
+    """Every process on the node now (one read of /proc)."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (st := read_stat(name)) is not None:
+            out[st.pid] = st
+    return out
 
-    from gpu_watchdog.act.stopper import JobProcess, stop_processes
 
-    procs = []
-    for pid, _token in session_members(sid, not_before):
-        try:
-            procs.append(JobProcess(pid, psutil.Process(pid).create_time()))
-        except psutil.Error:
-            continue
-    if procs:
-        stop_processes(procs, grace_s)
-    return len(procs)
+def start_token(pid: int) -> float | None:
+    st = read_stat(pid)
+    return st.start if st else None
+
+
+class JobTree:
+    """The job's processes, pid → start token, grown from its first process; a member whose parent dies stays in
+    (a re-parented rank), one whose pid now names another process (a different start) is dropped."""
+
+    def __init__(self, root_pid: int, root_start: float) -> None:
+        self.members: dict[int, float] = {root_pid: root_start}
+
+    def grow(self, procs: dict[int, ProcStat]) -> None:
+        """Add every process whose parent or session leader is a member (the very process: the recorded start)
+        and that started no earlier than it, transitively. A member that exited still vouches for its session:
+        Linux does not reuse a pid while a session or group still carries it; once reused, the pid shows with
+        another start and is dropped first."""
+        self.members = {pid: t for pid, t in self.members.items() if pid not in procs or procs[pid].start == t}
+        owned: dict[int, list[ProcStat]] = {}  # parent or session leader → the processes it vouches for
+        for st in procs.values():
+            owned.setdefault(st.ppid, []).append(st)
+            if st.sid != st.pid:
+                owned.setdefault(st.sid, []).append(st)
+        todo = list(self.members)
+        me = os.getpid()
+        while todo:
+            owner = todo.pop()
+            t = self.members[owner]
+            for st in owned.get(owner, ()):
+                if st.pid not in self.members and st.start >= t and st.pid != me:
+                    self.members[st.pid] = st.start
+                    todo.append(st.pid)
+
+    def stop(self, grace_s: float, rounds: int = 3) -> int:
+        """The stop ladder over every member, then over what started meanwhile; returns how many were stopped."""
+        import psutil
+
+        from gpu_watchdog.act.stopper import JobProcess, stop_processes
+
+        stopped: set[tuple[int, float]] = set()
+        for _ in range(rounds):
+            self.grow(scan())
+            procs = []
+            for pid, token in self.members.items():
+                if (pid, token) in stopped:
+                    continue
+                try:
+                    p = psutil.Process(pid)
+                    create_time = p.create_time()
+                except psutil.Error:
+                    continue
+                if start_token(pid) == token:  # still the very process the tree recorded
+                    procs.append(JobProcess(pid, create_time))
+                    stopped.add((pid, token))
+            if not procs:
+                break
+            stop_processes(procs, grace_s)
+        return len(stopped)
 
 
 class Guardian:
@@ -92,23 +147,36 @@ class Guardian:
             proc.wait()
 
 
-def main(argv: list[str]) -> int:
-    sid, not_before, grace_s = int(argv[0]), float(argv[1]), float(argv[2])
+def wait_for_launch(tree: JobTree, scan_s: float = SCAN_S) -> bytes:
+    """Read the pipe from ``launch`` until it closes, growing the job's tree every ``scan_s``; what was written."""
     data = b""
     while True:
+        try:
+            ready, _, _ = select.select([0], [], [], scan_s)
+        except InterruptedError:
+            continue
+        if not ready:
+            tree.grow(scan())
+            continue
         try:
             chunk = os.read(0, 64)
         except InterruptedError:
             continue
         except OSError:
-            break
+            return data
         if not chunk:
-            break
+            return data
         data += chunk
-    if data.startswith(DONE):
+
+
+def main(argv: list[str]) -> int:
+    job_pid, start, grace_s = int(argv[0]), float(argv[1]), float(argv[2])
+    tree = JobTree(job_pid, start)
+    tree.grow(scan())
+    if wait_for_launch(tree).startswith(DONE):
         return 0
-    n = stop_session(sid, not_before, grace_s)
-    print(f"gpu-watchdog guardian: launch is gone; stopped {n} process(es) of its job (session {sid})",
+    n = tree.stop(grace_s)
+    print(f"gpu-watchdog guardian: launch is gone; stopped {n} process(es) of its job (started as pid {job_pid})",
           file=sys.stderr)
     return 0
 
