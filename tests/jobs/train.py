@@ -4,7 +4,8 @@
 
 Scenarios (``--scenario``):
   healthy     train ``--steps`` steps and exit 0
-  hang        rank ``--rank-at`` stops joining collectives at step ``--step-at`` (sleeps forever)
+  hang        rank ``--rank-at`` stops joining collectives at step ``--step-at``: it blocks for good in a receive
+              from a peer that never sends (the others wait in all_reduce)
   desync      rank ``--rank-at`` calls barrier() at step ``--step-at`` while the others call all_reduce
   queue       rank ``--rank-at``'s producer thread dies at step ``--step-at``; its main thread blocks in Queue.get
   save        rank 0 writes a checkpoint for ``--pause-s`` seconds at step ``--step-at``; peers wait in barrier
@@ -173,8 +174,9 @@ def main() -> None:
         compute(args.step_s)
         if at and args.scenario == "hang" and rank == args.rank_at:
             log_event(args.events, rank=rank, step=step, event="hang_onset")
-            while True:
-                time.sleep(3600)
+            # A message that never comes: rank 0 is in the next all_reduce, not sending (a lost message, as
+            # an NCCL P2P transport bug leaves it). A sleeping rank would be a slow rank, not a hung one.
+            dist.recv(torch.zeros(1), src=0 if rank != 0 else 1)
         if at and args.scenario == "stop" and rank == args.rank_at:
             log_event(args.events, rank=rank, step=step, event="hang_onset")
             os.kill(os.getpid(), signal.SIGSTOP)

@@ -133,6 +133,9 @@ class RankStack:
     # wakes the thread, so "did it wake between two dumps" compares one dump's after with the next's before).
     wakeups_before: int | None = None
     wakeups_after: int | None = None
+    # The thread waits in a call that ends by itself (a sleep, a poll or futex wait with a timeout): a polling
+    # loop, waiting rather than hung (evidence.syscalls).
+    timed: bool = False
 
 
 @dataclass(frozen=True)

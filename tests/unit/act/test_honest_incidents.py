@@ -45,8 +45,9 @@ def test_level_advice_only_for_gpu_stalls() -> None:
     proc = DeviceSample(index=0, uuid="proc-j-r0", name="rank 0", virtual=True)
     assert _on_gpus(finding(("GPU-0",)), sample(gpu)) and not _on_gpus(finding(), sample(proc))
     cfg = load_config(None).fallback
-    assert "P2P" in decide(cfg, 0, "stall", "collective").advice
-    quiet = decide(cfg, 0, "stall", "collective", level_advice=False)
+    comm = "stacks: ranks 0,2 wait in all_reduce"
+    assert "P2P" in decide(cfg, 0, "stall", "collective", communication=comm).advice
+    quiet = decide(cfg, 0, "stall", "collective", communication=comm, level_advice=False)
     assert (quiet.level, quiet.advice) == (1, "")  # still climbs, says nothing about PCIe boxes
 
 

@@ -211,9 +211,8 @@ def test_real_hang(hung_jobs: dict, tmp_path: Path) -> None:
     d = diagnose(stacks, world_size=4)
     assert d.culprit_ranks == (1,) and d.collective == "all_reduce" and not d.desync
     r1 = stacks[1]
-    assert r1.state in ("sleep", "unknown") and r1.where.startswith("main (train.py:")
-    assert d.reason.startswith(f"rank 1 is stuck in {r1.state} at main (train.py:")
-    assert d.reason.endswith("; ranks 0,2,3 wait in all_reduce")
+    assert r1.state == "collective" and r1.op == "recv" and not r1.timed  # a receive that never completes
+    assert d.reason == "rank 1 in recv while ranks 0,2,3 wait in all_reduce"
 
     # A second dump: nobody moved.
     again, _ = _dump(pids)

@@ -23,7 +23,7 @@ from gpu_watchdog.evidence.collect import (
     rank_workers,
 )
 from gpu_watchdog.evidence.culprit import FLIGHT_RECORDER, NCCL_RAS, STACKS, SourceVerdict, merge_evidence
-from gpu_watchdog.evidence.diagnosis import Diagnosis, diagnose, format_ranks
+from gpu_watchdog.evidence.diagnosis import Diagnosis, communication_evidence, diagnose, format_ranks
 from gpu_watchdog.evidence.fr_analysis import FrAnalysis, analyze_traces, read_trace
 from gpu_watchdog.evidence.ras_poll import RasPoller, write_ras_evidence
 from gpu_watchdog.evidence.report import render_report
@@ -36,6 +36,8 @@ class Gathered:
     stacks: tuple[RankStack, ...] = ()
     diagnosis: Diagnosis | None = None
     culprit: RankStack | None = None  # the stack the hang sits in (a blocked worker's when there is one)
+    # What says the hang is in communication, one line per source ("" when nothing does): acting needs it.
+    communication: str = ""
 
     def report(self, inc: Incident) -> None:
         inc.write_report(render_report(inc.summary, list(self.stacks)))
@@ -85,6 +87,9 @@ class EvidenceGatherer:
         merged = self._decide(inc, finding, diag, fr, ras)
         if merged is not None and merged is not diag:  # the recovery acts on the merged verdict
             out = Gathered(out.stacks, merged, out.culprit or _culprit_stack(merged, list(out.stacks)))
+        comm = communication_sources(finding, diag, out.stacks, inc.summary.get("workers") or [], fr, ras)
+        inc.update(communication_evidence=comm or None)
+        out = Gathered(out.stacks, out.diagnosis, out.culprit, "; ".join(comm))
         out.report(inc)
         return out
 
@@ -199,6 +204,28 @@ class EvidenceGatherer:
             inc.end_action(entry, False, f"nccl ras: {e}")
             return None
         return SourceVerdict(NCCL_RAS, tuple(evidence.culprit_ranks) if evidence.hung else (), evidence.summary)
+
+def communication_sources(finding: Finding, diag: Diagnosis | None, stacks: tuple[RankStack, ...],
+                          workers: list[dict[str, object]], fr: FrAnalysis | None,
+                          ras: SourceVerdict | None) -> list[str]:
+    """Every source that says the hang is in communication, one line each (empty: none does): the ranks' stacks
+    (evidence.diagnosis.communication_evidence), a rank's worker blocked in a collective, the Flight Recorder's
+    pending collectives, NCCL RAS's ranks behind, the GPUs' NCCL spin (a kernel polling for its peers)."""
+    out = []
+    if diag is not None and (line := communication_evidence(diag, stacks)):
+        out.append(line)
+    for w in workers:
+        out.append(f"worker pid {w.get('pid')} of rank {w.get('rank')} blocked in {w.get('op') or w.get('state')}")
+    pending = [g for g in fr.groups if g.kind != "in_progress"] if fr is not None else []
+    if pending:
+        out.append(f"flight recorder: {len(pending)} process group(s) with pending collectives ({fr.reason})"
+                   if fr is not None else "")
+    if ras is not None and ras.culprit_ranks:
+        out.append(f"NCCL RAS: {ras.reason}")
+    if finding.signature == "spin":
+        out.append("GPUs spin at idle power with no traffic (an NCCL kernel polling for its peers)")
+    return out
+
 
 FR_WAIT_S = 10.0  # how long to wait for the triggered ranks' dumps (the first one may import torch._dynamo)
 

@@ -20,7 +20,7 @@ from gpu_watchdog.act.target import ActContext, JobTarget
 from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.model import NodeSample
 from gpu_watchdog.policy.budget import RestartBudget
-from gpu_watchdog.policy.fallback import decide, diagnostics_env, hang_place
+from gpu_watchdog.policy.fallback import WAITED_ADVICE, decide, diagnostics_env, hang_place
 from gpu_watchdog.store.incidents import Incident
 
 
@@ -31,6 +31,33 @@ class RecoveryResult:
     restart_env: dict[str, str] = field(default_factory=dict)
     level: int = 0
     restarted: bool = False
+    # Not acted on: no proof the hang is in communication (the incident is finished as observed). The caller
+    # puts the job in the waiting state (Engine.hold) with these: why, the ranks it waits on, what they do.
+    held: str = ""
+    held_on: tuple[int, ...] = ()
+    held_doing: str = ""
+
+
+def action_proof(finding: Finding, gathered: Gathered, status: JobStatus | None) -> str:
+    """Why an action that interrupts the job is allowed, in one line; "" when it is not (the one rule: README "How
+    it decides"). Communication evidence (stacks, a blocked worker, Flight Recorder, NCCL RAS, the NCCL spin), or
+    evidence from the processes themselves: a rank that exited or was stopped, a job that already waited
+    ``waiting_timeout_s``, a restart someone asked for."""
+    if finding.kind == "restart":
+        return "requested"
+    if finding.signature == "rank_exited":
+        return f"process: {finding.detail}"
+    if finding.signature == "waiting_timeout":
+        return f"waiting timeout: {finding.detail}"
+    stopped = sorted({*(status.stopped if status else ()), *(s.rank for s in gathered.stacks if s.state == "stopped")})
+    if stopped:
+        return f"process: rank(s) {','.join(map(str, stopped))} stopped (state T)"
+    return gathered.communication
+
+
+# A hang that comes back at the same place after a restart that changed nothing is deterministic for these:
+# restarting again does not help.
+_DETERMINISTIC = ("desync", "waiting_timeout")
 
 
 def job_rank_processes(sample: NodeSample, job_id: str, rank_pids: dict[int, int]) -> list[JobProcess]:
@@ -45,15 +72,18 @@ def _on_gpus(finding: Finding, sample: NodeSample) -> bool:
 
 class Recovery:
     def __init__(self, ctx: ActContext, budget: RestartBudget,
-                 before_give_up: Callable[[Incident, int], object] | None = None) -> None:
+                 before_give_up: Callable[[Incident, int], object] | None = None,
+                 wait: Callable[[float], bool] | None = None) -> None:
         self.ctx = ctx
         self.budget = budget
         self.before_give_up = before_give_up  # runs while the job still runs (Slurm refuses to update an ended job)
+        self.wait = wait or _sleep  # the restart backoff; returns False when the caller is stopping
 
     def handle(self, finding: Finding, target: JobTarget, sample: NodeSample,
                status: JobStatus | None) -> RecoveryResult:
-        """Returns the result with its incident, which the caller finishes with the outcome in its own words;
-        a recovery that raises finishes its incident as failed and re-raises."""
+        """Returns the result with its incident, which the caller finishes with the outcome in its own words
+        (unless ``held``: then it is finished as observed); a recovery that raises finishes its incident as failed
+        and re-raises."""
         inc = self.ctx.open_incident(finding)
         try:
             return self._handle(inc, finding, target, sample, status)
@@ -70,20 +100,28 @@ class Recovery:
                 f"onset {time.strftime('%H:%M:%S', time.localtime(finding.onset))}, "
                 f"confirmed after {finding.confirmed_at - finding.onset:.1f}s; incident {inc.id}")
         gathered = EvidenceGatherer(ctx).gather(inc, finding, status, sample)
+        proof = action_proof(finding, gathered, status)
+        if not proof:
+            return self._hold(inc, finding, gathered)
+        inc.update(action_evidence=proof)
 
         # The next run's settings, from the evidence: a worker blocked in a collective is the real culprit.
         culprit = gathered.culprit
         previous = ctx.fallback.load(target.job_id)
+        desync = bool(gathered.diagnosis and gathered.diagnosis.desync)
+        place = hang_place("desync" if desync else culprit.state if culprit else None,
+                           culprit.where if culprit else "", finding.signature)
         decision = decide(cfg.fallback, int(previous.get("level", 0)), finding.kind,
-                          culprit.state if culprit else None,
-                          desync=bool(gathered.diagnosis and gathered.diagnosis.desync),
-                          place=hang_place(culprit.state if culprit else None, culprit.where if culprit else "",
-                                           finding.signature),
-                          last_place=str(previous.get("hang_place") or ""),
+                          culprit.state if culprit else None, desync=desync, communication=gathered.communication,
+                          signature=finding.signature, place=place,
                           level_advice=finding.kind == "stall" and _on_gpus(finding, sample))
         hang_step = max((p.heartbeat_step for p in sample.processes
                          if p.job and p.job.job_id == target.job_id and p.heartbeat_step is not None), default=None)
         allowed, why_not = self.budget.allow(time.time(), hang_step)
+        kind_now = "desync" if desync else finding.signature
+        if allowed and not decision.changed and kind_now in _DETERMINISTIC and place == previous.get("hang_place"):
+            allowed, why_not = False, (f"code bug: restarting does not help (the same {kind_now.replace('_', ' ')} "
+                                       f"at {place} came back after a restart that changed nothing)")
 
         restart_env: dict[str, str] = {}
         if allowed:  # stored before the stop: a daemon killed before its restart hook resumes at this level
@@ -100,15 +138,23 @@ class Recovery:
             inc.update(advice=decision.advice or None)  # no next run, but the advice stands
             if decision.advice:
                 ctx.say(f"advice: {decision.advice}")
-            inc.record_action("give_up", True, f"restart budget spent: {why_not}")
+            inc.record_action("give_up", True, f"restart budget spent: {why_not}" if "code bug" not in why_not
+                              else why_not)
             gathered.report(inc)
-            ctx.say(f"giving up: restart budget spent: {why_not}")
+            ctx.say(f"giving up: {why_not}" if "code bug" in why_not else f"giving up: restart budget spent: {why_not}")
             return RecoveryResult(inc, give_up=True, level=decision.level)
 
         inc.update(advice=decision.advice or None)
         ctx.say(f"fallback level {decision.level}: {decision.reason}")
         if decision.advice:
             ctx.say(f"advice: {decision.advice}")
+        delay = self.budget.backoff_s(time.time(), cfg.fallback.healthy_reset_s)
+        if delay > 0:
+            entry = inc.begin_action("backoff", f"{delay:.0f}s before the next run (restarts in a row are spaced "
+                                                "by recovery.restart_backoff_s, doubling)")
+            ctx.say(f"restart backoff: waiting {delay:.0f}s before the next run")
+            waited = self.wait(delay)
+            inc.end_action(entry, waited, "waited" if waited else "cut short: the agent is stopping")
         shown = " ".join(f"{k}={v}" for k, v in sorted(decision.env.items())) or "(no NCCL change)"
         restarted = target.restart(inc, decision.level, f"fallback level {decision.level} ({decision.name}): {shown}")
         if restarted:
@@ -116,6 +162,26 @@ class Recovery:
         ctx.metric("action", "restart", restarted)
         gathered.report(inc)
         return RecoveryResult(inc, False, restart_env, decision.level, restarted)
+
+    def _hold(self, inc: Incident, finding: Finding, gathered: Gathered) -> RecoveryResult:
+        """No proof the hang is in communication: the job is waiting (every rank asleep, polling, reading, in its
+        own code). An observed incident; nothing is interrupted before ``waiting_timeout_s`` after the onset."""
+        cfg = self.ctx.cfg
+        diag = gathered.diagnosis
+        states = ", ".join(sorted({s.state for s in gathered.stacks})) or "no stacks"
+        why = f"no communication evidence (ranks: {states})"
+        until = finding.onset + cfg.detect.waiting_timeout_s
+        detail = (f"waiting, not hung in communication: {why}; no action before detect.waiting_timeout_s "
+                  f"({cfg.detect.waiting_timeout_s:.0f}s after the onset, at "
+                  f"{time.strftime('%H:%M:%S', time.localtime(until))})")
+        inc.update(verdict="waiting", advice=WAITED_ADVICE)
+        inc.record_action("observe", True, detail)
+        gathered.report(inc)
+        inc.finish("observed: waiting (no communication evidence)")
+        self.ctx.say(detail)
+        self.ctx.metric("action", "observe", True)
+        return RecoveryResult(inc, give_up=False, held=why, held_on=tuple(diag.culprit_ranks) if diag else (),
+                              held_doing=diag.reason if diag else "")
 
     def _checkpoint(self, inc: Incident, target: JobTarget, sample: NodeSample, status: JobStatus | None) -> None:
         rc = self.ctx.cfg.recovery
@@ -141,6 +207,11 @@ class Recovery:
 
     def _stop(self, inc: Incident, target: JobTarget) -> None:
         stop_job(self.ctx, inc, target, "")
+
+
+def _sleep(seconds: float) -> bool:
+    time.sleep(seconds)
+    return True
 
 
 def stop_job(ctx: ActContext, inc: Incident, target: JobTarget, why: str, *, wait_memory: bool = True) -> bool:

@@ -96,6 +96,10 @@ class RecoveryConfig:
     max_restarts: int = 3  # restarts allowed within restart_window_s
     restart_window_s: float = 3600.0
     max_no_progress_restarts: int = 2  # consecutive restarts that hang again without passing the last hang step
+    # Consecutive restarts (each within fallback.healthy_reset_s of the previous) are spaced by this, doubling
+    # up to restart_backoff_max_s: a budget is never spent in a minute. 0: no backoff.
+    restart_backoff_s: float = 10.0
+    restart_backoff_max_s: float = 300.0
     client_boundary_s: float = 5.0  # the in-job client saves at a step boundary within this, else aborts
     restart_on_crash: bool = False  # launch: restart (within the budget) after a rank exits non-zero / on a signal
 

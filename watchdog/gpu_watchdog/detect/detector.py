@@ -93,6 +93,9 @@ class JobStatus:
     progress_since: float | None = None  # for clearing a confirmed stall
     needs_stacks: bool = False
     stopped: tuple[int, ...] = ()  # ranks in the stopped state (SIGSTOP): culprits from process state alone
+    # Why a confirmed stall was not acted on (no communication evidence: hold_waiting): the job waits, and only
+    # ``waiting_timeout_s`` after the onset is it a stall again ("waiting_timeout"). Cleared when it runs again.
+    held: str = ""
 
 
 @dataclass(frozen=True)
@@ -316,6 +319,11 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
         # (A confirmed stall clears only on counter progress, never on old dumps.)
         quiet, progressing = False, sorted(moving)
 
+    if quiet and prev.held and prev.waiting_since is not None:
+        if _lasted(t - prev.waiting_since, cfg.waiting_timeout_s):
+            return replace(base, state=STALLED, since=t, onset=prev.waiting_since, signature="waiting_timeout",
+                           evidence=evidence, progress_since=None, needs_stacks=False)
+        return replace(base, state=WAITING, onset=None, evidence=evidence, needs_stacks=False)
     if quiet:
         signature = "rank_exited" if missing else device_sig
         if prev.state == STALLED:
@@ -359,7 +367,21 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
                        evidence=evidence, progress_since=None, needs_stacks=needs)
     return replace(base, state=RUNNING, since=prev.since if prev.state == RUNNING else t, onset=None,
                    waiting_since=None, waiting_on=(), waiting_doing="", signature="", evidence=(),
-                   progress_since=None, needs_stacks=False)
+                   progress_since=None, needs_stacks=False, held="")
+
+
+def hold_waiting(state: DetectorState, job_id: str, onset: float, why: str,
+                 on: tuple[int, ...] = (), doing: str = "") -> DetectorState:
+    """A confirmed stall of ``job_id`` (streak from ``onset``) with no communication evidence: the job is waiting
+    (on ranks ``on``, doing ``doing``), not hung in communication. Nothing acts on it before ``waiting_timeout_s``
+    after the onset, when the detector reports a ``waiting_timeout`` stall. A job that ran again meanwhile (no
+    longer the stall that was judged) is left alone."""
+    js = state.jobs.get(job_id)
+    if js is None or js.state != STALLED or js.onset is None or abs(js.onset - onset) > 1e-6:
+        return state
+    held = replace(js, state=WAITING, onset=None, waiting_since=onset, waiting_on=on, waiting_doing=doing,
+                   signature="", held=why, needs_stacks=False, progress_since=None)
+    return replace(state, jobs={**state.jobs, job_id: held})
 
 
 def _stall_finding(js: JobStatus, t: float) -> Finding:
@@ -368,8 +390,11 @@ def _stall_finding(js: JobStatus, t: float) -> Finding:
         culprits, detail = missing, f"rank(s) {_fmt_ranks(missing)} exited; ranks {_fmt_ranks(js.ranks)} idle"
     elif js.signature == "waiting_timeout":
         culprits = js.waiting_on
-        detail = f"ranks waited on rank(s) {_fmt_ranks(js.waiting_on)} for too long"
-        if js.waiting_doing:
+        detail = (f"ranks waited on rank(s) {_fmt_ranks(js.waiting_on)} for too long" if js.waiting_on else
+                  "the job waited for too long")
+        if js.held:
+            detail += f" (not hung in communication: {js.held})"
+        elif js.waiting_doing:
             detail += f" ({js.waiting_doing})"
     else:
         culprits = js.stopped

@@ -10,6 +10,7 @@ health. It returns what the tick saw; what to do about the findings is ``policy.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
@@ -18,7 +19,16 @@ from typing import Any
 
 from gpu_watchdog.config.schema import Config
 from gpu_watchdog.detect.consistency import ConfigWatch
-from gpu_watchdog.detect.detector import RUNNING, STALLED, SUSPECT, DetectorState, Finding, JobStatus, step
+from gpu_watchdog.detect.detector import (
+    RUNNING,
+    STALLED,
+    SUSPECT,
+    DetectorState,
+    Finding,
+    JobStatus,
+    hold_waiting,
+    step,
+)
 from gpu_watchdog.evidence.collect import collect_stack_evidence
 from gpu_watchdog.evidence.ras_poll import RasPoller
 from gpu_watchdog.export.health import LoopHealth
@@ -82,6 +92,20 @@ class Engine:
         self._watches: dict[str, ConfigWatch] = {}
         self._healthy_since: dict[str, float] = {}
         self.ras = RasPoller(lambda: self.cfg.ras)  # NCCL RAS, asked only about suspect or stalled jobs
+        self._holds: list[tuple[str, float, str, tuple[int, ...], str]] = []  # hold() requests for the next tick
+        self._holds_lock = threading.Lock()  # the daemon's acts run on worker threads
+
+    def hold(self, job_id: str, onset: float, why: str, on: tuple[int, ...] = (), doing: str = "") -> None:
+        """A confirmed stall that was not acted on (no communication evidence): from the next tick the job waits
+        until ``waiting_timeout_s`` after ``onset`` (detector.hold_waiting). Safe from any thread."""
+        with self._holds_lock:
+            self._holds.append((job_id, onset, why, on, doing))
+
+    def _apply_holds(self) -> None:
+        with self._holds_lock:
+            holds, self._holds = self._holds, []
+        for job_id, onset, why, on, doing in holds:
+            self.state = hold_waiting(self.state, job_id, onset, why, on, doing)
 
     def new_run(self, job_id: str) -> None:
         """The job was restarted: its new ranks start with a clean slate (detector, launch-settings check,
@@ -104,6 +128,7 @@ class Engine:
         try:
             sample = with_heartbeats(self._attribute(sample), self._heartbeats())
             dumps = self._finished_dumps()
+            self._apply_holds()
             self.recent.configure(self.cfg.agent.incident_trace_s, self.cfg.agent.interval_s)
             self.recent.add(sample, dumps)
             state, findings = step(self.state, sample, self.cfg.detect, dumps)

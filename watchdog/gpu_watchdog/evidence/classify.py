@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
+from gpu_watchdog.evidence.syscalls import timed_wait
 from gpu_watchdog.model import RankStack
 
 STATES = ("collective", "device_sync", "io", "data_wait", "sleep", "compute", "stopped", "unknown")
@@ -40,7 +42,15 @@ COLLECTIVE_LIBRARY_FILES = ("torch/distributed/fsdp/", "torch/distributed/tensor
 COLLECTIVE_WORDS = re.compile(r"all_?gather|reduce_?scatter|all_?reduce|broadcast|all_?to_?all|barrier|unshard|"
                               r"(^|_)(wait|reduce|gather|scatter)(_|$)|isend|irecv|p2p")
 _C10D_NOT_BLOCKING = re.compile(r"^_*(get_|is_|check|warn|canonicalize|validate|rank_not_in_group|coalescing_manager$)")
-_NATIVE_COLLECTIVE = re.compile(r"c10d::\w*Work\w*::wait|c10d::ProcessGroup(NCCL|Gloo)|^nccl[A-Z]\w*|gloo::")
+_NATIVE_COLLECTIVE = re.compile(r"c10d::\w*Work\w*::wait|c10d::ProcessGroup(NCCL|Gloo)|^nccl[A-Z]\w*|gloo::|"
+                                r"c10d::Reducer::")
+# DDP's gradient all-reduce: its Reducer is C++ hooked into the autograd engine, so a rank waiting on a bucket
+# all-reduce shows no Python frame below the engine call (``_engine_run_backward``), idle; natively it shows
+# ``c10d::Reducer::finalize_backward`` → ``Work::wait``. FSDP's and DeepSpeed's backward hooks are Python and
+# show their own frames (COLLECTIVE_LIBRARY_FILES). Nothing else blocks the backward pass on the host: a GPU
+# backward runs on the engine's device threads (the GPU is then busy, and there is no stall to judge).
+DDP_OP = "ddp_all_reduce"
+_AUTOGRAD_ENGINE_CALLS = frozenset({"_engine_run_backward", "run_backward", "backward", "grad"})
 # Families, for telling "the same collective through another entry point" from a desync.
 COLLECTIVE_FAMILIES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "barrier", "gather",
                        "scatter", "reduce", "send", "recv", "p2p", "init", "new_group")
@@ -130,7 +140,11 @@ def _collective(fr: Frame) -> str | None:
     if _in(fr, *COLLECTIVE_LIBRARY_FILES) and COLLECTIVE_WORDS.search(name):
         return name
     if is_native(fr) and _NATIVE_COLLECTIVE.search(_name(fr)):
+        if "c10d::Reducer::" in _name(fr):
+            return DDP_OP
         return "wait" if "::wait" in _name(fr) else _name(fr).rsplit("::", 1)[-1]
+    if fr.get(_INNERMOST_IDLE) and _in(fr, "torch/autograd/") and _last(fr) in _AUTOGRAD_ENGINE_CALLS:
+        return DDP_OP  # the autograd engine blocked with no Python below it: a C++ hook's wait (DDP's Reducer)
     return None
 
 
@@ -205,11 +219,17 @@ def main_thread(threads: Iterable[Mapping[str, Any]], pid: int | None = None) ->
     return None
 
 
+_INNERMOST_IDLE = "innermost_idle"  # marks the innermost Python frame of a thread py-spy saw off CPU
+
+
 def _frames_in_order(thread: Mapping[str, Any]) -> tuple[list[Frame], list[Frame]]:
     """(python frames, native frames), each innermost first; the kernel pseudo-frame (the wait channel, and
-    the uninterruptible state D, which the kernel shows as an I/O wait) leads the native."""
+    the uninterruptible state D, which the kernel shows as an I/O wait) leads the native. The innermost Python
+    frame of an idle thread is marked (a copy): only there does "blocked with no Python below" hold."""
     frames: Sequence[Frame] = thread.get("frames") or ()
     py = [f for f in frames if not is_native(f)]
+    if py and not thread.get("active"):
+        py[0] = {**py[0], _INNERMOST_IDLE: True}
     native = [f for f in frames if is_native(f)]
     wchan = str(thread.get("wchan") or "")
     uninterruptible = thread.get("kstate") == "D"
@@ -254,13 +274,36 @@ def classify_thread(thread: Mapping[str, Any], rank: int, pid: int) -> RankStack
         where = frame_text(decisive)
     else:
         where = ""
+    timed = state == "sleep" or (state in WAITS_IN_USER_CODE and timed_wait(str(thread.get("syscall") or "")) is True)
     return RankStack(
         rank=rank, pid=pid, state=state, signature=signature(thread), active=bool(thread.get("active")),
-        op=op if state == "collective" else None, where=where,
+        op=op if state == "collective" else None, where=where, timed=timed,
     )
 
 
+# Main-thread states that may only be waiting on another thread of the rank (Event.wait, a queue, a join).
+WAITS_IN_USER_CODE = ("unknown", "sleep", "data_wait")
+COMMUNICATION_STATES = ("collective", "device_sync")
+
+
 def classify_threads(threads: Iterable[Mapping[str, Any]], rank: int, pid: int) -> RankStack | None:
-    """Classify the main thread of a dump, or None when the dump has no main thread."""
-    mt = main_thread(threads, pid)
-    return None if mt is None else classify_thread(mt, rank, pid)
+    """Classify a rank from every thread of its dump: its main thread's state, unless the main thread only waits
+    (WAITS_IN_USER_CODE) while another thread is blocked in communication — a training loop run in a thread (Ray
+    Train), a communication thread the main thread waits on: then that thread's, its ``where`` naming the thread.
+    None when the dump has no main thread."""
+    ths = list(threads)
+    mt = main_thread(ths, pid)
+    if mt is None:
+        return None
+    main = classify_thread(mt, rank, pid)
+    if main.state not in WAITS_IN_USER_CODE:
+        return main
+    for th in ths:
+        if th.get("os_thread_id") == mt.get("os_thread_id") and th.get("thread_name") == mt.get("thread_name"):
+            continue
+        other = classify_thread(th, rank, pid)
+        if other.state in COMMUNICATION_STATES:
+            name = th.get("thread_name") or th.get("os_thread_id") or "?"
+            return replace(other, where=f"{other.where} [thread {name}]", signature=main.signature + " || "
+                           + other.signature)
+    return main

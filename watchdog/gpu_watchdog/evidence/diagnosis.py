@@ -26,7 +26,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gpu_watchdog.evidence.classify import P2P_FAMILIES, WAIT_FAMILY, collective_family
+from gpu_watchdog.evidence.classify import COMMUNICATION_STATES, DDP_OP, P2P_FAMILIES, WAIT_FAMILY, collective_family
 from gpu_watchdog.model import RankStack, StackEvidence
 
 WAITING_STATES = ("collective",)
@@ -99,7 +99,19 @@ def diagnose(
     names = {fam: "/".join(sorted({by_rank[r].op or "?" for r, f in in_coll.items() if f == fam}))
              for fam in set(in_coll.values())}
     syncing = sorted(r for r, rs in by_rank.items() if rs.state in SYNC_STATES)
+    # DDP's gradient all-reduce is issued by every rank every step: a rank there has passed whatever the others
+    # are stuck in and waits in the regular flow. Unless its group is the clear majority it takes no side (like a
+    # bare wait) and is never a culprit: a desync's culprit is the rank in the odd collective, not the one in
+    # backward.
     top = Counter(in_coll.values()).most_common()
+    in_ddp = sorted(r for r in in_coll if by_rank[r].op == DDP_OP)
+    ddp_aside: list[int] = []
+    if in_ddp and len(top) >= 2 and not (by_rank[in_ddp[0]].op == DDP_OP and top[0][0] == in_coll[in_ddp[0]]
+                                         and top[0][1] > top[1][1]):
+        in_coll = {r: fam for r, fam in in_coll.items() if r not in in_ddp}
+        ddp_aside = in_ddp
+        names = {fam: n for fam, n in names.items() if fam in set(in_coll.values())}
+        top = Counter(in_coll.values()).most_common()
     split = len(top) >= 2
     # Different collectives are a desync (the ranks issued different sequences); a rank in a point-to-point
     # send/recv while the others sit in a collective is waiting for its partner's bytes: a transport hang.
@@ -108,7 +120,7 @@ def diagnose(
     majority = top[0][0] if top and not tie else None
     majority_op = names[majority] if majority else None
     waiting = sorted(r for r, fam in in_coll.items() if fam == majority)
-    waiters = bool(in_coll or syncing)  # is there a waiting group to compare the others against?
+    waiters = bool(in_coll or syncing or ddp_aside)  # is there a waiting group to compare the others against?
 
     culprits: set[int] = set(missing)
     parts: list[str] = []
@@ -147,6 +159,8 @@ def diagnose(
         parts.append(f"{_waits(syncing)} in device_sync")
     if parts and in_wait and majority != WAIT_FAMILY:
         parts.append(f"{_waits(in_wait)} in a collective's wait()")
+    if parts and ddp_aside:
+        parts.append(f"{_waits(ddp_aside)} in {DDP_OP} (DDP's backward: past what the others are stuck in)")
 
     if not waiters:
         states = ", ".join(f"{format_ranks(m)} {by_rank[m[0]].state}" for _, m in ordered) or "no stacks"
@@ -169,9 +183,10 @@ class RankContext:
     stepped: bool = False  # its in-job client reported a new step since the earlier dump
 
 
-# A dump wakes the dumped thread (py-spy's attach); a thread blocked for good shows no wakeups between one
-# dump's end and the next one's start, a loop that sleeps or polls at one line shows one per iteration.
-WOKE_BETWEEN_DUMPS = 2
+# A thread blocked for good shows no wakeups between one dump's end and the next one's start; a loop that sleeps
+# or polls at one line, or a reader whose bytes trickle in, shows one per iteration: waking at all is moving.
+# (A paused attach's own wakeup is counted into the dump's ``wakeups_after`` by evidence.stacks.)
+WOKE_BETWEEN_DUMPS = 1
 
 
 def woke_between(a: RankStack, b: RankStack) -> bool:
@@ -189,7 +204,9 @@ def rank_moved(a: RankStack, b: RankStack, ctx: RankContext = RankContext()) -> 
       bytes move (an NFS flush can sit a minute in one write() with nothing counted);
     - unless its GPU spins (the host then only waits on the device, and NCCL's proxy thread polls): a data wait
       whose producer (dataloader workers, a reader thread: the rest of its tree) used CPU or I/O, compute that
-      py-spy saw on CPU, or a main thread that kept blocking and waking (a loop that sleeps or polls at one line).
+      py-spy saw on CPU, a main thread that woke at all (a loop that sleeps or polls at one line, a slow reader),
+      or one blocked in a wait with a timeout (a sleep, a poll: it wakes by itself; a poll every 10 s need not
+      wake between two dumps 3 s apart).
     """
     if a.pid != b.pid or a.signature != b.signature or ctx.stepped:
         return True
@@ -198,6 +215,8 @@ def rank_moved(a: RankStack, b: RankStack, ctx: RankContext = RankContext()) -> 
     if ctx.device == "spin" or b.state == "stopped":
         return False  # a spinning GPU's host counters are the busy-wait and NCCL's proxy thread polling
     if b.state == "data_wait" and ctx.host_busy:
+        return True
+    if b.timed and b.state not in COMMUNICATION_STATES:
         return True
     return woke_between(a, b) or (b.state == "compute" and (a.active or b.active))
 
@@ -210,3 +229,19 @@ def stacks_progressed(a: StackEvidence, b: StackEvidence,
     ctx = context or {}
     return {r.rank: rank_moved(before[r.rank], r, ctx.get(r.rank, RankContext()))
             for r in b.ranks if r.rank in before}
+
+
+def communication_evidence(diag: Diagnosis, ranks: Sequence[RankStack]) -> str:
+    """What in the stacks says the hang is in communication, in one line ("" when nothing does): ranks that wait
+    in the framework's communication path (a c10d collective or p2p op, DDP's reducer, FSDP/DTensor/functional
+    collectives, a device sync behind a collective) while the culprits do something else, or all of them there
+    (a transport hang; the culprit may be on another node)."""
+    waiting = sorted(r.rank for r in ranks if r.state in COMMUNICATION_STATES and r.rank not in diag.culprit_ranks)
+    culprits_in = sorted(r.rank for r in ranks if r.state in COMMUNICATION_STATES and r.rank in diag.culprit_ranks)
+    if not waiting and not culprits_in:
+        return ""
+    what = diag.collective or "device_sync"
+    parts = [f"{_waits(waiting)} in {what}"] if waiting else []
+    if culprits_in:
+        parts.append(f"{format_ranks(culprits_in)} in communication too")
+    return "stacks: " + ", ".join(parts)

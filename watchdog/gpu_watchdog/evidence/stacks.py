@@ -18,8 +18,9 @@ What py-spy 0.4 really prints (checked by experiment, as root, RUST_BACKTRACE=1)
     ``clock_nanosleep``. Hence we add each thread's kernel wait channel (``wchan``) when readable.
 
 Each thread object is py-spy's JSON, plus ``"wchan"`` (str, e.g. ``"hrtimer_nanosleep"``,
-``"futex_do_wait"``, ``"0"`` when running) and ``"kstate"`` (the thread's scheduler state letter, ``"D"`` for an
-uninterruptible wait) added by gpu-watchdog on Linux when readable.
+``"futex_do_wait"``, ``"0"`` when running), ``"kstate"`` (the thread's scheduler state letter, ``"D"`` for an
+uninterruptible wait) and ``"syscall"`` (its ``/proc/…/syscall`` line: whether it waits with a timeout,
+evidence.syscalls) added by gpu-watchdog on Linux when readable.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any, TextIO
 import psutil
 
 from gpu_watchdog.errors import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE
+from gpu_watchdog.evidence.syscalls import read_syscall, timed_wait
 from gpu_watchdog.sample.processes import read_task_state, read_wchan
 
 OUTCOMES = ("ok", "py_spy_missing", "permission_denied", "exited", "stopped", "timeout", "error")
@@ -108,11 +110,12 @@ def _is_gone(pid: int) -> bool:
         return False
 
 
-KernelWaits = dict[int, tuple[str, str]]  # {tid: (wchan, state letter)}
+KernelWaits = dict[int, tuple[str, str, str]]  # {tid: (wchan, state letter, /proc syscall line)}
 
 
 def _read_kernel_waits(pid: int) -> KernelWaits:
-    """{tid: (kernel wait channel, scheduler state)} of every thread of pid; empty where /proc hides it."""
+    """{tid: (kernel wait channel, scheduler state, syscall line)} of every thread of pid; empty where /proc hides
+    it."""
     out: KernelWaits = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -120,9 +123,9 @@ def _read_kernel_waits(pid: int) -> KernelWaits:
         return out
     for t in tids:
         if t.isdigit():
-            w, st = read_wchan(pid, int(t)), read_task_state(pid, int(t))
-            if w or st:
-                out[int(t)] = (w, st)
+            w, st, sc = read_wchan(pid, int(t)), read_task_state(pid, int(t)), read_syscall(pid, int(t))
+            if w or st or sc:
+                out[int(t)] = (w, st, sc)
     return out
 
 
@@ -137,12 +140,17 @@ def _add_kernel_waits(threads: list[dict[str, Any]], before: KernelWaits, after:
         if not isinstance(tid, int):
             continue
         seen = [w for w in (before.get(tid), after.get(tid)) if w is not None]
-        wchans = [w for w, _ in seen if w]
+        wchans = [w for w, _, _ in seen if w]
         if wchans:
             th["wchan"] = next((w for w in wchans if w != "0"), wchans[0])
-        states = [st for _, st in seen if st]
+        states = [st for _, st, _ in seen if st]
         if states:
             th["kstate"] = "D" if "D" in states else states[0]
+        # The call it blocks in, to tell a wait with a timeout (a polling loop) from one without (syscalls.py).
+        calls = [sc for _, _, sc in seen if sc]
+        known = [sc for sc in calls if timed_wait(sc) is not None]
+        if known or calls:
+            th["syscall"] = (known or calls)[0]
 
 
 def _wakeups(pid: int) -> int | None:
@@ -223,7 +231,11 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
                 raise ValueError("not a JSON list")
         except ValueError as e:
             return done("error", f"py-spy printed unreadable JSON for pid {pid}: {e}", raw)
-        wakeups[1] = _wakeups(pid)
+        after = _wakeups(pid)
+        # A paused (blocking) attach may cost the thread one more wakeup just after this read, as it blocks again:
+        # it is the dump's, not the job's ("did it wake between two dumps" must not see it).
+        blocking = native or not nonblocking
+        wakeups[1] = after + 1 if after is not None and blocking else after
         _add_kernel_waits(threads, waits_before, _read_kernel_waits(pid))
         return done("ok", f"{len(threads)} threads", raw, tuple(threads))
     # Failed: decide by the process's fate first (the text differs between versions), then by text.

@@ -296,15 +296,28 @@ class Launcher:
         inc.finish("recorded")
         self.say(f"WARNING: {finding.detail} (incident {inc.id})")
 
+    def _backoff_wait(self, seconds: float) -> bool:
+        """The restart backoff, cut short by SIGINT/SIGTERM (the job is already stopped): False when cut."""
+        deadline = time.monotonic() + seconds
+        while self.stop_signal is None and (left := deadline - time.monotonic()) > 0:
+            self.health.busy(left + 10.0)
+            self._wake.wait(min(left, 1.0))
+            self._wake.clear()
+        return self.stop_signal is None
+
     def _recover(self, finding: Finding, target: LaunchTarget, sample: NodeSample,
-                 status: JobStatus | None) -> _Outcome:
+                 status: JobStatus | None) -> _Outcome | None:
         rc = self.cfg.recovery  # the stack dump, checkpoint grace, stop ladder and GPU memory wait hold the loop
         self.health.busy(self.cfg.stacks.timeout_s + rc.checkpoint_grace_s + rc.stop_grace_s + 5.0
                          + rc.memory_release_timeout_s + 10.0)
         try:
-            result = Recovery(self.ctx, self.budget).handle(finding, target, sample, status)
+            result = Recovery(self.ctx, self.budget, wait=self._backoff_wait).handle(finding, target, sample, status)
         finally:
             self.health.busy(None)
+        if result.held:  # observed, not acted on: the job waits (Engine.hold) and is watched on
+            assert self.engine is not None
+            self.engine.hold(self.job_id, finding.onset, result.held, result.held_on, result.held_doing)
+            return None
         if result.give_up:
             result.incident.finish(f"gave up: restart budget spent; launch exits {EXIT_BUDGET_SPENT}")
             self.say(f"giving up (exit {EXIT_BUDGET_SPENT})")

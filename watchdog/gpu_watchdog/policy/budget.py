@@ -51,3 +51,19 @@ class RestartBudget:
                            f"{self.last_hang_step} (recovery.max_no_progress_restarts)")
         self.restarts.append(now)
         return True, ""
+
+    def backoff_s(self, now: float, healthy_reset_s: float) -> float:
+        """How long to wait before the restart just allowed: the k-th restart in a row (each within
+        ``healthy_reset_s`` of the previous) comes at least ``restart_backoff_s · 2^(k-2)`` (at most
+        ``restart_backoff_max_s``) after the one before it; the first of a row comes at once."""
+        if self.cfg.restart_backoff_s <= 0 or len(self.restarts) < 2:
+            return 0.0
+        k = 1
+        for later, earlier in zip(self.restarts[::-1], self.restarts[-2::-1], strict=False):
+            if later - earlier >= healthy_reset_s:
+                break
+            k += 1
+        if k < 2:
+            return 0.0
+        spacing = min(self.cfg.restart_backoff_s * 2 ** (k - 2), self.cfg.restart_backoff_max_s)
+        return max(0.0, self.restarts[-2] + spacing - now)

@@ -1,9 +1,9 @@
 """The fallback ladder: which NCCL settings the next run gets, chosen from the evidence, persisted per job.
 
-Levels come from config (defaults: RESEARCH §3). The choice is diagnosis-aware: an NCCL change only helps a
-communication hang, so a desync, a culprit stuck in checkpoint I/O or stopped, a data wait or endless compute
-gets advice and the same level (a data wait or compute hang that comes back at the same place climbs after all),
-and a GPU fault gets no NCCL change at all (the node needs draining). The level reached is
+Levels come from config (defaults: RESEARCH §3). The choice is evidence-based: an NCCL change only helps a
+communication hang, so the ladder climbs only when the evidence says the hang is in communication (``decide``);
+a desync, a culprit in its own code (I/O, a data wait, compute, a lock), a job that waited too long and a GPU
+fault get advice and the same level. The level reached is
 stored in ``<state_dir>/jobs/<job>.json`` and dropped back to 0 after ``healthy_reset_s`` without a stall.
 """
 
@@ -21,20 +21,20 @@ from gpu_watchdog.errors import UsageError
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
 SMALL_SHM_BYTES = 1 << 30  # NCCL without P2P moves data through /dev/shm (nccl#606)
 
-# Culprit states for which a different NCCL transport cannot help (at first: see ``decide``).
+# Culprit states that are the culprit's own code, not communication: a different NCCL transport cannot help.
 _APPLICATION_STATES = {
     "io": "the culprit is stuck in checkpoint I/O: raise the collective timeout or save on rank 0 only",
     "data_wait": "the culprit waits for data: check the dataloader workers and the input pipeline",
     "compute": "the culprit computes while its peers wait (mismatched collectives, e.g. generate() with "
-               "different forward counts per rank): make every rank issue the same collectives",
+               "different forward counts per rank, or an endless loop): make every rank issue the same collectives",
     "stopped": "a rank was stopped (SIGSTOP: a debugger, job control or a cgroup freezer): find out who stopped "
                "it; no NCCL setting helps",
+    "sleep": "the culprit sleeps or polls while its peers wait: check what it waits for",
+    "unknown": "the culprit is blocked in its own code (a lock, an event, a thread or process it waits on): see its "
+               "stack in the incident",
 }
-# ... and for which it never helps, however often the hang recurs: a slow file system stays slow, and a stopped
-# process was stopped by someone. A data wait or endless compute that comes back at the same place after a
-# plain restart may be a collective behind a process boundary (vLLM's workers under generate(), EasyR1 on
-# H20s, cured by NCCL_P2P_DISABLE=1): that climbs the ladder.
-_NEVER_ESCALATE = frozenset({"io", "stopped"})
+WAITED_ADVICE = ("no rank waits in communication: the job waits on something outside it (a file, a service, a "
+                 "lock, a worker); see the stacks in the incident")
 DESYNC_ADVICE = ("desync: the ranks are blocked in different collectives, so they issued different sequences of "
                  "collectives. The usual cause is code that runs a different number of forward passes or "
                  "collectives per rank: generate() on a sharded model (FSDP, ZeRO-3) with per-rank decode lengths "
@@ -85,14 +85,17 @@ def overlay(cfg: FallbackConfig, level: int) -> dict[str, str]:
 
 
 def decide(cfg: FallbackConfig, current_level: int, kind: str, culprit_state: str | None, *,
-           desync: bool = False, place: str = "", last_place: str = "", level_advice: bool = True) -> FallbackDecision:
+           desync: bool = False, communication: str = "", signature: str = "", place: str = "",
+           level_advice: bool = True) -> FallbackDecision:
     """The settings for the next run after an incident of ``kind`` whose culprit was in ``culprit_state``.
 
-    A communication hang (culprit in a collective or a device sync, or unknown) climbs one level. A desync, slow
-    I/O, a stopped rank and a GPU fault keep the level and get advice. A data wait or endless compute gets advice
-    the first time; when the hang comes back at the same ``place`` as the previous one (``last_place``) after that
-    plain restart, the next restart climbs (escalation). ``level_advice``: whether the level's own advice (about
-    NCCL on GPUs, e.g. P2P hangs on PCIe boxes) applies — not to a CPU (gloo) job nor to a requested restart."""
+    The ladder climbs one level only when the evidence says the hang is in communication (``communication``: the
+    sources that say so, gather.communication_sources) and the culprit is there too — in a collective or p2p op,
+    a device sync, or unknown while every rank waits in communication (a transport hang, or a culprit on another
+    node). A culprit in its own code (I/O, a data wait, compute, a sleep, a lock), a desync, a job that waited too
+    long, a requested restart and a GPU fault keep the level: no NCCL setting helps them, and "no culprit named"
+    alone never climbs. ``level_advice``: whether the level's own advice (about NCCL on GPUs, e.g. P2P hangs on
+    PCIe boxes) applies — not to a CPU (gloo) job."""
     name = cfg.levels[current_level - 1].name if 0 < current_level <= len(cfg.levels) else "none"
 
     def keep(advice: str, reason: str) -> FallbackDecision:
@@ -100,16 +103,23 @@ def decide(cfg: FallbackConfig, current_level: int, kind: str, culprit_state: st
 
     if kind == "gpu_fault":
         return keep("GPU fault: no NCCL change helps; drain the node and run the job elsewhere", "kept: GPU fault")
+    if kind == "restart":
+        return keep("", "kept: a requested restart (no hang was judged)")
     if desync:
         return keep(DESYNC_ADVICE, "advice only: desync (the ranks issued different collectives)")
-    why = "climbed: communication hang" + (f" (culprit in {culprit_state})" if culprit_state else
-                                           " (no culprit named)")
+    if signature == "waiting_timeout":
+        advice = _APPLICATION_STATES.get(culprit_state or "", WAITED_ADVICE)
+        return keep(advice, "advice only: the job waited longer than detect.waiting_timeout_s with no "
+                            "communication evidence" if not communication else
+                    "advice only: the job waited on a rank longer than detect.waiting_timeout_s")
+    if not communication:
+        return keep(_APPLICATION_STATES.get(culprit_state or "", WAITED_ADVICE),
+                    "advice only: no communication evidence (no rank waits in a collective, no Flight Recorder or "
+                    "NCCL RAS finding, no NCCL spin)")
     if culprit_state in _APPLICATION_STATES:
-        recurred = bool(place) and place == last_place and culprit_state not in _NEVER_ESCALATE
-        if not recurred:
-            again = "" if culprit_state in _NEVER_ESCALATE else " (the same hang again climbs the ladder)"
-            return keep(_APPLICATION_STATES[culprit_state], f"advice only: {culprit_state.replace('_', ' ')}{again}")
-        why = f"escalated: the same hang ({place}) came back after a restart"
+        return keep(_APPLICATION_STATES[culprit_state],
+                    f"advice only: the culprit is in its own code ({culprit_state.replace('_', ' ')}), not in "
+                    f"communication; its peers wait for it ({communication})")
     if current_level >= len(cfg.levels):
         return keep("the fallback ladder is exhausted: collect the NCCL debug logs and escalate",
                     "kept: the ladder is exhausted")
@@ -119,7 +129,9 @@ def decide(cfg: FallbackConfig, current_level: int, kind: str, culprit_state: st
     advice = lvl.advice if level_advice else ""
     if level_advice and env.get("NCCL_P2P_DISABLE") == "1" and (warning := shm_warning()):
         advice = f"{advice}; WARNING: {warning}" if advice else f"WARNING: {warning}"
-    return FallbackDecision(level, lvl.name, env, advice, True, why, place)
+    where = f"culprit in {culprit_state}" if culprit_state else "no culprit among these ranks"
+    return FallbackDecision(level, lvl.name, env, advice, True, f"climbed: communication hang ({where}); "
+                                                                f"evidence: {communication}", place)
 
 
 def diagnostics_env(cfg: FallbackConfig, incident_dir: Path, base_env: dict[str, str]) -> dict[str, str]:

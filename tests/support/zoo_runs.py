@@ -1,0 +1,98 @@
+"""Run one zoo program × variant under ``gpu-watchdog launch`` and reduce what happened to one table row.
+
+Shared by tests/zoo/test_zoo.py (which asserts each row) and benchmarks/zoo.py (which prints the table). The data
+service the slow-reader variants read from runs as a process of its own, outside the job's tree, as a real one
+would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from launch_harness import REPO, base_env, read_events, start_launch, torchrun, write_config
+
+ZOO = REPO / "tests" / "zoo"
+ACTIONS = ("checkpoint", "stop", "restart", "give_up")  # actions that interrupt the job
+
+
+@dataclass(frozen=True)
+class Row:
+    program: str
+    variant: str
+    rc: int
+    finished: bool  # every rank reported "done"
+    detected_after_s: float | None  # first incident's confirmation − the variant's onset
+    culprit: tuple[int, ...]
+    collective: str | None
+    desync: bool
+    verdict: str  # "acted" | "observed" | "none"
+    actions: tuple[str, ...]  # every action of every incident, in order
+    nccl_change: bool  # some incident's next run got NCCL_* settings
+    fallback_reason: str
+    incidents: int
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@contextlib.contextmanager
+def data_service(every_s: float = 2.0, chunks: int = 10) -> Iterator[str]:
+    """zoo/data_service.py on a free port; yields HOST:PORT."""
+    proc = subprocess.Popen([sys.executable, str(ZOO / "data_service.py"), "--every", str(every_s),
+                             "--chunks", str(chunks), "--lifetime-s", "600"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        yield proc.stdout.readline().strip()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def run_variant(tmp: Path, program: str, variant: str, *, nproc: int = 3, args: tuple[str, ...] = (),
+                config: Mapping[str, Mapping[str, Any]] | None = None, timeout_s: float = 240.0,
+                data_addr: str = "") -> Row:
+    """``launch`` the program's variant to its end (or ``timeout_s``) and summarise its incidents."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    events, work = tmp / "events.jsonl", tmp / "work"
+    work.mkdir(exist_ok=True)
+    sections: dict[str, dict[str, Any]] = {"agent": {"backend": "proc"}, "recovery": {"stop_grace_s": 5.0,
+                                                                                     "checkpoint_grace_s": 5.0}}
+    for section, keys in (config or {}).items():
+        sections.setdefault(section, {}).update(keys)
+    cfg = write_config(tmp / "config.toml", sections)
+    job = [torchrun(), "--standalone", "--nproc-per-node", str(nproc), str(ZOO / f"{program}.py"),
+           "--variant", variant, "--workdir", str(work), "--events", str(events), *args,
+           *(["--data-addr", data_addr] if data_addr else [])]
+    run = start_launch(["--config", str(cfg)], job, env=base_env(), tmp_path=tmp, job_id=f"zoo-{program}-{variant}",
+                       max_lifetime_s=int(timeout_s) + 60)
+    try:
+        rc = run.wait(timeout_s)
+        incidents = run.incidents()
+    finally:
+        run.kill()
+    evs = read_events(events) if events.exists() else []
+    done = {e["rank"] for e in evs if e["event"] == "done"}
+    onsets = [e["t"] for e in evs if e["event"] == "hang_onset"]
+    first = min(incidents, key=lambda i: i.get("detected_at") or 0, default=None)
+    actions = tuple(a["action"] for i in incidents for a in i.get("actions", []))
+    acted = any(x["action"] in ACTIONS and not _skipped(i, x["action"]) for i in incidents
+                for x in i.get("actions", []))
+    fallback = [i.get("fallback") or {} for i in incidents]
+    return Row(program, variant, rc, done == set(range(nproc)),
+               round(first["detected_at"] - min(onsets), 1) if first and onsets and first.get("detected_at") else None,
+               tuple(first.get("culprit_ranks") or ()) if first else (), first.get("collective") if first else None,
+               bool(first.get("desync")) if first else False,
+               "acted" if acted else "observed" if incidents else "none", actions,
+               any(any(k.startswith("NCCL_") for k in (f.get("env") or {})) for f in fallback),
+               "; ".join(str(f.get("reason")) for f in fallback if f.get("reason")), len(incidents))
+
+
+def _skipped(inc: Mapping[str, Any], action: str) -> bool:
+    return all(a.get("outcome") == "skipped" for a in inc.get("actions", []) if a["action"] == action)
+

@@ -1,0 +1,91 @@
+"""Plain DDP, written the way most users write it: a model wrapped in DistributedDataParallel, loss.backward(),
+an optimizer step, a checkpoint every few steps on rank 0, and a background prefetch thread that reads the
+next batch. Run under torchrun (gloo, CPU).
+
+Variants (``--variant``; ``zoo_common.VARIANTS`` says which are healthy):
+  healthy        train to the end
+  poll           every rank waits for its next shard with ``while not os.path.exists(...): time.sleep(2)``;
+                 the shard appears ``--pause-s`` seconds later (a healthy slow phase)
+  slow_reader    every rank reads its next shard from a local data service that sends 1 KiB every 2 s
+  slow_save      rank 0 writes its checkpoint slowly (1 MiB chunks with fsync, ``--pause-s`` seconds)
+  eval           rank 0 evaluates for ``--pause-s`` seconds while its peers wait in a barrier
+  straggler      rank 1 runs every step 2x slower than the others
+  event_wait     rank 2's prefetch thread dies: its main thread blocks for good in threading.Event.wait()
+  desync         rank 1 calls all_gather where the others call broadcast (a rank-dependent branch)
+  busy           rank 2 spins in ``while True: pass`` (endless compute in user code)
+  recv           rank 2 blocks for good in socket.recv() on a data service that never answers
+  crash          rank 2 raises at the hang step
+  sigstop        rank 2 stops itself with SIGSTOP
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+import zoo_common as zc
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class Prefetcher:
+    """A background thread that produces the next batch (as many training loops do)."""
+
+    def __init__(self, make_batch, die_at: int | None) -> None:
+        self.make_batch, self.die_at = make_batch, die_at
+        self.ready, self.want = threading.Event(), threading.Event()
+        self.batch = None
+        self.step = 0
+        threading.Thread(target=self._run, daemon=True, name="prefetch").start()
+
+    def _run(self) -> None:
+        while True:
+            self.want.wait()
+            self.want.clear()
+            if self.die_at is not None and self.step >= self.die_at:
+                return  # the thread dies (an exception swallowed by a bare except in real code)
+            self.batch = self.make_batch()
+            self.ready.set()
+
+    def next(self, step: int):
+        self.step = step
+        self.want.set()
+        self.ready.wait()
+        self.ready.clear()
+        return self.batch
+
+
+def main() -> None:
+    args = zc.parse_args(__doc__)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(zc.small_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = zc.load_checkpoint(args, model.module, opt)
+    die_at = args.hang_step if args.variant == "event_wait" and rank == args.rank else None
+    prefetch = Prefetcher(lambda: zc.batch(16), die_at)
+    zc.event(args, "start", step=start)
+    for step in range(start, args.steps):
+        zc.slow_phase(args, step, rank)  # poll / slow_reader / eval / busy / recv / crash / sigstop at the hang step
+        x, y = prefetch.next(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if args.variant == "desync" and step == args.hang_step and zc.fault_armed(args):
+            t = torch.ones(4)
+            if rank == args.rank:
+                dist.all_gather([torch.zeros(4) for _ in range(world)], t)
+            else:
+                dist.broadcast(t, src=0)
+        zc.straggle(args, rank)
+        if step % args.ckpt_every == 0 and rank == 0:
+            zc.save_checkpoint(args, model.module, opt, step)
+        zc.step_done(args, step)
+    zc.event(args, "done")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""What the zoo's training programs share, so each program file reads like its users' code: arguments, a small
+model and batches, an atomic checkpoint, the events file, and the slow phases and faults each variant injects at
+``--hang-step``. Imported by the programs beside it (a script's own directory is on its sys.path).
+
+Events (``--events FILE``, JSON lines {"rank", "step", "t", "event", ...}): "start", "hang_onset" (the wall time the
+variant's slow phase or fault began), "step", "done". A fault fires only in the first ``--hang-runs`` runs (the
+launcher's GPU_WATCHDOG_RESTART_COUNT), so a restarted run can show the recovery.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+HEALTHY = ("healthy", "poll", "slow_reader", "slow_save", "eval", "straggler", "compile_warmup", "logger")
+FAULTS = ("event_wait", "lock", "recv", "subprocess_wait", "busy", "desync", "crash", "sigstop", "dead_worker",
+          "dstate")
+
+
+def parse_args(doc: str | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    p.add_argument("--variant", default="healthy")
+    p.add_argument("--rank", type=int, default=2, help="the rank a fault hits")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--hang-step", type=int, default=4)
+    p.add_argument("--hang-runs", type=int, default=1, help="runs in which the fault fires")
+    p.add_argument("--pause-s", type=float, default=20.0, help="length of a healthy slow phase")
+    p.add_argument("--step-s", type=float, default=0.2)
+    p.add_argument("--ckpt-every", type=int, default=2)
+    p.add_argument("--workdir", default=".")
+    p.add_argument("--events", default="")
+    p.add_argument("--data-addr", default="", help="HOST:PORT of zoo/data_service.py (slow_reader, recv)")
+    return p.parse_args()
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def event(args: argparse.Namespace, name: str, **fields: object) -> None:
+    if not args.events:
+        return
+    line = json.dumps({"rank": rank(), "t": time.time(), "event": name, **fields})
+    with open(args.events, "a") as f:
+        f.write(line + "\n")
+
+
+def small_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+
+
+def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 64), torch.randn(n, 64)
+
+
+def fault_armed(args: argparse.Namespace) -> bool:
+    return int(os.environ.get("GPU_WATCHDOG_RESTART_COUNT", "0")) < args.hang_runs
+
+
+def _ckpt(args: argparse.Namespace) -> Path:
+    return Path(args.workdir) / "ckpt.pt"
+
+
+def save_checkpoint(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    """Atomic: a torn write never replaces the last good checkpoint."""
+    path = _ckpt(args)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """The step to start from (0 without a checkpoint)."""
+    path = _ckpt(args)
+    if not path.exists():
+        return 0
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    return int(state["step"]) + 1
+
+
+def step_done(args: argparse.Namespace, step: int) -> None:
+    event(args, "step", step=step)
+    time.sleep(args.step_s)
+
+
+def straggle(args: argparse.Namespace, r: int) -> None:
+    if args.variant == "straggler" and r == 1:
+        time.sleep(args.step_s)  # this rank's steps take twice as long
+
+
+def poll_for_shard(args: argparse.Namespace, step: int) -> None:
+    """Wait for the next shard file the way data pipelines often do: look every 2 s."""
+    shard = Path(args.workdir) / f"shard-{step}"
+    if rank() == 0:
+        threading.Timer(args.pause_s, shard.touch).start()  # another process would produce it
+    while not os.path.exists(shard):
+        time.sleep(2)
+
+
+def read_shard(args: argparse.Namespace, what: str) -> bytes:
+    """Ask the data service for a shard and read it to the end (``what``: "slow" trickles, "stall" never sends)."""
+    host, port = args.data_addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(f"{what} {rank()}\n".encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
+
+
+def evaluate(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    a = torch.randn(128, 128)
+    while time.monotonic() < end:
+        a = torch.tanh(a @ a)
+
+
+def slow_save(args: argparse.Namespace) -> None:
+    """A checkpoint crawling to a slow disk: 1 MiB writes, each flushed and fsynced."""
+    end = time.monotonic() + args.pause_s
+    chunk = os.urandom(1 << 20)
+    with open(Path(args.workdir) / "big-ckpt.bin", "wb") as f:
+        while time.monotonic() < end:
+            f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+            f.seek(0)
+            time.sleep(0.5)
+
+
+def slow_phase(args: argparse.Namespace, step: int, r: int) -> None:
+    """The variant's slow phase or fault at ``--hang-step`` (nothing at other steps)."""
+    if step != args.hang_step:
+        return
+    v = args.variant
+    healthy_everyone = v in ("poll", "slow_reader")
+    target = v in FAULTS and r == args.rank and fault_armed(args)
+    if healthy_everyone or target or (v in ("slow_save", "eval", "logger") and r == 0):
+        event(args, "hang_onset", step=step)
+    if v == "poll":
+        poll_for_shard(args, step)
+    elif v == "slow_reader":
+        read_shard(args, "slow")
+    elif v == "slow_save" and r == 0:
+        slow_save(args)
+    elif v == "eval":
+        if r == 0:
+            evaluate(args.pause_s)
+        import torch.distributed as dist
+
+        dist.barrier()
+    elif v == "logger" and r == 0:
+        upload_logs(args)
+    elif not target:
+        return
+    elif v == "lock":
+        held = threading.Lock()
+        held.acquire()
+        held.acquire()  # a lock its owner never releases (a deadlock in user code)
+    elif v == "recv":
+        read_shard(args, "stall")
+    elif v == "subprocess_wait":
+        import subprocess
+        import sys
+
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"]).wait()
+    elif v == "busy":
+        while True:
+            pass
+    elif v == "crash":
+        raise RuntimeError(f"rank {r}: injected crash at step {step}")
+    elif v == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def upload_logs(args: argparse.Namespace) -> None:
+    """Rank 0 uploads its logs to a slow endpoint before going on (its peers wait in the next collective)."""
+    if args.data_addr:
+        read_shard(args, "slow")
+    else:
+        time.sleep(args.pause_s)
