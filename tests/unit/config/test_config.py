@@ -25,7 +25,7 @@ from gpu_watchdog.config.schema import (
     RecoveryConfig,
     StacksConfig,
 )
-from gpu_watchdog.errors import EXIT_CONFIG, EXIT_USAGE, ConfigError
+from gpu_watchdog.errors import EXIT_CONFIG, EXIT_USAGE, ConfigError, NoInputError
 
 CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
 
@@ -219,7 +219,7 @@ def test_a_section_that_is_not_a_table(tmp_path: Path) -> None:
 
 
 def test_file_problems(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="file not found"):
+    with pytest.raises(NoInputError, match="file not found"):  # a missing input: exit 66, not 78
         load_config(tmp_path / "missing.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(write(tmp_path, "[agent\n"))

@@ -122,8 +122,8 @@ def test_restart_backoff_doubles_and_resets_after_health() -> None:
 
 
 def _sample(t: float) -> NodeSample:
-    procs = tuple(ProcessSample(100 + r, 1.0, 1, "sleeping", 1.0, 0, 50 << 20, job=JobIdentity("j", r, r, 2), is_rank=True,
-                                wakeups=5) for r in (0, 1))
+    procs = tuple(ProcessSample(100 + r, 1.0, 1, "sleeping", 1.0, 0, 50 << 20, job=JobIdentity("j", r, r, 2),
+                                is_rank=True, wakeups=5) for r in (0, 1))
     return NodeSample(t=t, hostname="h", backend="proc", devices=(), processes=procs, errors=())
 
 

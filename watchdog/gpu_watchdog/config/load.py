@@ -26,7 +26,7 @@ from gpu_watchdog.config.schema import (
     HookSpec,
 )
 from gpu_watchdog.config.templates import validate_argv
-from gpu_watchdog.errors import ConfigError
+from gpu_watchdog.errors import ConfigError, NoInputError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -225,10 +225,10 @@ def read_config_data(path: str | os.PathLike[str] | None,
         p = Path(path)
         try:
             data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config: file not found: {p}") from None
+        except FileNotFoundError:  # a missing input (66), not bad content (78)
+            raise NoInputError(f"config: file not found: {p}") from None
         except OSError as e:
-            raise ConfigError(f"config: cannot read {p}: {e.strerror}") from None
+            raise NoInputError(f"config: cannot read {p}: {e.strerror}") from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"config: {p} is not UTF-8 text: {e.reason}") from None
         except tomllib.TOMLDecodeError as e:

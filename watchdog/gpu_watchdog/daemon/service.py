@@ -41,7 +41,7 @@ from gpu_watchdog.daemon.resume import resume_incidents
 from gpu_watchdog.detect.consistency import CONSISTENCY_ENV
 from gpu_watchdog.detect.detector import STALLED, DetectorState, Finding, JobStatus
 from gpu_watchdog.engine.loop import Engine, count_internal_error
-from gpu_watchdog.errors import ConfigError, UsageError
+from gpu_watchdog.errors import ConfigError, NoInputError, UsageError
 from gpu_watchdog.export.health import LoopHealth, Pinger
 from gpu_watchdog.export.sdnotify import Notifier
 from gpu_watchdog.job.protocol import ControlDir
@@ -447,7 +447,7 @@ class Daemon:
         self.notifier.reloading()
         try:
             cfg = load_config(self.config_path, self.overrides)
-        except ConfigError as e:
+        except (ConfigError, NoInputError) as e:  # bad content, or the file is gone or unreadable
             log.error("reload: keeping the old config: %s", e)
             self.notifier.ready(self.status_line())
             return False
