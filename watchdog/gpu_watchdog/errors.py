@@ -17,13 +17,13 @@ EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: the reader of our output went away (``â
 
 # The one list of the codes the program itself chooses, shown by ``gpu-watchdog --help``; README's "Exit codes"
 # table says the same in more words (tests/unit/cli/test_exit_codes.py holds the two and the program together).
-# 85/86 are the in-job client's (gpu_watchdog.job.protocol), not the CLI's.
+# 85/86 are the in-job client's (gpu_watchdog.job.protocol.CLIENT_EXIT_CODES), not the CLI's; --help lists them too.
 EXIT_CODES: dict[int, str] = {
     EXIT_OK: "success",
     EXIT_FAILURE: "a check or a dump failed",
     EXIT_USAGE: "bad command-line arguments",
     EXIT_DATAERR: "bad input data (trace, stacks file, NCCL RAS report)",
-    EXIT_NOINPUT: "an input does not exist or cannot be read (trace, incident, stacks dir)",
+    EXIT_NOINPUT: "an input does not exist or cannot be read (config file, trace, incident, stacks or state dir)",
     EXIT_UNAVAILABLE: "a required service is unavailable (NVML, py-spy, the metrics port, NCCL RAS, the daemon)",
     EXIT_SOFTWARE: "launch: internal error; the job was stopped first",
     EXIT_GPU_FAULT: "launch: a GPU of the job faulted; the node was drained",

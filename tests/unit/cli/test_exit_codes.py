@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from gpu_watchdog import errors
-from gpu_watchdog.job.protocol import EXIT_ABORTED, EXIT_CHECKPOINTED
+from gpu_watchdog.job.protocol import CLIENT_EXIT_CODES, EXIT_ABORTED, EXIT_CHECKPOINTED
 from repo_paths import REPO
 
 CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
@@ -38,7 +39,7 @@ def test_readme_table_help_and_errors_py_list_the_same_codes() -> None:
     assert constants == set(errors.EXIT_CODES), "every EXIT_* constant has a meaning in EXIT_CODES"
     assert readme_codes() == set(errors.EXIT_CODES) | {EXIT_CHECKPOINTED, EXIT_ABORTED}
     help_text = gw("--help").stdout
-    for code, meaning in errors.EXIT_CODES.items():
+    for code, meaning in {**errors.EXIT_CODES, **CLIENT_EXIT_CODES}.items():  # 85/86 too
         assert re.search(rf"^\s+{code}\s+{re.escape(meaning)}$", help_text, re.M), (code, help_text)
 
 
@@ -77,6 +78,12 @@ def write_incident(state: Path, iid: str, report: bool) -> None:
     ("analyze of a directory without stacks", ["analyze", "{tmp}"], errors.EXIT_NOINPUT, ""),
     ("hook status with no daemon", ["hook", "status", "--socket", "{tmp}/none.sock"], errors.EXIT_UNAVAILABLE,
      "cannot reach the daemon"),
+    ("a missing --config file", ["config", "show", "--config", "{tmp}/missing.toml"], errors.EXIT_NOINPUT,
+     "file not found"),
+    ("incidents of a mistyped state dir", ["incidents", "list", "--state-dir", "{tmp}/typo"], errors.EXIT_NOINPUT,
+     "cannot read the state dir"),
+    ("launch of a command that does not exist", ["launch", "--state-dir", "{tmp}/state", "--", "no-such-cmd-23"],
+     errors.EXIT_USAGE, "cannot start 'no-such-cmd-23': not found"),
 ])
 def test_real_exits(tmp_path: Path, case: str, argv: list[str], code: int, words: str) -> None:
     (tmp_path / "bad.jsonl").write_text("not json\n")
@@ -84,6 +91,28 @@ def test_real_exits(tmp_path: Path, case: str, argv: list[str], code: int, words
     r = gw(*[a.replace("{tmp}", str(tmp_path)) for a in argv])
     assert r.returncode == code, (case, r.returncode, r.stderr)
     assert words in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+
+
+def test_launch_of_a_missing_command_prints_one_line_and_creates_nothing(tmp_path: Path) -> None:
+    r = gw("launch", "--state-dir", str(tmp_path / "state"), "--", str(tmp_path / "no-such-cmd"))
+    assert r.returncode == errors.EXIT_USAGE and r.stdout == "", r
+    line = f"gpu-watchdog: error: cannot start '{tmp_path}/no-such-cmd': no such file"
+    assert r.stderr.strip().splitlines() == [line]
+    assert not (tmp_path / "state").exists()  # no state dir, no job log
+
+
+def test_a_taken_port_from_the_config_is_reported_under_its_key(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        addr = f"127.0.0.1:{taken.getsockname()[1]}"
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(f'[agent]\nmetrics_addr = "{addr}"\n')
+        r = gw("launch", "--config", str(cfg), "--state-dir", str(tmp_path / "s"), "--", "true")
+        assert r.returncode == errors.EXIT_UNAVAILABLE, r
+        assert f"agent.metrics_addr in {cfg} {addr}: cannot listen" in r.stderr and "--metrics-addr" not in r.stderr
+        r = gw("launch", "--metrics-addr", addr, "--state-dir", str(tmp_path / "s"), "--", "true")
+        assert r.returncode == errors.EXIT_UNAVAILABLE and f"--metrics-addr {addr}: cannot listen" in r.stderr, r
 
 
 def test_incidents_show_json_and_readable_report_without_report_txt(tmp_path: Path) -> None:

@@ -94,16 +94,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     from gpu_watchdog.export.health import LoopHealth
     from gpu_watchdog.export.http import start_metrics
-    from gpu_watchdog.launch.launcher import Launcher
+    from gpu_watchdog.launch.launcher import Launcher, resolve_command
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
         raise UsageError("launch needs a command: gpu-watchdog launch [options] -- CMD ARGS...")
+    cmd = resolve_command(cmd)  # a command that cannot run: one line, before any banner, port, state dir or log
     cfg = _load_cfg(args)  # read once: faults.drain_hook names one of cfg.hooks (the loader checked that)
     health = LoopHealth.for_interval(cfg.agent.interval_s)  # one health for /healthz and the loop
-    metrics, server = start_metrics(cfg, health)
+    metrics, server = start_metrics(cfg, health, config_path=args.config, overrides=checked_overrides(args))
     try:
         # The job's stdout is the user's own output and stays on the console as it is; its stderr is kept whole
         # in the job log and reaches the console without the noise of a deliberate stop (-v: untouched).
@@ -116,11 +117,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_incidents(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from gpu_watchdog.config.schema import resolve_state_dir
+    from gpu_watchdog.store import require_state_dir
     from gpu_watchdog.store.incidents import IncidentStore
 
     cfg = _load_cfg(args)
-    store = IncidentStore(args.state_dir or resolve_state_dir(cfg))
+    state_dir = Path(args.state_dir) if args.state_dir else resolve_state_dir(cfg)
+    require_state_dir(state_dir, "incidents")  # a mistyped --state-dir is not "no incidents": exit 66
+    store = IncidentStore(state_dir)
     if args.plot and args.action != "show":
         raise UsageError("--plot draws one incident: gpu-watchdog incidents show ID --plot FILE.png")
     if args.action == "show":
@@ -193,7 +199,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # -- parser -----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    codes = "\n".join(f"  {code:>3}  {meaning}" for code, meaning in sorted(EXIT_CODES.items()))
+    from gpu_watchdog.job.protocol import CLIENT_EXIT_CODES
+
+    every = {**EXIT_CODES, **CLIENT_EXIT_CODES}
+    codes = "\n".join(f"  {code:>3}  {meaning}" for code, meaning in sorted(every.items()))
     import textwrap
 
     p = _Parser(prog="gpu-watchdog", description=textwrap.fill(DESCRIPTION, 80),

@@ -560,7 +560,7 @@ def main_run(config_path: str | None, overrides: dict[str, Any]) -> int:
         refuse_if_served(cfg.daemon.control_socket)
 
     health = LoopHealth.for_interval(cfg.agent.interval_s)  # one health for /healthz and the systemd pings
-    metrics, server = start_metrics(cfg, health)
+    metrics, server = start_metrics(cfg, health, config_path=config_path, overrides=overrides)
     try:
         return Daemon(cfg, cfg.daemon, resolve_state_dir(cfg), config_path=config_path, overrides=overrides,
                       metrics=metrics, health=health).run()

@@ -22,7 +22,7 @@ import logging
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -127,7 +127,7 @@ class MetricsServer:
     """A running WSGI server on ``host:port`` (port 0: any free port, ``.port`` says which), served from a
     daemon thread. ``stop()`` (or leaving the ``with`` block) closes it."""
 
-    def __init__(self, host: str, port: int, app: WSGIApp) -> None:
+    def __init__(self, host: str, port: int, app: WSGIApp, origin: str = "--metrics-addr") -> None:
         try:
             family, *_, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
@@ -135,7 +135,7 @@ class MetricsServer:
             self._httpd = make_server(str(sockaddr[0]), port, app, server_cls, handler_class=_Handler)
         except OSError as e:  # in use, not allowed, unknown host (gaierror)
             why = e.strerror or str(e)
-            raise MetricsServeError(f"--metrics-addr {_fmt(host, port)}: cannot listen: {why}") from None
+            raise MetricsServeError(f"{origin} {_fmt(host, port)}: cannot listen: {why}") from None
         self.host = host
         self.port = int(self._httpd.server_address[1])
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": _POLL_S},
@@ -160,20 +160,26 @@ class MetricsServer:
         self.stop()
 
 
-def serve(addr: str, registry: CollectorRegistry, health: LoopHealth) -> MetricsServer:
-    """Serve /metrics (``registry``) and /healthz (``health``) on ``HOST:PORT``."""
+def serve(addr: str, registry: CollectorRegistry, health: LoopHealth,
+          origin: str = "--metrics-addr") -> MetricsServer:
+    """Serve /metrics (``registry``) and /healthz (``health``) on ``HOST:PORT``; ``origin`` names where the address
+    came from in the error when it cannot listen."""
     host, port = parse_addr(addr)
-    server = MetricsServer(host, port, _make_app(registry, health))
+    server = MetricsServer(host, port, _make_app(registry, health), origin)
     log.info("metrics: serving /metrics and /healthz on %s", server.url)
     return server
 
 
-def start_metrics(cfg: Config, health: LoopHealth) -> tuple[AgentMetrics | None, MetricsServer | None]:
-    """AgentMetrics and its server when ``agent.metrics_addr`` (``--metrics-addr``) is set, else (None, None)."""
+def start_metrics(cfg: Config, health: LoopHealth, *, config_path: str | None = None,
+                  overrides: Mapping[str, Any] | None = None) -> tuple[AgentMetrics | None, MetricsServer | None]:
+    """AgentMetrics and its server when ``agent.metrics_addr`` (``--metrics-addr``) is set, else (None, None). A port
+    that cannot be had is reported under the name the user gave it: the option, or the config file's key."""
     if not cfg.agent.metrics_addr:
         return None, None
+    origin = ("--metrics-addr" if "agent.metrics_addr" in (overrides or {})
+              else f"agent.metrics_addr in {config_path}" if config_path else "agent.metrics_addr")
     metrics = AgentMetrics(interval_s=cfg.agent.interval_s)
-    return metrics, serve(cfg.agent.metrics_addr, metrics.registry, health)
+    return metrics, serve(cfg.agent.metrics_addr, metrics.registry, health, origin)
 
 
 def _fmt(host: str, port: int) -> str:

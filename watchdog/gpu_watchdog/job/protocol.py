@@ -29,6 +29,10 @@ FALLBACK_LEVEL_ENV = "GPU_WATCHDOG_FALLBACK_LEVEL"
 # Exit codes of a rank that the client stopped (documented in README "Exit codes").
 EXIT_CHECKPOINTED = 85  # saved at a step boundary on request, then exited
 EXIT_ABORTED = 86  # aborted the hung process group (and saved when it could), then exited
+CLIENT_EXIT_CODES = {  # shown by ``gpu-watchdog --help`` beside errors.EXIT_CODES
+    EXIT_CHECKPOINTED: "a rank stopped by the in-job client: checkpointed at a step boundary",
+    EXIT_ABORTED: "a rank stopped by the in-job client: aborted the hung process group (and saved)",
+}
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:

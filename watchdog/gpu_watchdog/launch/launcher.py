@@ -58,14 +58,20 @@ class _Outcome:
 
 def resolve_command(cmd: Sequence[str]) -> list[str]:
     """CMD as given, except a bare program name that is not on PATH but sits next to the running interpreter
-    (``torchrun`` of the venv gpu-watchdog runs from, when the venv is not activated): that one, by full path."""
+    (``torchrun`` of the venv gpu-watchdog runs from, when the venv is not activated): that one, by full path.
+    A program that cannot be run is a UsageError (exit 64) here, before anything is started, printed or written."""
     import shutil
 
     out = list(cmd)
     if out and "/" not in out[0] and shutil.which(out[0]) is None:
         beside = Path(sys.executable).parent / out[0]
-        if beside.is_file() and os.access(beside, os.X_OK):
-            out[0] = str(beside)
+        if not (beside.is_file() and os.access(beside, os.X_OK)):
+            raise UsageError(f"cannot start {out[0]!r}: not found on PATH nor next to this Python "
+                             "(give its full path)")
+        out[0] = str(beside)
+    elif out and not (os.path.isfile(out[0]) and os.access(out[0], os.X_OK)) and "/" in out[0]:
+        raise UsageError(f"cannot start {out[0]!r}: "
+                         f"{'not an executable file' if os.path.exists(out[0]) else 'no such file'}")
     return out
 
 
