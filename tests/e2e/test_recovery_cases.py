@@ -1,5 +1,5 @@
-"""Recovery of real hangs that are not a sleeping rank: a stopped rank, a data-wait hang that only a fallback
-setting cures (escalation), a collective hang inside a rank's worker process.
+"""Recovery of real hangs that are not a sleeping rank: a stopped rank, a data-wait hang that recurs (plain
+restarts, no NCCL change), a collective hang inside a rank's worker process.
 
 Each test runs ``gpu-watchdog launch`` on a real 4-rank torchrun gloo job (tests/jobs/train.py) with the shipped
 detection defaults; only the stop ladder is shortened where the test does not measure it.
@@ -59,25 +59,24 @@ def test_a_stopped_rank_is_named_from_its_state_and_the_job_restarts(tmp_path: P
 
 
 @pytest.mark.slow
-def test_a_data_wait_hang_that_recurs_climbs_the_ladder_and_the_job_finishes(tmp_path: Path) -> None:
-    """The rank's main thread waits forever on a queue whose producer died, until NCCL_P2P_DISABLE=1 is set (a
-    stand-in for the vLLM generate() hang on H20s). Shipped defaults: the first restart is plain (advice: data
-    wait), the same hang again escalates to level 1, and the job finishes."""
-    run = _launch(tmp_path, "escalate", "queue", "--cured-by", "NCCL_P2P_DISABLE=1")
+def test_a_data_wait_hang_that_recurs_gets_plain_restarts_never_an_nccl_change(tmp_path: Path) -> None:
+    """The rank's main thread waits forever on a queue whose producer died, in every run. Its peers wait in
+    all_reduce (communication evidence: acted on within seconds), but the hang is the culprit's own code: plain
+    restarts with advice, never a fallback level, until the budget (max_restarts = 1) is spent."""
+    run = _launch(tmp_path, "data-wait", "queue", config={"recovery": {"max_restarts": 1, "stop_grace_s": 5.0}})
     try:
         rc = run.wait(240)
         out = run.output()
-        assert rc == 0, out[-5000:]
+        assert rc == 75, out[-5000:]
         first, second = run.incidents()
         for inc in (first, second):
             assert inc["culprit_ranks"] == [2] and "data_wait at Queue.get" in inc["reason"]
-        assert first["fallback"]["level"] == 0
+            assert "all_reduce" in (inc["action_evidence"] or "")
+        assert first["fallback"]["level"] == 0 and first["fallback"]["env"] == {}
         assert first["fallback"]["reason"].startswith("advice only: data wait")
         assert "dataloader" in first["advice"]
-        assert second["fallback"]["level"] == 1 and second["fallback"]["env"]["NCCL_P2P_DISABLE"] == "1"
-        assert second["fallback"]["reason"].startswith("escalated: the same hang (data_wait@Queue.get")
-        events = read_events(tmp_path / "events.jsonl")
-        assert sorted(e["rank"] for e in events if e["event"] == "done") == list(range(NPROC))
+        assert [a["action"] for a in second["actions"]][-1] == "give_up"
+        assert "NCCL_P2P_DISABLE" not in out
         assert len(_onsets(tmp_path)) == 2
     finally:
         run.kill()

@@ -118,8 +118,8 @@ def decide(cfg: FallbackConfig, current_level: int, kind: str, culprit_state: st
                     "NCCL RAS finding, no NCCL spin)")
     if culprit_state in _APPLICATION_STATES:
         return keep(_APPLICATION_STATES[culprit_state],
-                    f"advice only: the culprit is in its own code ({culprit_state.replace('_', ' ')}), not in "
-                    f"communication; its peers wait for it ({communication})")
+                    f"advice only: {culprit_state.replace('_', ' ')} (the culprit's own code, not communication; "
+                    f"its peers wait for it: {communication})")
     if current_level >= len(cfg.levels):
         return keep("the fallback ladder is exhausted: collect the NCCL debug logs and escalate",
                     "kept: the ladder is exhausted")
