@@ -4,7 +4,6 @@ hook read to start the next run with the chosen NCCL settings."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from gpu_watchdog.config.schema import FallbackConfig
 from gpu_watchdog.errors import StateUnreadable
 from gpu_watchdog.job.protocol import write_json_atomic
 from gpu_watchdog.policy.fallback import FallbackDecision, validate_job_id
+from gpu_watchdog.store import require_state_dir
 
 
 class FallbackStore:
@@ -44,9 +44,7 @@ class FallbackStore:
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            if not self.root.parent.is_dir() or not os.access(self.root.parent, os.R_OK | os.X_OK):
-                raise StateUnreadable(f"cannot read the state dir {self.root.parent}: missing or not readable "
-                                      f"(fallback of job {job_id})") from None
+            require_state_dir(self.root.parent, f"fallback of job {job_id}")
             return {"job_id": job_id, "level": 0, "env": {}, "updated_at": None}
         except PermissionError:
             raise StateUnreadable(f"cannot read {path}: permission denied (the state dir is the daemon's; "
