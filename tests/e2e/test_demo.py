@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
-STEPS = ("onset", "suspect", "confirmed", "stacks", "culprit", "checkpoint", "stop", "restart", "resumed", "finished")
+STEPS = ("hang", "onset", "suspect", "confirmed", "stacks", "culprit", "checkpoint", "stop", "restart", "resumed",
+         "finished")
 
 
 @pytest.mark.slow
@@ -22,9 +24,15 @@ def test_demo_tells_the_story_in_about_30_lines(tmp_path: Path) -> None:
     assert len(lines) <= 32, console
     assert "Traceback" not in console and "Warning" not in console and "OMP_NUM_THREADS" not in console, console
     assert console.count("no step boundary") == 0, console  # the job's own words stay in its log
+    assert "timeline" in r.stdout and "verdict: recovered." in r.stdout and "STALL confirmed" in r.stdout, r.stdout
     timeline = lines[lines.index(next(ln for ln in lines if ln.startswith("timeline"))):]
-    assert [ln.split()[1] for ln in timeline[1:len(STEPS) + 1]] == list(STEPS), console
+    steps = [ln.split()[1] for ln in timeline[1:len(STEPS) + 1]]
+    assert sorted(steps[:2]) == ["hang", "onset"] and steps[2:] == list(STEPS[2:]), console
     assert timeline[len(STEPS) + 1].startswith("verdict: recovered."), console
+    # one onset per stall: the watchdog's line and the verdict give the same onset → confirmation figure
+    (said,) = re.findall(r"confirmed after (\d+\.\d)s", console)
+    (verdict,) = re.findall(r"Stall confirmed (\d+\.\d)s after its onset", console)
+    assert said == verdict, console
     log = (tmp_path / "job.log").read_text()
     assert "SignalException" in log and "[job] finished 30 steps" in log and "OMP_NUM_THREADS" in log
     assert log.count("no step boundary") == 1, log  # once per job, not per rank

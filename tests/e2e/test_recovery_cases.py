@@ -149,5 +149,6 @@ def test_a_rank_that_exits_is_an_incident_and_restarts_only_when_asked(tmp_path:
         else:
             assert rc == 1, out[-4000:]  # torchrun's own code for a failed worker
             assert restart and not restart[0]["ok"] and "restart_on_crash is false" in restart[0]["detail"]
+            assert restart[0]["outcome"] == "skipped" and restart[0]["detail"].startswith("skipped: ")
     finally:
         run.kill()

@@ -132,3 +132,21 @@ def test_without_matplotlib_one_line_says_how_to_get_it(tmp_path: Path, capsys: 
     assert code == EXIT_UNAVAILABLE, err
     assert len(err.strip().splitlines()) == 1 and "pip install 'gpu-watchdog[plot]'" in err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_skipped_checkpoint_is_marked_skipped_and_the_title_stays_clear_of_the_legend(tmp_path: Path) -> None:
+    summary, d = _incident(tmp_path, "proc-hang.trace")
+    ckpt = next(a for a in summary["actions"] if a["action"] == "checkpoint")
+    ckpt.update(ok=False, outcome="skipped", detail="skipped: the job did not opt in")
+    fig = build_figure(timeline(summary, d / "trace.jsonl", DetectConfig()))
+    labels = _labels(fig)
+    assert "checkpoint (skipped)" in labels and "(failed)" not in labels, labels
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    for dpi in (70, 110):  # 110: what --plot writes; at 70 the title ran under a legend beside the panels
+        fig.set_dpi(dpi)
+        canvas.draw()
+        renderer = canvas.get_renderer()
+        title = fig._suptitle.get_window_extent(renderer)  # type: ignore[union-attr]
+        assert not title.overlaps(fig.legends[0].get_window_extent(renderer)), dpi

@@ -78,3 +78,44 @@ def test_story_mode_shows_job_lines_only(tmp_path: Path) -> None:
     out.finish()
     assert console.getvalue() == "[job] one\n"
     assert set((tmp_path / "job.log").read_text().splitlines()) == {"[job] one", "noise", "other"}
+
+
+# What torchrun 2.13 writes when a rank exits 86 (the in-job client aborted a hung collective) and it SIGTERMs the
+# other rank (shortened traceback; the report as printed).
+CHILD_FAILED = [
+    "W1124 21:40:14.785000 12384 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 12403 "
+    "closing signal SIGTERM\n",
+    "E1124 21:40:14.787000 12384 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 86) "
+    "local_rank: 1 (pid: 12404) of binary: /v/bin/python3\n",
+    "Traceback (most recent call last):\n",
+    '  File "/v/bin/torchrun", line 6, in <module>\n',
+    "    sys.exit(main())\n",
+    '  File "/v/torch/distributed/launcher/api.py", line 383, in launch_agent\n',
+    "    raise ChildFailedError(\n",
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n",
+    "============================================================\n",
+    "train.py FAILED\n",
+    "------------------------------------------------------------\n",
+    "Failures:\n", "[1]:\n", "  time      : 2026-11-24_21:40:14\n", "  host      : localhost\n",
+    "  rank      : 0 (local_rank: 0)\n", "  exitcode  : -15 (pid: 12403)  (SIGTERM)\n",
+    "  error_file: <N/A>\n", "  traceback : Signal 15 (SIGTERM) received by PID 12403\n",
+    "------------------------------------------------------------\n",
+    "Root Cause (first observed failure):\n", "[0]:\n", "  time      : 2026-11-24_21:40:14\n",
+    "  host      : localhost\n", "  rank      : 1 (local_rank: 1)\n", "  exitcode  : 86 (pid: 12404) \n",
+    "  error_file: <N/A>\n",
+    "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n",
+    "============================================================\n"]
+
+
+def test_torchruns_report_of_ranks_the_client_stopped_is_one_line() -> None:
+    shown, notes = run_filter(["[job] saved\n", *CHILD_FAILED, "[job] after\n"])
+    assert shown == ["[job] saved\n", "[job] after\n"]
+    assert notes == ["rank(s) 1 stopped by the in-job client (exit 86); torchrun's ChildFailedError report is in "
+                     "the job log"]
+
+
+def test_a_child_failed_report_of_a_real_crash_is_shown_whole() -> None:
+    crashed = [ln.replace("exitcode  : 86", "exitcode  : 3").replace("(exitcode: 86)", "(exitcode: 3)")
+               for ln in CHILD_FAILED]
+    shown, notes = run_filter(crashed)
+    assert shown == crashed[1:] and notes == []  # all but torchrun's "Sending process … SIGTERM" stop noise

@@ -21,6 +21,7 @@ from typing import Any, TextIO, cast
 from gpu_watchdog.config.schema import Config
 from gpu_watchdog.demo import train as demo_job
 from gpu_watchdog.demo.console import StoryConsole
+from gpu_watchdog.errors import MissingExtra
 from gpu_watchdog.evidence.report import action_status
 from gpu_watchdog.launch.launcher import Launcher
 from gpu_watchdog.store.incidents import IncidentStore
@@ -53,7 +54,7 @@ def read_events(path: Path) -> list[dict[str, Any]]:
 
 
 def timings(events: list[dict[str, Any]], hang_at: int) -> dict[str, float | None]:
-    """Onset → restarted job past the hung step, from the job's own events."""
+    """The job's hang (its ``hang_onset`` event) → restarted job past the hung step, from the job's own events."""
     onset = next((e["t"] for e in events if e["event"] == "hang_onset"), None)
     past = next((e["t"] for e in events if e["event"] == "step" and e["step"] == hang_at
                  and onset is not None and e["t"] > onset), None)
@@ -65,11 +66,12 @@ def timeline(events: list[dict[str, Any]], incident: dict[str, Any] | None,
     """The story as (unix time, step, what), in time order: the job's own events (onset, resumed, finished) and the
     incident's (suspect, confirmed, stacks, culprit, checkpoint, stop, restart level)."""
     rows: list[tuple[float, str, str]] = []
-    onset = next((e for e in events if e["event"] == "hang_onset"), None)
-    if onset is not None:
-        rows.append((onset["t"], "onset", f"rank {onset['rank']} waits in a P2P receive nobody sends (step "
-                                          f"{onset['step']})"))
+    hang = next((e for e in events if e["event"] == "hang_onset"), None)
+    if hang is not None:  # the job's own word; "onset" is the watchdog's (one onset per stall on the console)
+        rows.append((hang["t"], "hang", f"rank {hang['rank']} waits in a P2P receive nobody sends (step "
+                                        f"{hang['step']})"))
     if incident is not None:
+        rows.append((incident["onset"], "onset", "the watchdog's onset: the last progress it saw"))
         rows.append((incident["onset"] + suspect_after_s, "suspect",
                      f"no rank progressing for {suspect_after_s:g}s"))
         rows.append((incident["detected_at"], "confirmed",
@@ -100,12 +102,23 @@ def verdict(rc: int, incidents: list[dict[str, Any]], tm: dict[str, float | None
         return f"verdict: NOT recovered (job exit code {rc}, {len(incidents)} incident(s))"
     inc = incidents[0]
     level = (inc.get("fallback") or {}).get("level")
-    return (f"verdict: recovered. Stall confirmed {inc['detected_at'] - (tm['onset'] or inc['onset']):.1f}s after "
-            f"the onset ({inc.get('reason')}), restarted at fallback level {level}, past step {hang_at} "
-            f"{tm['recovery_s']:.0f}s after the onset, finished (exit 0)")
+    return (f"verdict: recovered. Stall confirmed {inc['detected_at'] - inc['onset']:.1f}s after its onset "
+            f"({inc.get('reason')}), restarted at fallback level {level}, past step {hang_at} "
+            f"{tm['recovery_s']:.0f}s after the hang, finished (exit 0)")
 
 
-def run_demo(cfg: Config, out: Any = sys.stderr, keep: str | None = None) -> int:
+def run_demo(cfg: Config, out: Any = None, keep: str | None = None) -> int:
+    """The story goes to ``out`` (default: stdout, so ``demo > out.txt`` keeps it); MissingExtra (exit 69, one line)
+    without torch."""
+    import importlib.util
+
+    try:
+        torch_missing = importlib.util.find_spec("torch") is None
+    except (ImportError, ValueError):
+        torch_missing = True
+    if torch_missing:
+        raise MissingExtra("the demo runs a torch job: pip install 'gpu-watchdog[job]' (or torch) first")
+    out = sys.stdout if out is None else out
     base = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="gpu-watchdog-demo-"))
     workdir, state = base / "job", base / "state"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +145,7 @@ def run_demo(cfg: Config, out: Any = sys.stderr, keep: str | None = None) -> int
     incidents = IncidentStore(state).list()
     rows = timeline(events, incidents[0] if incidents else None, cfg.detect.suspect_after_s)
     zero = tm["onset"] or (rows[0][0] if rows else 0.0)
-    print(f"timeline (seconds from the onset; total {time.monotonic() - t0:.0f}s):", file=out)
+    print(f"timeline (seconds from the job's hang; total {time.monotonic() - t0:.0f}s):", file=out)
     for t, step, what in rows:
         print(f"  {t - zero:+6.1f}  {step:<10} {what}"[:160], file=out)
     print(verdict(rc, incidents, tm, hang_at), file=out)

@@ -105,9 +105,19 @@ def timeline(summary: dict[str, Any], trace: Path, cfg: DetectConfig) -> Inciden
         marks.append((summary["detected_at"] - t0, "confirmed"))
     for a in summary.get("actions") or []:
         if isinstance(a.get("at"), (int, float)):
-            ok = {True: "", False: " (failed)", None: " (unfinished)"}.get(a.get("ok"), "")
-            marks.append((a["at"] - t0, f"{a.get('action')}{ok}"))
+            marks.append((a["at"] - t0, f"{a.get('action')}{_outcome_suffix(a)}"))
     return IncidentTimeline(summary, str(head.get("backend") or ""), dict(sorted(ranks.items())), spans, marks)
+
+
+def _outcome_suffix(action: dict[str, Any]) -> str:
+    """What an action's mark adds to its name: nothing when it went well, else its outcome (a skipped checkpoint is
+    not a failed one); older incidents without ``outcome`` by ``ok``."""
+    outcome = action.get("outcome")
+    if action.get("ok") is None:
+        return " (unfinished)"
+    if outcome in ("skipped", "not_available", "failed"):
+        return f" ({outcome.replace('_', ' ')})"
+    return "" if outcome == "ok" or action.get("ok") else " (failed)"
 
 
 def _mark_labels(marks: list[tuple[float, str]], near: float) -> list[tuple[float, str]]:
@@ -179,8 +189,9 @@ def build_figure(tl: IncidentTimeline) -> Any:
     if last is not None and confirmed is not None and abs(last - confirmed) < 2.0:  # what an incident's trace holds
         axes[1].annotate("trace ends at confirmation", (last, 0.02), xycoords=("data", "axes fraction"), fontsize=7,
                          color="gray", ha="left", xytext=(3, 0), textcoords="offset points")
-    if tl.ranks:  # beside the panels: inside, it hides lines at 100 % or at 0
-        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize=8)
+    if tl.ranks:  # below the panels: inside, it hides lines at 100 % or at 0; beside, the title ran under it
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=min(len(tl.ranks), 8),
+                   fontsize=8)
     culprit = ",".join(map(str, sorted(culprits))) or "unknown"
     fig.suptitle(f"incident {s.get('id')}: {s.get('kind')} ({s.get('signature')}) in job {s.get('job_id')} on "
                  f"{s.get('host')}, culprit rank {culprit}\nshaded: job suspect (yellow) / stalled (red)",

@@ -367,8 +367,8 @@ class Launcher:
                                 for rs in last.ranks] if last else [])
         self.say(f"RANK EXITED in job {self.job_id}: {finding.detail}; incident {inc.id}")
         if not self.cfg.recovery.restart_on_crash:
-            inc.record_action("restart", False, "not restarted: recovery.restart_on_crash is false (a crash usually "
-                                                f"comes back); launch exits {code}")
+            inc.record_action("restart", False, "skipped: recovery.restart_on_crash is false (a crash usually "
+                                                f"comes back); launch exits {code}", outcome="skipped")
             inc.finish("not restarted")
             return None
         allowed, why_not = self.budget.allow(now, None)

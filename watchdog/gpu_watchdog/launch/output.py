@@ -7,7 +7,9 @@ Three modes:
   stderr goes to the job log whole, and to the console without what a deliberate stop makes torchrun print
   (its ``SignalException`` traceback, "Received 15 death signal", "Sending process N closing signal") and
   without torchrun's ``OMP_NUM_THREADS`` banner: a stop by the watchdog is expected, not a crash, so the console
-  gets one line saying so and where the traceback is. Any other traceback reaches the console whole.
+  gets one line saying so and where the traceback is. The same for the ``ChildFailedError`` traceback and report
+  torchrun prints when the in-job client stopped its ranks (exit 85/86; the peers torchrun then SIGTERMed are
+  listed with -15). Any other traceback reaches the console whole.
 * ``story`` (the demo): stdout and stderr go to the job log; the console gets the job's ``[job]`` lines only.
 
 A reader thread per run drains the job's pipe whatever happens to the console (a closed console must not block
@@ -36,6 +38,13 @@ _STOP_NOISE = re.compile(r"Received \d+ death signal, shutting down workers"
                          r"|Sending process \d+ closing signal SIG[A-Z]+")
 _SIGNAL_EXCEPTION = re.compile(r"SignalException: Process \d+ got signal: (\d+)")
 _TRACEBACK = "Traceback (most recent call last):"
+# What torchrun prints when ranks exit: a log line per failed rank, then a ChildFailedError traceback whose
+# report (between two rules of '=') lists each failure's rank and exit code.
+_CLIENT_EXITS = {85, 86}  # gpu_watchdog.job.protocol: the in-job client stopped the rank on purpose
+_CHILD_FAILED_LOG = re.compile(r"failed \(exitcode: (8[56])\) local_rank: \d+ \(pid: \d+\) of binary")
+_RULE = re.compile(r"^={20,}\s*$")
+_FAILURE = re.compile(r"^\s*rank\s*: (\d+) .*?\n\s*exitcode\s*: (-?\d+)", re.M)
+_REPORT_MAX_LINES = 400  # a report that never ends is shown as it is
 
 
 class StopNoiseFilter:
@@ -47,13 +56,22 @@ class StopNoiseFilter:
     def __init__(self, note: Callable[[str], None]) -> None:
         self.note = note
         self._traceback: list[str] = []
+        self._report: int | None = None  # in a ChildFailedError report: how many '=' rules were seen
         self._blank: list[str] = []  # blank lines held back: the one before the OMP banner goes with it
 
     def feed(self, line: str) -> list[str]:
         text = _TORCH_LOG_PREFIX.sub("", line.rstrip("\n"))
         if self._traceback:
             self._traceback.append(line)
+            if self._report is not None:
+                self._report += bool(_RULE.match(text))
+                if self._report >= 2 or len(self._traceback) > _REPORT_MAX_LINES:
+                    return self._child_failed()
+                return []
             if text[:1] in (" ", "\t") or not text:
+                return []
+            if "ChildFailedError" in text:  # its report follows, between two rules
+                self._report = 0
                 return []
             block, self._traceback = self._traceback, []
             m = _SIGNAL_EXCEPTION.search(text)
@@ -70,13 +88,26 @@ class StopNoiseFilter:
         if _BANNER.search(text):
             self._blank = []
             return []
-        if _STOP_NOISE.search(text):
+        if _STOP_NOISE.search(text) or _CHILD_FAILED_LOG.search(text):
             return self._release_blank()
         return self._release_blank() + [line]
 
+    def _child_failed(self) -> list[str]:
+        """The end of a ChildFailedError report: one note when the in-job client stopped the ranks (the others
+        were SIGTERMed by torchrun after), else the whole block."""
+        block, self._traceback, self._report = self._traceback, [], None
+        failures = [(int(r), int(c)) for r, c in _FAILURE.findall("".join(block))]
+        client = sorted({r for r, c in failures if c in _CLIENT_EXITS})
+        codes = sorted({c for _, c in failures if c in _CLIENT_EXITS})
+        if not client or not all(c in _CLIENT_EXITS or c == -15 for _, c in failures):
+            return block
+        self.note(f"rank(s) {','.join(map(str, client))} stopped by the in-job client (exit "
+                  f"{'/'.join(map(str, codes))}); torchrun's ChildFailedError report is in the job log")
+        return []
+
     def flush(self) -> list[str]:
         out, self._traceback = self._blank + self._traceback, []
-        self._blank = []
+        self._blank, self._report = [], None
         return out
 
     def _release_blank(self) -> list[str]:
