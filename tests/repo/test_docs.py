@@ -164,3 +164,20 @@ def test_every_test_docs_reliability_names_exists() -> None:
             if name.split("[")[0] not in defs:
                 missing.append(f"{path}::{name}")
     assert missing == []
+
+
+def test_the_json_contract_is_in_the_repository_and_names_every_summary_field(tmp_path: Path) -> None:
+    """The contract other tools rely on lives in docs/json-contract.md (README links it, nothing points outside the
+    repository), and names every field a new incident's summary has."""
+    from gpu_watchdog.detect.detector import Finding
+    from gpu_watchdog.store.incidents import IncidentStore
+
+    readme = (REPO / "README.md").read_text()
+    assert "(docs/json-contract.md)" in readme
+    for page in [REPO / "README.md", *DOCS.glob("*.md")]:
+        assert "../shared/" not in page.read_text(), page
+    contract = (DOCS / "json-contract.md").read_text()
+    finding = Finding("stall", "idle_held", "j", (0, 1), (1,), 1.0, 6.0, (), "no progress", "stacks")
+    summary = IncidentStore(tmp_path).create(finding, "node").summary
+    missing = [key for key in summary if f"`{key}`" not in contract]
+    assert not missing, f"summary fields not in docs/json-contract.md: {missing}"

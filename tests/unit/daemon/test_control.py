@@ -365,3 +365,21 @@ def test_env_fails_loudly_on_an_unreadable_state_dir(base: Path) -> None:
     missing = subprocess.run([GW, "env", "--state-dir", str(base / "nope"), "--job", "j"], capture_output=True,
                              text=True, timeout=30)
     assert missing.returncode == 66 and "cannot read the state dir" in missing.stderr, missing
+
+
+def test_slurm_epilog_logs_a_failed_deregistration_where_it_can_be_read(base: Path) -> None:
+    """Slurm discards an Epilog's output: with the daemon unreachable the epilog still exits 0 and says so to syslog
+    (logger) and to GPU_WATCHDOG_EPILOG_LOG; GPU_WATCHDOG_SOCKET names the daemon's socket."""
+    bindir = base / "bin"
+    bindir.mkdir()
+    (bindir / "logger").write_text(f"#!/bin/sh\necho \"$@\" >> {base / 'syslog'}\n")
+    (bindir / "logger").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4712", "GPU_WATCHDOG": GW,
+           "GPU_WATCHDOG_SOCKET": str(base / "gone.sock"), "GPU_WATCHDOG_EPILOG_LOG": str(base / "epilog.log")}
+    epi = subprocess.run([str(REPO / "scheduler/slurm/epilog.sh")], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert epi.returncode == 0, epi.stderr
+    syslog = (base / "syslog").read_text()
+    assert "-t gpu-watchdog-epilog" in syslog and "job 4712: not de-registered" in syslog
+    assert f"cannot reach the daemon at {base / 'gone.sock'}" in syslog, syslog
+    assert "job 4712: not de-registered" in (base / "epilog.log").read_text()

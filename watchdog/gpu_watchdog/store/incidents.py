@@ -1,6 +1,6 @@
 """Incident directories: one per incident under ``<state_dir>/incidents/<id>/``.
 
-Each holds ``summary.json`` (the contract in DESIGN.md: id, job_id, kind, signature, onset, detected_at,
+Each holds ``summary.json`` (the contract in docs/json-contract.md: id, job_id, kind, signature, onset, detected_at,
 culprit_ranks, collective, stacks_dir, actions, fallback — plus host, ranks, reason, advice, and ``finding``,
 the detector's own words, kept when ``reason`` is replaced by the stack diagnosis), ``stacks/`` (raw py-spy
 output per rank), ``report.txt`` (readable: culprit first, then the grouped stacks) and whatever else the
