@@ -67,7 +67,7 @@ def main() -> None:
     prefetch = Prefetcher(lambda: zc.batch(16), die_at)
     zc.event(args, "start", step=start)
     for step in range(start, args.steps):
-        zc.slow_phase(args, step, rank)  # poll / slow_reader / eval / busy / recv / crash / sigstop at the hang step
+        zc.slow_phase(args, step, rank, handled=("event_wait", "desync"))  # poll, slow_reader, eval, busy, recv …
         x, y = prefetch.next(step)
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()

@@ -138,13 +138,14 @@ def slow_save(args: argparse.Namespace) -> None:
             time.sleep(0.5)
 
 
-def slow_phase(args: argparse.Namespace, step: int, r: int) -> None:
-    """The variant's slow phase or fault at ``--hang-step`` (nothing at other steps)."""
-    if step != args.hang_step:
+def slow_phase(args: argparse.Namespace, step: int, r: int, handled: tuple[str, ...] = ()) -> None:
+    """The variant's slow phase or fault at ``--hang-step`` (nothing at other steps). ``handled``: variants the
+    program injects its own way (ddp_plain's prefetch thread for event_wait, a program's own desync)."""
+    if step != args.hang_step or args.variant in handled:
         return
     v = args.variant
     healthy_everyone = v in ("poll", "slow_reader")
-    target = v in FAULTS and r == args.rank and fault_armed(args)
+    target = v in FAULTS and (r == args.rank or v == "desync") and fault_armed(args)
     if healthy_everyone or target or (v in ("slow_save", "eval", "logger") and r == 0):
         event(args, "hang_onset", step=step)
     if v == "poll":
@@ -163,6 +164,8 @@ def slow_phase(args: argparse.Namespace, step: int, r: int) -> None:
         upload_logs(args)
     elif not target:
         return
+    elif v == "event_wait":
+        threading.Event().wait()  # a thread it waits on died without setting it
     elif v == "lock":
         held = threading.Lock()
         held.acquire()
@@ -181,6 +184,19 @@ def slow_phase(args: argparse.Namespace, step: int, r: int) -> None:
         raise RuntimeError(f"rank {r}: injected crash at step {step}")
     elif v == "sigstop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif v == "desync":
+        desync(args, r)
+
+
+def desync(args: argparse.Namespace, r: int) -> None:
+    """A rank-dependent branch: rank ``--rank`` calls all_gather where the others call broadcast."""
+    import torch.distributed as dist
+
+    t = torch.ones(4)
+    if r == args.rank:
+        dist.all_gather([torch.zeros(4) for _ in range(dist.get_world_size())], t)
+    else:
+        dist.broadcast(t, src=0)
 
 
 def upload_logs(args: argparse.Namespace) -> None:

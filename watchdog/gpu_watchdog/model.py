@@ -136,6 +136,8 @@ class RankStack:
     # The thread waits in a call that ends by itself (a sleep, a poll or futex wait with a timeout): a polling
     # loop, waiting rather than hung (evidence.syscalls).
     timed: bool = False
+    io_before: int | None = None  # the main thread's own bytes read + written just before the dump ...
+    io_after: int | None = None  # ... and just after it
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ def classify_results(results: dict[int, DumpResult]) -> list[RankStack]:
         elif res.ok:
             rs = classify_threads(res.threads, rank, res.pid)
             if rs is not None:
-                out.append(replace(rs, wakeups_before=res.wakeups_before, wakeups_after=res.wakeups_after))
+                out.append(replace(rs, wakeups_before=res.wakeups_before, wakeups_after=res.wakeups_after,
+                                   io_before=res.io_before, io_after=res.io_after))
     return out
 
 

@@ -196,6 +196,13 @@ def woke_between(a: RankStack, b: RankStack) -> bool:
     return b.wakeups_before - a.wakeups_after >= WOKE_BETWEEN_DUMPS
 
 
+def moved_bytes(a: RankStack, b: RankStack) -> bool:
+    """Did the rank's main thread read or write a byte between dump ``a`` and the later dump ``b``?"""
+    if a.io_after is None or b.io_before is None or a.pid != b.pid:
+        return False
+    return b.io_before > a.io_after
+
+
 def rank_moved(a: RankStack, b: RankStack, ctx: RankContext = RankContext()) -> bool:
     """Did one rank make progress from dump ``a`` to dump ``b``? Equal stacks alone are not proof of a stall.
 
@@ -203,7 +210,9 @@ def rank_moved(a: RankStack, b: RankStack, ctx: RankContext = RankContext()) -> 
     - io (a write, a flush, a file-system wait): slow is not stuck: it is being waited on, however slowly its
       bytes move (an NFS flush can sit a minute in one write() with nothing counted);
     - unless its GPU spins (the host then only waits on the device, and NCCL's proxy thread polls): a data wait
-      whose producer (dataloader workers, a reader thread: the rest of its tree) used CPU or I/O, compute that
+      whose producer (dataloader workers, a reader thread: the rest of its tree) used CPU or I/O or whose main
+      thread read or wrote a byte (a slow reader; never its wakeups alone: a consumer polling a dead producer
+      wakes on its timeouts), compute that
       py-spy saw on CPU, a main thread that woke at all (a loop that sleeps or polls at one line, a slow reader),
       or one blocked in a wait with a timeout (a sleep, a poll: it wakes by itself; a poll every 10 s need not
       wake between two dumps 3 s apart).
@@ -214,11 +223,13 @@ def rank_moved(a: RankStack, b: RankStack, ctx: RankContext = RankContext()) -> 
         return True
     if ctx.device == "spin" or b.state == "stopped":
         return False  # a spinning GPU's host counters are the busy-wait and NCCL's proxy thread polling
-    if b.state == "data_wait" and ctx.host_busy:
-        return True
+    if b.state == "data_wait":
+        # A consumer is judged by its data: its producer (workers, a reader thread) worked, or its own bytes moved.
+        # Not by its wakeups or its timeout: a DataLoader polls its queue every 5 s while its worker is wedged.
+        return ctx.host_busy or moved_bytes(a, b)
     if b.timed and b.state not in COMMUNICATION_STATES:
         return True
-    return woke_between(a, b) or (b.state == "compute" and (a.active or b.active))
+    return woke_between(a, b) or moved_bytes(a, b) or (b.state == "compute" and (a.active or b.active))
 
 
 def stacks_progressed(a: StackEvidence, b: StackEvidence,

@@ -70,6 +70,8 @@ class DumpResult:
     elapsed_s: float = 0.0
     wakeups_before: int | None = None  # the main thread's voluntary context switches before the dump ...
     wakeups_after: int | None = None  # ... and after it (py-spy's attach itself wakes the thread)
+    io_before: int | None = None  # the main thread's own bytes read and written (rchar + wchar) before the dump ...
+    io_after: int | None = None  # ... and after it: a reader whose bytes trickle in moves between two dumps
 
     @property
     def ok(self) -> bool:
@@ -160,6 +162,17 @@ def _wakeups(pid: int) -> int | None:
         return None
 
 
+def _main_thread_io(pid: int) -> int | None:
+    """The main thread's own read and written bytes (``/proc/PID/task/PID/io``): not the process's, whose other
+    threads (NCCL's watchdog polling the store, a logger) move bytes while the main thread is stuck."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/io") as f:
+            fields = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+        return int(fields["rchar"]) + int(fields["wchar"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def _is_stopped(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_STOPPED
@@ -182,9 +195,10 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
     t0 = time.monotonic()
 
     wakeups: list[int | None] = [None, None]
+    io: list[int | None] = [None, None]
 
     def done(outcome: str, detail: str, raw: str = "", threads: tuple[dict[str, Any], ...] = ()) -> DumpResult:
-        return DumpResult(pid, outcome, detail, threads, raw, round(time.monotonic() - t0, 4), *wakeups)
+        return DumpResult(pid, outcome, detail, threads, raw, round(time.monotonic() - t0, 4), *wakeups, *io)
 
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return done("error", f"invalid pid {pid!r}")
@@ -195,6 +209,7 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
         argv.append("--nonblocking")
     waits_before = _read_kernel_waits(pid)
     wakeups[0] = _wakeups(pid)
+    io[0] = _main_thread_io(pid)
     try:
         proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
@@ -231,6 +246,7 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
                 raise ValueError("not a JSON list")
         except ValueError as e:
             return done("error", f"py-spy printed unreadable JSON for pid {pid}: {e}", raw)
+        io[1] = _main_thread_io(pid)
         after = _wakeups(pid)
         # A paused (blocking) attach may cost the thread one more wakeup just after this read, as it blocks again:
         # it is the dump's, not the job's ("did it wake between two dumps" must not see it).

@@ -1,0 +1,61 @@
+"""A custom training loop over ``DataLoader(num_workers=2, persistent_workers=True)`` with a
+``DistributedSampler``: batches come from worker processes. Extra variant ``dead_worker``: a worker of rank
+``--rank`` stops (SIGSTOP) while producing the hang step's batch; the rank's main thread then polls its queue with
+a timeout forever (DataLoader's liveness check sees a live worker). Other variants: zoo_common."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+import zoo_common as zc
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class Shards(Dataset):
+    def __init__(self, n: int, stop_at: int | None) -> None:
+        self.n, self.stop_at = n, stop_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.stop_at is not None and i >= self.stop_at:
+            os.kill(os.getpid(), signal.SIGSTOP)  # a worker wedged on a dead mount
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(64, generator=g), torch.randn(64, generator=g)
+
+
+def main() -> None:
+    args = zc.parse_args(__doc__)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_step = 8
+    wedge = args.variant == "dead_worker" and rank == args.rank and zc.fault_armed(args)
+    data = Shards(per_step * world * args.steps, per_step * world * args.hang_step if wedge else None)
+    loader = DataLoader(data, batch_size=per_step, num_workers=2, persistent_workers=True,
+                        sampler=DistributedSampler(data, shuffle=False))
+    model = DDP(zc.small_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    zc.event(args, "start", step=0)
+    for step, (x, y) in enumerate(loader):
+        if step >= args.steps:
+            break
+        zc.slow_phase(args, step, rank)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        zc.straggle(args, rank)
+        zc.step_done(args, step)
+        if wedge and step == args.hang_step - 1:
+            zc.event(args, "hang_onset", step=args.hang_step)  # the next batch never comes
+    zc.event(args, "done")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Tensor parallelism with DTensor: an MLP split column-wise then row-wise across the ranks with
+``parallelize_module`` on a 1-D CPU device mesh (every forward and backward all-reduces the row-parallel output).
+Variants: zoo_common."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import zoo_common as zc
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(64, 256)
+        self.down = torch.nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def main() -> None:
+    args = zc.parse_args(__doc__)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = parallelize_module(MLP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    zc.event(args, "start", step=0)
+    for step in range(args.steps):
+        zc.slow_phase(args, step, rank)
+        torch.manual_seed(step)  # every TP rank sees the same batch
+        x, y = zc.batch(16)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        zc.straggle(args, rank)
+        zc.step_done(args, step)
+    zc.event(args, "done")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
