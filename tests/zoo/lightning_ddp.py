@@ -36,7 +36,8 @@ def main() -> None:
 
     data = torch.utils.data.TensorDataset(torch.randn(512, 64), torch.randn(512, 64))
     loader = torch.utils.data.DataLoader(data, batch_size=16)
-    trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), max_steps=args.steps,
+    trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                        max_steps=args.steps,
                         val_check_interval=4, limit_val_batches=2, default_root_dir=args.workdir,
                         enable_progress_bar=False, logger=False, enable_model_summary=False)
     zc.event(args, "start", step=0)
