@@ -18,6 +18,52 @@ from typing import Any
 from launch_harness import REPO, base_env, read_events, start_launch, torchrun, write_config
 
 ZOO = REPO / "tests" / "zoo"
+HEALTHY, COMM_HANG, WAITING = "healthy", "hang", "waiting"  # what a case expects
+
+
+@dataclass(frozen=True)
+class Case:
+    """One zoo row: the program, its variant and what the judgement must be."""
+
+    program: str
+    variant: str
+    expect: str  # HEALTHY: runs to the end, nothing acts; COMM_HANG: confirmed fast, acted on; WAITING: not before
+    culprit: tuple[int, ...] = ()  # COMM_HANG / WAITING: the ranks to name (empty: don't check)
+    args: tuple[str, ...] = ()
+    waiting_timeout_s: float | None = None  # shortened where the case must reach it
+    data_service: bool = False
+    collective: str | None = None  # the waiting majority's collective, when the case pins it
+    finishes: bool = True  # the restarted run completes
+    desync: bool = False  # the incident must name a desync
+
+    @property
+    def name(self) -> str:
+        return f"{self.program}-{self.variant}"
+
+
+_PAUSE = ("--pause-s", "16")
+# The table the tests assert and benchmarks/zoo.py prints. Hang variants fire in the first run only (zoo_common
+# --hang-runs), so a restarted run can finish.
+CASES: tuple[Case, ...] = (
+    Case("ddp_plain", "poll", HEALTHY, args=_PAUSE),
+    Case("ddp_plain", "slow_reader", HEALTHY, data_service=True),
+    Case("rl_generation", "slow_generation", HEALTHY, args=_PAUSE),
+    Case("lightning_ddp", "poll", HEALTHY, args=("--pause-s", "10")),
+    Case("compiled", "compile_warmup", HEALTHY),
+    Case("ddp_plain", "event_wait", COMM_HANG, (2,), collective="ddp_all_reduce"),
+    Case("ddp_no_sync", "lock", COMM_HANG, (2,), collective="ddp_all_reduce"),
+    Case("ddp_unused", "recv", COMM_HANG, (2,), data_service=True),
+    Case("fsdp2", "event_wait", COMM_HANG, (2,)),
+    Case("dtensor_tp", "sigstop", COMM_HANG, (2,)),
+    Case("pipeline", "subprocess_wait", COMM_HANG, (2,)),
+    Case("dataloader_workers", "dead_worker", COMM_HANG, (2,), collective="ddp_all_reduce"),
+    Case("rl_generation", "dead_worker", COMM_HANG, (2,)),
+    Case("hf_trainer", "desync", COMM_HANG, desync=True),
+    Case("lightning_ddp", "event_wait", COMM_HANG, (2,)),
+    Case("ddp_plain", "busy", WAITING, (2,), waiting_timeout_s=20.0),
+    Case("ddp_plain", "poll", WAITING, args=("--pause-s", "600", "--hang-runs", "9"), waiting_timeout_s=20.0,
+         finishes=False),
+)
 ACTIONS = ("checkpoint", "stop", "restart", "give_up")  # actions that interrupt the job
 
 
@@ -52,6 +98,16 @@ def data_service(every_s: float = 2.0, chunks: int = 10) -> Iterator[str]:
     finally:
         proc.kill()
         proc.wait()
+
+
+def run_case(tmp: Path, case: Case, timeout_s: float = 240.0) -> Row:
+    config = {"detect": {"waiting_timeout_s": case.waiting_timeout_s}} if case.waiting_timeout_s else None
+    args = ("--steps", "8", *case.args)
+    if case.data_service:
+        with data_service(2.0, 8) as addr:
+            return run_variant(tmp, case.program, case.variant, args=args, config=config, data_addr=addr,
+                               timeout_s=timeout_s)
+    return run_variant(tmp, case.program, case.variant, args=args, config=config, timeout_s=timeout_s)
 
 
 def run_variant(tmp: Path, program: str, variant: str, *, nproc: int = 3, args: tuple[str, ...] = (),
