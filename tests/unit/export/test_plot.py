@@ -55,8 +55,14 @@ def test_the_figure_has_a_panel_per_measure_a_line_per_rank_and_every_mark(tmp_p
     assert [what for _s, _e, what in tl.job_spans] == ["suspect", "stalled"]
 
     fig = build_figure(tl)
-    util, mem, power, state = fig.axes
+    util, mem, power, io, wakeups, state = fig.axes
     assert "CPU %" in util.get_ylabel() and "RSS" in mem.get_ylabel() and "state" in state.get_ylabel()
+    # what the detector weighs besides CPU: a lane each, a line per rank, numbers from the trace's counters
+    assert "I/O" in io.get_ylabel() and "wakeups" in wakeups.get_ylabel()
+    for ax in (io, wakeups):
+        assert len([ln for ln in ax.lines if ln.get_label().startswith("rank")]) == 4
+    io_rates = [v for rs in tl.ranks.values() for v in rs.io_kib_s if v is not None]
+    assert io_rates and all(v >= 0 for v in io_rates)  # (this corpus trace predates the wakeup counter)
     ranks_drawn = [ln.get_label() for ln in util.lines if ln.get_label().startswith("rank")]
     assert ranks_drawn == ["rank 0", "rank 1 (culprit)", "rank 2", "rank 3"]
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ranks_drawn
@@ -73,7 +79,7 @@ def test_the_figure_has_a_panel_per_measure_a_line_per_rank_and_every_mark(tmp_p
 def test_an_nvml_incident_draws_power_and_gpu_utilization(tmp_path: Path) -> None:
     summary, d = _incident(tmp_path, "nvml-spin.trace")
     fig = build_figure(timeline(summary, d / "trace.jsonl", DetectConfig()))
-    util, _mem, power, _state = fig.axes
+    util, _mem, power, _io, _wakeups, _state = fig.axes
     assert util.get_ylabel().startswith("GPU utilization")
     drawn = [ln for ln in power.lines if ln.get_label().startswith("rank")]
     assert drawn and all(any(y == y for y in ln.get_ydata()) for ln in drawn)  # real numbers, not all NaN

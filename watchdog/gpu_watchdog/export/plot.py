@@ -1,7 +1,9 @@
 """``incidents show ID --plot F.png|.svg``: the incident's trace drawn for a person on call.
 
 One panel per measure, one line per rank, time in seconds from the stall's onset: device utilization (the
-rank's CPU % on the proc backend), memory, power, and the rank's state as the detector judged it tick by tick
+rank's CPU % on the proc backend), memory, power, the rank's I/O rate and its main thread's wakeups (what the
+detector weighs as progress besides CPU: why it judged "no progress"), and the rank's state as the detector
+judged it tick by tick, with each stack dump's class for the rank
 (replayed over the trace with the agent's ``[detect]`` settings: making progress, no progress, stopped), with
 the job's suspect/stalled time shaded and a mark for the onset, the confirmation and every action the agent
 took. The data comes from the incident's ``trace.jsonl``; matplotlib is an optional extra (``[plot]``).
@@ -35,6 +37,8 @@ class RankSeries:
     mem_gib: list[float | None] = field(default_factory=list)
     power_w: list[float | None] = field(default_factory=list)
     state: list[int] = field(default_factory=list)
+    io_kib_s: list[float | None] = field(default_factory=list)  # the rank's tree's bytes read + written, KiB/s
+    wakeups_s: list[float | None] = field(default_factory=list)  # its main thread's wakeups per second
     stack_marks: list[tuple[float, str]] = field(default_factory=list)  # (t, "collective:all_reduce")
 
 
@@ -65,6 +69,7 @@ def timeline(summary: dict[str, Any], trace: Path, cfg: DetectConfig) -> Inciden
     ranks: dict[int, RankSeries] = {}
     spans: list[tuple[float, float, str]] = []
     state, pending = DetectorState(), []
+    last: dict[int, tuple[float, int | None, int | None]] = {}  # pid → (t, io bytes, wakeups) of the last sample
     for rec in records:
         if isinstance(rec, StackEvidence):
             pending.append(rec)
@@ -79,6 +84,7 @@ def timeline(summary: dict[str, Any], trace: Path, cfg: DetectConfig) -> Inciden
         pending = []
         rel = rec.t - t0
         pid_rank = _rank_of_pids(rec, job_id)
+        rates = _rank_rates(rec, job_id, last)
         seen: set[int] = set()
         for d in rec.devices:
             owners = {pid_rank[p] for p in d.pids if p in pid_rank}
@@ -91,6 +97,8 @@ def timeline(summary: dict[str, Any], trace: Path, cfg: DetectConfig) -> Inciden
                 s.util.append(d.util_percent)
                 s.mem_gib.append(None if d.mem_used_bytes is None else d.mem_used_bytes / GIB)
                 s.power_w.append(d.power_w)
+                s.io_kib_s.append(rates.get(rank, (None, None))[0])
+                s.wakeups_s.append(rates.get(rank, (None, None))[1])
                 obs = state.ranks.get((job_id, rank))
                 s.state.append(STOPPED if obs is None or obs.stopped else PROGRESS if obs.progressing
                                else NO_PROGRESS)
@@ -107,6 +115,25 @@ def timeline(summary: dict[str, Any], trace: Path, cfg: DetectConfig) -> Inciden
         if isinstance(a.get("at"), (int, float)):
             marks.append((a["at"] - t0, f"{a.get('action')}{_outcome_suffix(a)}"))
     return IncidentTimeline(summary, str(head.get("backend") or ""), dict(sorted(ranks.items())), spans, marks)
+
+
+def _rank_rates(sample: NodeSample, job_id: str, last: dict[int, tuple[float, int | None, int | None]]
+                ) -> dict[int, tuple[float | None, float | None]]:
+    """rank → (I/O KiB/s, main-thread wakeups/s) since the previous sample of the same process: what the detector
+    weighed as progress besides CPU. ``last`` is updated."""
+    out: dict[int, tuple[float | None, float | None]] = {}
+    for p in sample.processes:
+        if not (p.is_rank and p.job and p.job.job_id == job_id and p.job.rank is not None):
+            continue
+        prev = last.get(p.pid)
+        last[p.pid] = (sample.t, p.io_bytes, p.wakeups)
+        if prev is None or sample.t <= prev[0]:
+            continue
+        dt = sample.t - prev[0]
+        io = None if p.io_bytes is None or prev[1] is None else max(0, p.io_bytes - prev[1]) / dt / 1024
+        wake = None if p.wakeups is None or prev[2] is None else max(0, p.wakeups - prev[2]) / dt
+        out[p.job.rank] = (io, wake)
+    return out
 
 
 def _outcome_suffix(action: dict[str, Any]) -> str:
@@ -140,26 +167,28 @@ def build_figure(tl: IncidentTimeline) -> Any:
     s = tl.summary
     proc = tl.backend == "proc"
     has_power = any(y is not None for rs in tl.ranks.values() for y in rs.power_w)
-    fig = Figure(figsize=(12, 9), layout="constrained")
-    axes = fig.subplots(4, 1, sharex=True, height_ratios=(3, 2, 2 if has_power else 0.6, 2))
+    fig = Figure(figsize=(12, 12), layout="constrained")
+    axes = fig.subplots(6, 1, sharex=True, height_ratios=(3, 2, 2 if has_power else 0.6, 1.5, 1.5, 2))
     culprits = set(s.get("culprit_ranks") or [])
     titles = ("CPU % of the rank's process tree" if proc else "GPU utilization %",
-              "memory (RSS), GiB" if proc else "GPU memory used, GiB", "power, W", "rank state (detector)")
+              "memory (RSS), GiB" if proc else "GPU memory used, GiB", "power, W", "I/O, KiB/s (read+write)",
+              "main-thread wakeups/s", "rank state (detector)")
     colors = {r: f"C{i % 10}" for i, r in enumerate(tl.ranks)}
     for rank, rs in tl.ranks.items():
         style = {"color": colors[rank], "linewidth": 2.6 if rank in culprits else 1.3,
                  "label": f"rank {rank}{' (culprit)' if rank in culprits else ''}"}
-        for ax, ys in zip(axes[:3], (rs.util, rs.mem_gib, rs.power_w), strict=True):
+        for ax, ys in zip(axes[:5], (rs.util, rs.mem_gib, rs.power_w, rs.io_kib_s, rs.wakeups_s), strict=True):
             ax.plot(rs.t, [float("nan") if y is None else y for y in ys], drawstyle="steps-post", **style)
         # states offset a little per rank so overlapping ranks stay visible
         off = (list(tl.ranks).index(rank) - (len(tl.ranks) - 1) / 2) * 0.08
-        axes[3].plot(rs.t, [v + off for v in rs.state], drawstyle="steps-post", **style)
-        if rs.stack_marks:  # the stack dumps' verdicts, as points; the last one named in the box below
-            axes[3].plot([t for t, _ in rs.stack_marks], [STOPPED + 0.35 + off] * len(rs.stack_marks), "v",
-                         color=colors[rank], markersize=5)
+        axes[5].plot(rs.t, [v + off for v in rs.state], drawstyle="steps-post", **style)
+        for t, what in rs.stack_marks:  # each dump's verdict for the rank: a point and its class
+            axes[5].plot([t], [STOPPED + 0.35 + off], "v", color=colors[rank], markersize=5)
+            axes[5].annotate(what, (t, STOPPED + 0.35 + off), fontsize=6, color=colors[rank], rotation=30,
+                             xytext=(3, 2), textcoords="offset points")
     last_stacks = [f"rank {r}: {rs.stack_marks[-1][1]}" for r, rs in tl.ranks.items() if rs.stack_marks]
     if last_stacks:
-        axes[3].text(0.005, 0.04, "▼ stack dumps; last: " + ", ".join(last_stacks), transform=axes[3].transAxes,
+        axes[5].text(0.005, 0.04, "▼ stack dumps; last: " + ", ".join(last_stacks), transform=axes[5].transAxes,
                      fontsize=8, va="bottom", bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
     for ax, title in zip(axes, titles, strict=True):
         ax.set_ylabel(title, fontsize=9)
@@ -172,9 +201,9 @@ def build_figure(tl: IncidentTimeline) -> Any:
         axes[2].text(0.5, 0.5, "no power reading" + (" (proc backend: no GPU)" if proc else ""),
                      transform=axes[2].transAxes, ha="center", va="center", color="gray")
         axes[2].set_yticks([])
-    axes[3].set_yticks(list(STATE_LABELS), list(STATE_LABELS.values()))
-    axes[3].set_ylim(-0.6, 2.6)
-    axes[3].set_xlabel("seconds from the stall's onset")
+    axes[5].set_yticks(list(STATE_LABELS), list(STATE_LABELS.values()))
+    axes[5].set_ylim(-0.6, 2.6)
+    axes[5].set_xlabel("seconds from the stall's onset")
     for t, label in tl.marks:
         color = {"onset": "darkorange", "confirmed": "red"}.get(label, "dimgray")
         for ax in axes:
