@@ -1,8 +1,8 @@
 """The zoo's table: each program × variant under ``gpu-watchdog launch`` → detected after N s, culprit, collective,
-action, NCCL change, false action. tests/zoo/test_zoo.py asserts the rows; this prints them all, slow variants
-included (the tests keep what proves each rule).
+action, NCCL change, false action. tests/zoo/test_zoo.py asserts the rows of ``zoo_runs.CASES``; this prints them
+and the slow variants the tests leave out (EXTRA).
 
-    .venv/bin/python benchmarks/zoo.py [--variants poll,event_wait] [--waiting-timeout-s 20] [--json]
+    .venv/bin/python benchmarks/zoo.py [--only ddp_plain,fsdp2-event_wait] [--json]
 """
 
 from __future__ import annotations
@@ -16,48 +16,47 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
-from zoo_runs import Row, data_service, run_variant  # noqa: E402
+from zoo_runs import CASES, COMM_HANG, HEALTHY, Case, Row, run_case  # noqa: E402
 
-HEALTHY = ("healthy", "poll", "slow_reader", "slow_save", "eval", "straggler")
-HANGS = ("event_wait", "lock", "recv", "subprocess_wait", "desync", "busy", "crash", "sigstop")
-PROGRAMS = {"ddp_plain": HEALTHY + HANGS}
-
-
-def _row(tmp: Path, program: str, variant: str, timeout_s: float) -> Row:
-    cfg = {"detect": {"waiting_timeout_s": timeout_s}}
-    args = ("--steps", "8", "--pause-s", "20")
-    if variant in ("slow_reader", "recv"):
-        with data_service(2.0, 10) as addr:
-            return run_variant(tmp, program, variant, args=args, config=cfg, data_addr=addr)
-    return run_variant(tmp, program, variant, args=args, config=cfg)
+EXTRA = (
+    Case("ddp_plain", "eval", HEALTHY, args=("--pause-s", "40")),
+    Case("ddp_plain", "slow_save", HEALTHY, args=("--pause-s", "30")),
+    Case("ddp_plain", "straggler", HEALTHY),
+    Case("hf_trainer", "poll", HEALTHY, args=("--pause-s", "10")),
+    Case("ddp_plain", "recv", COMM_HANG, (2,), data_service=True),
+    Case("ddp_plain", "subprocess_wait", COMM_HANG, (2,)),
+    Case("ddp_plain", "sigstop", COMM_HANG, (2,)),
+    Case("ddp_plain", "crash", COMM_HANG, (2,), finishes=False),
+    Case("dcp_checkpoint", "event_wait", COMM_HANG, (2,)),
+    Case("compiled", "lock", COMM_HANG, (2,)),
+    Case("ddp_plain", "desync", COMM_HANG, args=("--hang-runs", "9"), desync=True, finishes=False),
+)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="", help="comma-separated; default: all")
-    p.add_argument("--waiting-timeout-s", type=float, default=30.0)
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--only", default="", help="comma-separated program or program-variant names; default: all")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    want = set(filter(None, a.variants.split(",")))
-    rows = []
+    want = set(filter(None, a.only.split(",")))
+    rows: list[tuple[Case, Row, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for program, variants in PROGRAMS.items():
-            for v in variants:
-                if want and v not in want:
-                    continue
-                t0 = time.monotonic()
-                row = _row(Path(tmp) / f"{program}-{v}", program, v, a.waiting_timeout_s)
-                rows.append((row, time.monotonic() - t0))
+        for i, case in enumerate((*CASES, *EXTRA)):
+            if want and case.program not in want and case.name not in want:
+                continue
+            t0 = time.monotonic()
+            rows.append((case, run_case(Path(tmp) / f"{i}-{case.name}", case), time.monotonic() - t0))
     if a.json:
-        print(json.dumps([r.as_json() for r, _ in rows], indent=1))
+        print(json.dumps([r.as_json() for _, r, _ in rows], indent=1))
         return
-    print(f"{'program':<10} {'variant':<16} {'detected':>8} {'culprit':<8} {'collective':<15} {'action':<9} "
-          f"{'NCCL':<5} {'false action':<12} {'exit':>4} {'wall':>6}")
-    for r, wall in rows:
-        healthy = r.variant in HEALTHY
-        print(f"{r.program:<10} {r.variant:<16} {_s(r.detected_after_s):>8} {_ranks(r.culprit):<8} "
-              f"{(r.collective or '-'):<15} {r.verdict:<9} {'yes' if r.nccl_change else 'no':<5} "
-              f"{'YES' if healthy and r.verdict == 'acted' else 'no':<12} {r.rc:>4} {wall:>5.0f}s")
+    print(f"{'program':<18} {'variant':<16} {'expect':<8} {'detected':>8} {'culprit':<8} {'collective':<15} "
+          f"{'action':<9} {'NCCL':<5} {'false action':<12} {'exit':>4} {'wall':>6}")
+    for case, r, wall in rows:
+        early = (r.detected_after_s or 0.0) < (case.waiting_timeout_s or 600.0) - 1.0
+        false_action = r.verdict == "acted" and (case.expect == HEALTHY or (case.expect != COMM_HANG and early))
+        print(f"{r.program:<18} {r.variant:<16} {case.expect:<8} {_s(r.detected_after_s):>8} "
+              f"{_ranks(r.culprit):<8} {(r.collective or '-'):<15} {r.verdict:<9} "
+              f"{'yes' if r.nccl_change else 'no':<5} {'YES' if false_action else 'no':<12} {r.rc:>4} {wall:>5.0f}s")
 
 
 def _s(v: float | None) -> str:

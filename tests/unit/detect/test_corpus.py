@@ -103,9 +103,14 @@ def test_legit_pauses_last_longer_than_the_test_confirmation() -> None:
 
 
 def _doc_rows() -> list[list[str]]:
-    rows = []
+    """The rows of the corpus table (the one headed ``| trace |``; the page's other tables are not the corpus's)."""
+    rows, inside = [], False
     for line in DOC.read_text().splitlines():
-        if line.startswith("|") and not re.match(r"\|\s*(trace|-+)\s*\|", line):
+        if re.match(r"\|\s*trace\s*\|", line):
+            inside = True
+        elif not line.startswith("|"):
+            inside = False
+        elif inside and not re.match(r"\|\s*-+\s*\|", line):
             rows.append([c.strip() for c in line.strip().strip("|").split("|")])
     return rows
 

@@ -201,7 +201,7 @@ class Recovery:
         if res.how == "none":  # not asked: neither done nor failed
             inc.end_action(entry, False, f"skipped: {res.detail}", outcome="skipped")
             return
-        inc.end_action(entry, res.ok, res.detail)
+        inc.end_action(entry, res.ok, res.detail, outcome=res.outcome or None)
         self.ctx.metric("action", "checkpoint", res.ok)
         self.ctx.say(f"checkpoint: {res.detail}")
 
