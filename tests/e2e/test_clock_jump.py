@@ -22,16 +22,21 @@ from gpu_watchdog.sample.backends import ProcBackend
 from gpu_watchdog.sample.processes import ProcessScanner
 from in_process import one_rank_launch
 
-# Burns CPU for the first phase, holds still (memory held, no CPU) for the second, burns again for the third.
+# Burns CPU for the first phase, holds still (memory held, no CPU) for the second, burns again for the third. Holding
+# still is a read that blocks without a timeout (a timer thread ends it): a sleep would be a slow rank, not a stall.
 PHASES = """
-import sys, time
+import os, sys, threading, time
 ballast = bytearray(32 << 20)
 burn1, still, burn2 = map(float, sys.argv[1:4])
 def burn(s):
     end = time.monotonic() + s
     while time.monotonic() < end:
         pass
-burn(burn1); time.sleep(still); burn(burn2)
+def hold_still(s):
+    r, w = os.pipe()
+    threading.Timer(s, os.write, (w, b"x")).start()
+    os.read(r, 1)
+burn(burn1); hold_still(still); burn(burn2)
 """
 
 

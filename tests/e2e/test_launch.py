@@ -482,7 +482,7 @@ def test_client_exit_wait_is_bounded_by_the_request_grace(tmp_path: Path) -> Non
 
 
 CLIENT_ABORT_JOB = textwrap.dedent("""\
-    import json, os, sys, time
+    import json, os, sys, threading, time
     import torch
     import torch.distributed as dist
     from gpu_watchdog.job import Client
@@ -493,7 +493,7 @@ CLIENT_ABORT_JOB = textwrap.dedent("""\
     if rank == 0:  # the hung peer: takes part in steps 1-3, never joins step 4's all_reduce
         for _ in range(3):
             dist.all_reduce(t)
-        time.sleep(300)
+        threading.Event().wait()  # blocked for good (a sleep would be a slow rank, not a hung one)
     client = Client(ctl, rank, poll_s=0.05)
 
     def save(step):

@@ -109,7 +109,7 @@ def assert_culprit_proven(inc: dict[str, Any], nproc: int = NPROC) -> None:
     stacks = sorted(p.name for p in Path(inc["stacks_dir"]).glob("rank-*.json"))
     assert stacks == [f"rank-{r}.json" for r in range(nproc)]
     culprit = json.loads((Path(inc["stacks_dir"]) / "rank-1.json").read_text())
-    assert culprit["outcome"] == "ok" and "sleep" in json.dumps(culprit["threads"])
+    assert culprit["outcome"] == "ok" and "recv" in json.dumps(culprit["threads"])  # the message that never comes
 
 
 def run_train_hang(tmp_path: Path, backend: str, *, env: dict[str, str], state: StandinState | None,
@@ -192,7 +192,7 @@ def job_states(port: int, job_id: str) -> tuple[dict[str, float], dict[str, floa
 
 @pytest.mark.slow
 def test_spin_signature_needs_idle_power_and_silent_links(nvml_standin, tmp_path):
-    """Ranks really blocked the whole time (rank 1 sleeps, the others wait in all_reduce: no CPU); only
+    """Ranks really blocked the whole time (rank 1 blocked in a receive, the others wait in all_reduce: no CPU); only
     what the GPUs show changes.
     1. ~100 % at high power with rising NVLink/PCIe counters on every GPU: the devices work, so the job
        stays "running" — no suspect, no stack dump, no incident.
@@ -491,7 +491,7 @@ def _latency(res: dict[str, Any]) -> tuple[float, float]:
 
 @pytest.mark.slow
 def test_detection_latency_nvml_matches_proc(nvml_standin, tmp_path, record_property):
-    """The same hang (train.py, rank 1 sleeps at step 60), the same shipped config, under ``launch
+    """The same hang (train.py, rank 1 blocked in a receive at step 60), the same shipped config, under ``launch
     --backend proc`` and ``--backend nvml``, three times each, alternating: the same incident (signature,
     culprit, collective, actions) and detection latencies within one sampling interval (see the asserts).
     Medians of three: one run whose ranks took seconds longer to go quiet on a loaded CI machine (seen once:
@@ -550,7 +550,7 @@ def test_detection_latency_nvml_matches_proc(nvml_standin, tmp_path, record_prop
 @pytest.mark.slow
 def test_daemon_nvml_finds_a_registered_hang_and_runs_the_restart_hook(nvml_standin):
     """The node daemon (``gpu-watchdog run --backend nvml``) on the same kind of hang: a 4-rank gloo job
-    started outside it (rank 1 sleeps, the others wait in all_reduce), its ranks on four fake GPUs that
+    started outside it (rank 1 blocked in a receive, the others wait in all_reduce), its ranks on four fake GPUs that
     drop to 0 % with memory held, registered through ``gpu-watchdog hook job-start``: found through NVML,
     proven with stacks, culprit rank 1, stopped (NVML no longer lists the ranks) and handed to the restart
     hook once at fallback level 1."""

@@ -36,7 +36,7 @@ def test_a_hung_jobs_incident_names_the_rank_ras_shows_behind(tmp_path: Path) ->
             run.kill()
         assert ras.connections >= 2
     assert inc["ras_culprit_ranks"] == [2] and inc["ras_hung_communicators"] == 1, inc
-    # the stacks tell rank 2 apart (asleep) and decide; RAS agrees: no disagreement (evidence.culprit)
+    # the stacks tell rank 2 apart (blocked in a receive) and decide; RAS agrees: no disagreement (evidence.culprit)
     assert inc["culprit_ranks"] == [2] and inc["culprit_evidence"] == "stacks" and inc["evidence_disagreements"] == []
     action = next(a for a in inc["actions"] if a["action"] == "nccl_ras")
     assert action["ok"] and "culprit ranks 2" in action["detail"]

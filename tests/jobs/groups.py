@@ -7,7 +7,7 @@ Groups: TP = {0,1}, {2,3}; DP = {0,2}, {1,3}. Each step: an all_reduce in the ra
 group. At step ``--step-at`` rank ``--rank-at`` (the fault) does, by ``--scenario``:
   healthy   nothing: ``--steps`` steps, then every rank waits (idle, nothing in flight) to be dumped and killed
   slow      waits ``--pause-s`` seconds (a long data load) before its TP all_reduce, then goes on (slow, not hung)
-  missing   never enters its TP all_reduce (sleeps forever); its peers block, and ranks behind them block too
+  missing   never enters its TP all_reduce (blocked for good); its peers block, and ranks behind them block too
   chain     never enters its DP all_reduce: its DP peer blocks there, and through it the TP peers of both
   mismatch  calls all_gather instead of its TP all_reduce, at the same sequence id as its TP peer (gloo aborts
             the job on a plain size mismatch, ``gloo::EnforceNotMet``; an op mismatch hangs instead)
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
 import time
 
 import torch
@@ -85,8 +86,7 @@ def main() -> None:
             if args.scenario == "p2p":
                 dist.send(torch.ones(8), dst=tp_peer, group=tp)  # its peer never receives it
             if args.scenario == "missing":
-                while True:
-                    time.sleep(3600)
+                threading.Event().wait()  # blocked for good, no timeout (a sleep would be a slow rank, not a hung one)
             if args.scenario == "slow":
                 time.sleep(args.pause_s)  # a long data load: slow, not hung (and its FR helper thread can run)
             if args.scenario == "mismatch":
@@ -94,8 +94,7 @@ def main() -> None:
         if not (at and fault and args.scenario == "mismatch"):
             all_reduce(tp, args.functional)
         if at and fault and args.scenario == "chain":
-            while True:
-                time.sleep(3600)
+            threading.Event().wait()
         all_reduce(dp, args.functional)
         log_event(args.events, rank=rank, step=step, event="step")
     log_event(args.events, rank=rank, step=args.steps, event="done")
