@@ -19,7 +19,7 @@ from gloo_jobs import TRAIN, RunningJob, _torchrun
 from gpu_watchdog.model import JobIdentity, ProcessSample
 from gpu_watchdog.policy.fallback import validate_job_id
 from gpu_watchdog.sample import processes as processes_mod
-from gpu_watchdog.sample.processes import ProcessScanner, identity_from_env
+from gpu_watchdog.sample.processes import ProcessScanner, _is_launcher, identity_from_env
 from waiting import wait_for
 
 ID_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID",
@@ -43,6 +43,12 @@ class Procs:
 
     def start(self, code: str, **env: str) -> subprocess.Popen[bytes]:
         p = subprocess.Popen([sys.executable, "-c", code], env=clean_env(**env), start_new_session=True)
+        self.started.append(p)
+        wait_for(lambda: _env_ready(p.pid, env), 15.0, f"pid {p.pid} to exec", poll=0.02)
+        return p
+
+    def start_argv(self, argv: list[str], **env: str) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen(argv, env=clean_env(**env), start_new_session=True)
         self.started.append(p)
         wait_for(lambda: _env_ready(p.pid, env), 15.0, f"pid {p.pid} to exec", poll=0.02)
         return p
@@ -412,6 +418,38 @@ def test_srun_torchrun_agent_is_no_rank(procs: Procs) -> None:
     pids = _spawn_tree(procs, workers, **task)
     samples, _ = ProcessScanner().sample()
     assert _ranks(samples, pids) == dict(zip(pids[1:], [0, 1], strict=True))
+
+
+def test_an_srun_task_running_torchrun_is_a_launcher_before_its_workers_start(procs: Procs, tmp_path: Path) -> None:
+    """srun task 1 on node 2 runs torchrun: until its workers start it must not count as rank 1 (the phantom rank
+    1 that made every later stall on that node "rank 1 is missing")."""
+    task = {"SLURM_JOB_ID": "504", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
+    fake = tmp_path / "torchrun"  # a console script named torchrun, run by its interpreter, not yet started workers
+    fake.write_text("import time\ntime.sleep(120)\n")
+    agent = procs.start_argv([sys.executable, str(fake)], **task)
+    samples, _ = ProcessScanner().sample()
+    assert _ranks(samples, [agent.pid]) == {}, samples
+    plain = procs.start(SLEEP, **task)  # an srun task running the training script itself is a rank
+    samples, _ = ProcessScanner().sample()
+    assert _ranks(samples, [plain.pid]) == {plain.pid: 1}, samples
+
+
+@pytest.mark.parametrize(("argv", "launcher"), [
+    (["/v/bin/torchrun", "--nproc-per-node", "2", "t.py"], True),
+    (["/usr/bin/python3", "-m", "torch.distributed.run", "t.py"], True),
+    (["python3.11", "/v/bin/torchrun", "t.py"], True),
+    (["/v/bin/accelerate", "launch", "t.py"], True),
+    (["deepspeed", "t.py"], True),
+    (["python3", "train.py"], False),
+    (["python3", "-m", "mypkg.train"], False),
+    (["bash", "run.sh"], False),
+])
+def test_launchers_are_known_by_their_command_line(argv: list[str], launcher: bool) -> None:
+    class Fake:
+        def cmdline(self) -> list[str]:
+            return argv
+
+    assert _is_launcher(Fake()) is launcher  # type: ignore[arg-type]
 
 
 def test_srun_python_tasks_are_ranks_and_the_batch_shell_is_not(procs: Procs) -> None:

@@ -94,6 +94,28 @@ def _wants_launcher_id(env: Mapping[str, str], ident: JobIdentity | None) -> boo
             and _job_id_from_env(env, True) is None)
 
 
+# Launchers that start the ranks themselves: under ``srun`` they carry the task's SLURM_PROCID, but the ranks are
+# their workers (with RANK of their own). Known from their first sample, before any worker shows up.
+_LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "torchrun", "accelerate",
+                     "deepspeed.launcher", "deepspeed")
+
+
+def _is_launcher(proc: psutil.Process) -> bool:
+    """torchrun / ``python -m torch.distributed.run`` / ``accelerate launch`` / ``deepspeed``: a launcher."""
+    try:
+        argv = proc.cmdline()
+    except psutil.Error:
+        return False
+    names = [os.path.basename(a) for a in argv[:3]]
+    if names and names[0] in _LAUNCHER_MODULES:
+        return True
+    if len(argv) >= 2 and names[0].startswith("python"):
+        if argv[1] == "-m" and len(argv) >= 3:
+            return argv[2] in _LAUNCHER_MODULES
+        return names[1] in _LAUNCHER_MODULES  # a console script run by its interpreter
+    return False
+
+
 def rank_from_env(env: Mapping[str, str]) -> int | None:
     """``RANK``; else ``SLURM_PROCID``, but only in an srun task (``SLURM_STEP_ID`` set). A batch step's shell
     carries ``SLURM_PROCID=0`` and hands it to everything it starts (torchrun's agent, wrappers, ``srun``
@@ -212,6 +234,8 @@ class ProcessScanner:
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             return known  # one that exited young keeps what it showed alive (a zombie rank is still a rank)
         ident = identity_from_env(env)
+        if ident is not None and ident.rank is not None and env.get("RANK") is None and _is_launcher(proc):
+            ident = replace(ident, rank=None)  # an srun task running torchrun: its agent, never a rank
         kept = {k: v for k, v in env.items() if k.startswith(self._keep_env)} if self._keep_env else {}
         known = _Known(proc, ctime, ident, kept, start if start is not None else 0.0,
                        launcher_scoped=_wants_launcher_id(env, ident),
