@@ -318,3 +318,17 @@ def test_live_group_hang_is_named_from_fresh_dumps(tmp_path: Path) -> None:
     dumps = take_group_dumps("missing", rank_at=2, tmp_path=tmp_path, blocked_s=3.0)
     doc = analyze_json(dumps[0].parent, min_wait_s=2.0)
     assert doc["culprit_ranks"] == [2] and doc["culprit_evidence"] == "flight_recorder", doc["reason"]
+
+
+def test_waits_are_measured_against_the_dumps_own_clock_not_a_copied_files_mtime() -> None:
+    """Dumps copied a year later get a new mtime: the waits must stay what they were (seconds), not a year."""
+    from gpu_watchdog.evidence.fr_analysis import MTIME_TRUSTED_S, dump_time
+
+    t0 = 1_750_000_000.0
+    entries = [{"time_created_ns": int(t0 * 1e9)}, {"time_created_ns": int((t0 + 40) * 1e9),
+                                                     "time_discovered_started_ns": int((t0 + 41) * 1e9)}]
+    assert dump_time(entries, t0 + 45) == t0 + 45  # written just after: the mtime is the dump's time
+    assert dump_time(entries, t0 + 365 * 86400) == t0 + 41  # copied a year later: the dump's own newest stamp
+    assert dump_time(entries, t0 + 41 + MTIME_TRUSTED_S + 1) == t0 + 41
+    assert dump_time(entries, t0 - 100) == t0 + 41  # an mtime before the dump's own events: not the dump's time
+    assert dump_time([], t0) == t0 and dump_time([{"time_created_ns": True}], None) is None

@@ -79,7 +79,7 @@ class RankTrace:
     rank: int
     version: str
     groups: Mapping[str, GroupView]
-    dumped_at: float | None = None  # unix seconds the dump was written (its file's mtime)
+    dumped_at: float | None = None  # unix seconds the dump was taken (dump_time: its mtime or its own clock)
     entries: int = 0
 
 
@@ -234,7 +234,26 @@ def read_trace(doc: Mapping[str, Any], rank: int, dumped_at: float | None = None
             created_s=created / 1e9 if isinstance(created, (int, float)) and created > 0 else None))
         if not (peer is not None or e.get("is_p2p")):
             gv.last_enqueued = max(gv.last_enqueued, seq)
-    return RankTrace(rank, version, groups, dumped_at, len(entries))
+    return RankTrace(rank, version, groups, dump_time(entries, dumped_at), len(entries))
+
+
+# A file's mtime is the dump's time only while the dump's own clock agrees: dumps copied or unpacked elsewhere get
+# a new mtime (a report once said "waited 36939078 s"). NCCL writes its dumps within its collective timeout.
+MTIME_TRUSTED_S = 3600.0
+
+
+def dump_time(entries: list[Mapping[str, Any]], mtime: float | None) -> float | None:
+    """When the dump was taken, in unix seconds: the file's mtime when it is at most MTIME_TRUSTED_S after the
+    newest timestamp inside the dump, else that newest timestamp (the dump's own clock)."""
+    stamps = [v / 1e9 for e in entries for k in ("time_created_ns", "time_discovered_started_ns",
+                                                 "time_discovered_completed_ns")
+              if isinstance(v := e.get(k), (int, float)) and not isinstance(v, bool) and v > 0]
+    newest = max(stamps, default=None)
+    if newest is None:
+        return mtime
+    if mtime is not None and newest <= mtime <= newest + MTIME_TRUSTED_S:
+        return mtime
+    return newest
 
 
 # ---- the analysis -------------------------------------------------------------------------------------------
