@@ -332,3 +332,31 @@ def test_waits_are_measured_against_the_dumps_own_clock_not_a_copied_files_mtime
     assert dump_time(entries, t0 + 41 + MTIME_TRUSTED_S + 1) == t0 + 41
     assert dump_time(entries, t0 - 100) == t0 + 41  # an mtime before the dump's own events: not the dump's time
     assert dump_time([], t0) == t0 and dump_time([{"time_created_ns": True}], None) is None
+
+
+def test_a_rank_whose_gpu_failed_keeps_enqueueing_but_falls_behind_in_completion() -> None:
+    """NCCL dumps of active entries only (16 ranks as in NVIDIA's fault-injected runs, 4 here): rank 2's GPU failed
+    at #7, it kept enqueueing up to #12; the others wait in #10 having completed #9. pg_status names rank 2."""
+    groups = {"0": ("default_pg", [0, 1, 2, 3])}
+
+    def active(rank: int, first: int, last: int) -> dict[str, Any]:
+        entries = [_e(100 + seq, DEF, seq, state="scheduled" if seq > first else "started")
+                   for seq in range(first, last + 1)]
+        return _dump(entries, groups, {"0": (last, first - 1)})
+
+    dumps = {r: active(r, 10, 10) for r in (0, 1, 3)}
+    dumps[2] = active(2, 7, 12)
+    a = _analyze(dumps)
+    assert a.culprit_ranks == (2,), a.reason
+    (g,) = [g for g in a.groups if g.kind == "behind"]
+    assert g.culprits == (2,) and "enqueued #12 but completed only #6" in g.detail and "completed #9" in g.detail
+
+
+def test_a_rank_that_stopped_issuing_work_is_missing_not_behind() -> None:
+    """A held GIL: rank 1 stopped enqueueing at #8 with nothing pending; the others wait in #9."""
+    groups = {"0": ("default_pg", [0, 1, 2])}
+    dumps = {r: _dump([_e(109, DEF, 9, state="started")], groups, {"0": (9, 8)}) for r in (0, 2)}
+    dumps[1] = _dump([], groups, {"0": (8, 8)})  # only active entries: none
+    a = _analyze(dumps)
+    assert a.culprit_ranks == (1,), a.reason
+    assert [g.kind for g in a.groups] == ["missing"]

@@ -89,7 +89,7 @@ class GroupFinding:
 
     name: str
     desc: str
-    kind: str  # "missing" | "mismatch" | "p2p" | "blocked" (waits on ranks blocked elsewhere) | "in_progress"
+    kind: str  # "missing" | "mismatch" | "p2p" | "behind" (enqueued, not completing) | "blocked" | "in_progress"
     op: str | None
     sizes: list[list[int]] | None
     dtypes: list[str] | None
@@ -215,7 +215,9 @@ def read_trace(doc: Mapping[str, Any], rank: int, dumped_at: float | None = None
     status = doc.get("pg_status")
     if isinstance(status, Mapping):
         for pg_id, st in status.items():
-            known = pg_id_name.get(str(pg_id))
+            # A dump that holds only active entries may name no group of a status: a group named after its id
+            # (torch's default names) is still known from pg_config.
+            known = pg_id_name.get(str(pg_id)) or (str(pg_id) if str(pg_id) in groups else None)
             if known is None or not isinstance(st, Mapping):
                 continue  # a group whose entries left the ring buffer: its name is unknown
             gv = groups[known]
@@ -366,7 +368,27 @@ def _collective_finding(name: str, desc: str, members: tuple[int, ...], views: M
         return GroupFinding(kind="missing", culprits=missing, **base,
                             detail=f"{where} {_fmt_sizes(ref)}: {_waits(waiting)}; {format_ranks(missing)} never "
                                    "enqueued it")
+    behind = _behind_in_completion(members, views)
+    if behind:
+        g.direct.update(behind)  # the cause wherever else they wait
+        done = max(v.last_completed for v in views.values() if v is not None)
+        what = ", ".join(f"{format_ranks([r])} enqueued #{views[r].last_enqueued} but completed only "  # type: ignore[union-attr]
+                         f"#{views[r].last_completed}" for r in behind)  # type: ignore[union-attr]
+        return GroupFinding(kind="behind", culprits=behind, **base,
+                            detail=f"{_where(name, desc)}: {what} while the others completed #{done} (its device "
+                                   "stopped completing work: a failed GPU, a stuck kernel)")
     return GroupFinding(kind="blocked", **base, detail=f"{where}: {_waits(waiting)}, no member is missing")
+
+
+def _behind_in_completion(members: tuple[int, ...], views: Mapping[int, GroupView | None]) -> tuple[int, ...]:
+    """Members (pg_status) that keep enqueueing collectives but fall behind the others in completing them: their GPU
+    failed or a kernel never finished. (Members that stopped issuing work fall behind in *enqueueing* instead and
+    have nothing pending: those are ``missing``.) Empty when the group has no status or nobody lags."""
+    known = {r: v for r in members if (v := views.get(r)) is not None and v.last_completed >= 0}
+    if len(known) < 2:
+        return ()
+    done = max(v.last_completed for v in known.values())
+    return tuple(sorted(r for r, v in known.items() if v.last_completed < done and v.last_enqueued > v.last_completed))
 
 
 def _p2p_findings(name: str, desc: str, members: tuple[int, ...], views: Mapping[int, GroupView | None],
