@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpu_watchdog.act.checkpoint import request_checkpoint
 from gpu_watchdog.act.gather import EvidenceGatherer, Gathered
@@ -20,7 +21,7 @@ from gpu_watchdog.act.target import ActContext, JobTarget
 from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.model import NodeSample
 from gpu_watchdog.policy.budget import RestartBudget
-from gpu_watchdog.policy.fallback import WAITED_ADVICE, decide, diagnostics_env, hang_place
+from gpu_watchdog.policy.fallback import WAITED_ADVICE, FallbackDecision, decide, diagnostics_env, hang_place
 from gpu_watchdog.store.incidents import Incident
 
 
@@ -36,6 +37,7 @@ class RecoveryResult:
     held: str = ""
     held_on: tuple[int, ...] = ()
     held_doing: str = ""
+    restarted_by: str = ""  # another node's agent decided (and restarts) the next run: this one stood down
 
 
 def action_proof(finding: Finding, gathered: Gathered, status: JobStatus | None) -> str:
@@ -115,6 +117,9 @@ class Recovery:
                           culprit.state if culprit else None, desync=desync, communication=gathered.communication,
                           signature=finding.signature, place=place,
                           level_advice=finding.kind == "stall" and _on_gpus(finding, sample))
+        claimed = self._claim_next_run(inc, target, decision)
+        if claimed is not None and not claimed[0]:
+            return self._stand_down(inc, target, claimed[1], gathered)
         hang_step = max((p.heartbeat_step for p in sample.processes
                          if p.job and p.job.job_id == target.job_id and p.heartbeat_step is not None), default=None)
         allowed, why_not = self.budget.allow(time.time(), hang_step)
@@ -126,7 +131,8 @@ class Recovery:
         restart_env: dict[str, str] = {}
         if allowed:  # stored before the stop: a daemon killed before its restart hook resumes at this level
             restart_env = dict(decision.env)
-            restart_env.update(diagnostics_env(cfg.fallback, inc.dir, restart_env))
+            restart_env.update(claimed[1]["env"] if claimed is not None else
+                               diagnostics_env(cfg.fallback, inc.dir, restart_env))
             ctx.fallback.save(target.job_id, decision, restart_env)
             inc.update(fallback={"level": decision.level, "name": decision.name, "env": decision.env,
                                  "reason": decision.reason})
@@ -162,6 +168,46 @@ class Recovery:
         ctx.metric("action", "restart", restarted)
         gathered.report(inc)
         return RecoveryResult(inc, False, restart_env, decision.level, restarted)
+
+    def _claim_next_run(self, inc: Incident, target: JobTarget, decision: FallbackDecision
+                        ) -> tuple[bool, dict[str, Any]] | None:
+        """With ``fallback.shared_dir``, decide the job's next run job-wide: first writer wins (store.job_runs).
+        The record carries the level's settings and diagnostics on the shared directory (the same path on every
+        node). None when there is no shared directory or no run number, or it cannot be written (this node then
+        acts on its own, as without one, and says so)."""
+        runs, run = self.ctx.runs, getattr(target, "run", None)
+        if runs is None or run is None:
+            return None
+        nxt = int(run) + 1
+        env = dict(decision.env)
+        env.update(diagnostics_env(self.ctx.cfg.fallback, runs.run_dir(target.job_id, nxt), env))
+        record = {"level": decision.level, "name": decision.name, "env": env, "reason": decision.reason,
+                  "advice": decision.advice, "hang_place": decision.hang_place, "incident": inc.id}
+        try:
+            won, rec = runs.claim(target.job_id, nxt, record)
+        except OSError as e:
+            inc.record_action("claim_run", False, f"cannot write the job-wide record of run {nxt} in {runs.root}: "
+                                                  f"{e}; acting on this node's decision alone")
+            return None
+        inc.record_action("claim_run", True, f"run {nxt} decided here (level {decision.level})" if won else
+                          f"run {nxt} already decided by {rec.get('decided_by')} (level {rec.get('level')})")
+        return won, rec
+
+    def _stand_down(self, inc: Incident, target: JobTarget, rec: dict[str, Any],
+                    gathered: Gathered) -> RecoveryResult:
+        """Another node's agent decided the next run and restarts the job: stop this node's ranks of the old run,
+        never a second restart, never a failed hook; the incident points at the deciding node's."""
+        who = str(rec.get("decided_by") or "?")
+        level = int(rec.get("level") or 0)
+        inc.update(fallback={"level": level, "name": rec.get("name"), "env": rec.get("env") or {},
+                             "reason": f"decided by {who}: {rec.get('reason') or ''}"},
+                   restarted_by={"host": who, "incident": rec.get("incident"), "run": rec.get("run")})
+        self._stop(inc, target)
+        inc.record_action("restart", False, f"skipped: restarted by {who} (run {rec.get('run')} at level {level}, "
+                                            f"incident {rec.get('incident')})", outcome="skipped")
+        gathered.report(inc)
+        self.ctx.say(f"job {target.job_id}: restarted by {who} (run {rec.get('run')}, level {level}): standing down")
+        return RecoveryResult(inc, give_up=False, level=level, restarted_by=who)
 
     def _hold(self, inc: Incident, finding: Finding, gathered: Gathered) -> RecoveryResult:
         """No proof the hang is in communication: the job is waiting (every rank asleep, polling, reading, in its

@@ -17,12 +17,14 @@ from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.sample.recent import TRACE_NAME, RecentSamples
 from gpu_watchdog.store.fallback import FallbackStore
 from gpu_watchdog.store.incidents import Incident, IncidentStore
+from gpu_watchdog.store.job_runs import JobRuns
 
 log = logging.getLogger("gpu_watchdog.act")
 
 
 class JobTarget(Protocol):
-    """One job as the act stage sees it. ``launch`` builds it on its Popen; the daemon on a registration."""
+    """One job as the act stage sees it. ``launch`` builds it on its Popen; the daemon on a registration. A target
+    may also have ``run`` (int | None: the job-wide run number, Slurm's restart count) for job-wide run records."""
 
     job_id: str
     control: ControlDir  # where the in-job client listens for checkpoint requests and writes its heartbeats
@@ -56,6 +58,7 @@ class ActContext:
     drained: set[str] = field(default_factory=set)  # GPUs whose fault already drained the node
     ras: RasPoller | None = None  # the engine's NCCL RAS poller: an incident reuses its last poll
     recent: RecentSamples | None = None  # the engine's ring of recent samples: each incident's trace
+    runs: JobRuns | None = None  # fallback.shared_dir: the job-wide run records (multi-node jobs)
 
     def metric(self, name: str, *args: Any) -> None:
         """Count an event; a broken metrics collector is logged, never a reason to stop acting on a job."""

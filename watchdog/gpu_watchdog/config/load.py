@@ -61,6 +61,7 @@ def _is_socket_path(text: str) -> bool:
 _STRING_CHECKS = {
     "agent.metrics_addr": (_is_host_port, "HOST:PORT (or empty)"),
     "ras.addr": (_is_host_port, "HOST:PORT (or empty)"),
+    "fallback.shared_dir": (os.path.isabs, "an absolute path (or empty)"),
     "recovery.checkpoint_signal": (_is_signal_name, "a signal name such as SIGUSR1 (or empty)"),
     "daemon.control_socket": (_is_socket_path, "an absolute path of at most 100 bytes (or empty)"),
 }

@@ -84,6 +84,9 @@ class FallbackConfig:
         default_factory=lambda: {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,GRAPH,ENV"}
     )
     healthy_reset_s: float = 1800.0  # a job healthy this long drops back to level 0
+    # A directory every node mounts at the same path (multi-node jobs): the job-wide record of each run's level and
+    # settings, written once by the agent that restarts the job (store.job_runs). Empty: per-node state only.
+    shared_dir: str = ""
 
 
 @dataclass(frozen=True)

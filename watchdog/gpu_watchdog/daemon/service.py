@@ -53,6 +53,7 @@ from gpu_watchdog.sample.backends import Backend, choose_backend, gpu_memory_hol
 from gpu_watchdog.store.db import Store
 from gpu_watchdog.store.fallback import FallbackStore
 from gpu_watchdog.store.incidents import Incident, IncidentStore
+from gpu_watchdog.store.job_runs import JobRuns
 
 log = logging.getLogger("gpu_watchdog.daemon")
 
@@ -67,6 +68,7 @@ class RegisteredJob:
         self.reg = reg
         self.control = daemon.control_dir(job_id)
         self.may_signal_checkpoint = bool(reg.get("checkpoint_opt_in"))  # never a signal it did not ask for
+        self.run: int | None = reg.get("run")  # Slurm's restart count, from the TaskProlog
 
     def processes(self) -> list[JobProcess]:
         return self.daemon.job_processes(self.job_id)
@@ -99,7 +101,8 @@ class Daemon:
         self.backend: Backend | None = backend
         self.backend_why = "injected" if backend else ""
         self._stopping = threading.Event()  # set when run() ends: cuts a restart backoff short
-        self.ctx = ActContext(cfg, self.host, self.incidents, self.fallback, metrics, self._log_info)
+        self.ctx = ActContext(cfg, self.host, self.incidents, self.fallback, metrics, self._log_info,
+                              runs=JobRuns(cfg.fallback.shared_dir, self.host) if cfg.fallback.shared_dir else None)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="watchdog-work")
         self._engine: Engine | None = None
         self._signals: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -163,8 +166,12 @@ class Daemon:
         return ControlDir(base / f"run-{int(run)}" if run is not None else base)
 
     def start_reply(self, job_id: str) -> dict[str, Any]:
-        """What a registration hands back to the job: its control directory and its fallback overlay."""
-        data = self.fallback.load(job_id)
+        """What a registration hands back to the job: its control directory and its fallback overlay — with
+        ``fallback.shared_dir`` the job-wide record of its run, so every node exports the same settings."""
+        reg = self.registry.get(job_id)
+        run = reg.get("run") if reg else None
+        shared = self.ctx.runs.current(job_id, run) if self.ctx.runs is not None and run is not None else None
+        data = shared if shared is not None else self.fallback.load(job_id)
         return {"control_dir": str(self.control_dir(job_id).path), "level": int(data.get("level", 0)),
                 "env": dict(data.get("env") or {})}
 
@@ -299,6 +306,7 @@ class Daemon:
             self.engine.hold(job_id, finding.onset, result.held, result.held_on, result.held_doing)
             return
         result.incident.finish("gave up: restart budget spent (no restart hook run)" if result.give_up
+                               else f"restarted by {result.restarted_by}" if result.restarted_by
                                else "restart hook ran" if result.restarted else "restart hook failed or missing")
 
     def _backoff_wait(self, seconds: float) -> bool:

@@ -79,6 +79,7 @@ class LaunchTarget:
     """The launched command as the act stage sees it (act.target.JobTarget)."""
 
     may_signal_checkpoint = True  # whoever runs ``launch`` configures recovery.checkpoint_signal for their job
+    run: int | None = None  # launch numbers its own runs; job-wide run records are the daemon's (multi-node jobs)
 
     def __init__(self, launcher: Launcher, child: subprocess.Popen[bytes], control: ControlDir, attempt: int) -> None:
         self.launcher = launcher

@@ -1,0 +1,105 @@
+"""Job-wide run records on a shared directory (store.job_runs) and the recovery that uses them: one decision per
+(job, run), made by the first agent, read by every other node — exactly one restart per run."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from gpu_watchdog.act.recovery import Recovery
+from gpu_watchdog.act.target import ActContext
+from gpu_watchdog.config.schema import Config, FallbackConfig, StacksConfig
+from gpu_watchdog.detect.detector import Finding
+from gpu_watchdog.job.protocol import ControlDir
+from gpu_watchdog.model import NodeSample
+from gpu_watchdog.policy.budget import RestartBudget
+from gpu_watchdog.store.fallback import FallbackStore
+from gpu_watchdog.store.incidents import Incident, IncidentStore
+from gpu_watchdog.store.job_runs import JobRuns
+
+
+def _claim(root: str, host: str, out: Any) -> None:
+    won, rec = JobRuns(root, host).claim("job-7", 1, {"level": 1 if host == "a" else 2})
+    out.put((host, won, rec["decided_by"], rec["level"]))
+
+
+def test_racing_agents_one_wins_and_everyone_reads_its_record(tmp_path: Path) -> None:
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_claim, args=(str(tmp_path), h, out)) for h in "abcdef"]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    results = [out.get(timeout=5) for _ in procs]
+    winners = [h for h, won, _, _ in results if won]
+    assert len(winners) == 1
+    assert {(by, level) for _, _, by, level in results} == {(winners[0], 1 if winners[0] == "a" else 2)}
+    assert not list(tmp_path.glob("job-7/.*.tmp"))  # no temporary left behind
+
+
+def test_the_record_of_a_run_is_the_newest_at_or_before_it(tmp_path: Path) -> None:
+    runs = JobRuns(tmp_path, "n1")
+    assert runs.current("j", 0) is None
+    runs.claim("j", 1, {"level": 1})
+    runs.claim("j", 3, {"level": 2})
+    assert runs.current("j", 0) is None and runs.current("j", 1)["level"] == 1  # type: ignore[index]
+    assert runs.current("j", 2)["level"] == 1 and runs.current("j", 5)["level"] == 2  # type: ignore[index]
+    assert runs.current("j")["run"] == 3  # type: ignore[index]
+
+
+class _Target:
+    """A registered job on one node: its restart is a scheduler hook (counted)."""
+
+    may_signal_checkpoint = False
+
+    def __init__(self, tmp: Path, run: int) -> None:
+        self.job_id, self.run, self.control = "job-7", run, ControlDir(tmp / "control")
+        self.control.create()
+        self.restarts: list[int] = []
+
+    def processes(self) -> list[Any]:
+        return []
+
+    def poll(self) -> int | None:
+        return 0
+
+    def restart(self, inc: Incident, level: int, shown: str) -> bool:
+        self.restarts.append(level)
+        inc.record_action("restart", True, shown)
+        return True
+
+
+def _agent(tmp: Path, host: str, shared: Path) -> tuple[Recovery, _Target]:
+    cfg = replace(Config(), fallback=FallbackConfig(shared_dir=str(shared)), stacks=StacksConfig(enabled=False))
+    ctx = ActContext(cfg, host, IncidentStore(tmp / host), FallbackStore(tmp / host), runs=JobRuns(shared, host))
+    return Recovery(ctx, RestartBudget(cfg.recovery)), _Target(tmp / host, run=0)
+
+
+def _finding() -> Finding:
+    now = time.time()
+    return Finding("stall", "rank_exited", "job-7", (0, 1, 2, 3), (3,), now - 5, now, (), "rank 3 exited", "process")
+
+
+def test_two_nodes_confirm_the_same_hang_exactly_one_restarts(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    sample = NodeSample(t=time.time(), hostname="x", backend="proc", devices=(), processes=(), errors=())
+    first, t1 = _agent(tmp_path, "node1", shared)
+    second, t2 = _agent(tmp_path, "node2", shared)
+    r1 = first.handle(_finding(), t1, sample, None)
+    r2 = second.handle(_finding(), t2, sample, None)
+    assert (t1.restarts, t2.restarts) == ([0], [])  # one restart hook for the run, on the node that decided it
+    assert r1.restarted and not r1.restarted_by and r2.restarted_by == "node1" and not r2.restarted
+    restart = [a for a in r2.incident.summary["actions"] if a["action"] == "restart"]
+    assert restart and restart[0]["outcome"] == "skipped" and "restarted by node1" in restart[0]["detail"]
+    assert r2.incident.summary["restarted_by"]["incident"] == r1.incident.id
+    # every node exports the same settings for run 1, with job-wide diagnostics paths
+    rec = JobRuns(shared, "any").current("job-7", 1)
+    assert rec is not None and rec["decided_by"] == "node1"
+    assert rec["env"]["NCCL_DEBUG_FILE"].startswith(str(shared / "job-7" / "run-1"))
+    # a late agent still watching run 0 can never restart run 1 either
+    late, t3 = _agent(tmp_path, "node3", shared)
+    assert late.handle(_finding(), t3, sample, None).restarted_by == "node1" and t3.restarts == []

@@ -1,0 +1,87 @@
+"""Job-wide run records on a shared directory: one decision per (job, run), the same for every node.
+
+A job that spans nodes has one agent per node and no coordinator. The agents coordinate through what the cluster
+already has: a directory every node mounts at the same path (``fallback.shared_dir``). The record of run N+1 — the
+fallback level and NCCL settings the job restarts with, who decided them, from which incident — is the file
+``<shared_dir>/<job>/run-<N+1>.json``, created exclusively: the first agent to write it is the one that restarts
+the job (first writer wins, like NVRx's round number in the rendezvous store); every other agent reads it and
+stands down ("restarted by <node>"). A record is never rewritten, so a late agent can never act twice on one run
+nor on a newer one. Every node's TaskProlog exports the record of the run it starts: one level, one set of NCCL
+settings for every rank of a communicator.
+
+The exclusive create is ``os.link`` of a complete temporary file (atomic on local file systems and NFSv3+, where
+``O_EXCL`` on a plain open is not always honoured): no reader ever sees half a record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from gpu_watchdog.policy.fallback import validate_job_id
+
+_RUN_FILE = re.compile(r"^run-(\d+)\.json$")
+
+
+class JobRuns:
+    def __init__(self, shared_dir: str | Path, host: str = "") -> None:
+        self.root = Path(shared_dir)
+        self.host = host or socket.gethostname()
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.root / validate_job_id(job_id)
+
+    def run_dir(self, job_id: str, run: int) -> Path:
+        """Job-wide files of one run (NCCL debug logs, Flight Recorder dumps): the same path on every node."""
+        return self.job_dir(job_id) / f"run-{int(run)}"
+
+    def claim(self, job_id: str, run: int, record: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+        """Decide run ``run`` of the job: (True, record) when this agent wrote it first, else (False, the record
+        someone else wrote). OSError when the shared directory cannot be written (the caller decides)."""
+        d = self.job_dir(job_id)
+        d.mkdir(parents=True, exist_ok=True)
+        final = d / f"run-{int(run)}.json"
+        data = {**record, "job_id": job_id, "run": int(run), "decided_by": self.host, "decided_at": time.time()}
+        tmp = d / f".run-{int(run)}.{self.host}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, final)
+            won = True
+        except FileExistsError:
+            won = False
+        finally:
+            tmp.unlink(missing_ok=True)
+        if won:
+            return True, data
+        theirs = self.get(job_id, run)
+        return False, theirs if theirs is not None else {"run": int(run), "decided_by": "?"}
+
+    def get(self, job_id: str, run: int) -> dict[str, Any] | None:
+        try:
+            data = json.loads((self.job_dir(job_id) / f"run-{int(run)}.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def current(self, job_id: str, run: int | None = None) -> dict[str, Any] | None:
+        """The record that configures run ``run`` (the newest decided at or before it; with None the newest of
+        all); None when no run of the job was ever decided."""
+        try:
+            runs = sorted((int(m.group(1)) for p in self.job_dir(job_id).iterdir()
+                           if (m := _RUN_FILE.match(p.name))), reverse=True)
+        except OSError:
+            return None
+        for n in runs:
+            if run is None or n <= run:
+                rec = self.get(job_id, n)
+                if rec is not None:
+                    return rec
+        return None
