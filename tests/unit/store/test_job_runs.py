@@ -9,12 +9,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from gpu_watchdog.act.gather import EvidenceGatherer
 from gpu_watchdog.act.recovery import Recovery
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.schema import Config, FallbackConfig, StacksConfig
 from gpu_watchdog.detect.detector import Finding
+from gpu_watchdog.evidence.diagnosis import diagnose
 from gpu_watchdog.job.protocol import ControlDir
-from gpu_watchdog.model import NodeSample
+from gpu_watchdog.model import NodeSample, RankStack, StackEvidence
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.store.fallback import FallbackStore
 from gpu_watchdog.store.incidents import Incident, IncidentStore
@@ -103,3 +105,37 @@ def test_two_nodes_confirm_the_same_hang_exactly_one_restarts(tmp_path: Path) ->
     # a late agent still watching run 0 can never restart run 1 either
     late, t3 = _agent(tmp_path, "node3", shared)
     assert late.handle(_finding(), t3, sample, None).restarted_by == "node1" and t3.restarts == []
+
+
+def _stack(rank: int, state: str, op: str | None = None, active: bool = False) -> RankStack:
+    return RankStack(rank, 1000 + rank, state, f"{state}-{rank}", active, op, f"{op or state} (train.py:{rank})")
+
+
+def test_stack_dumps_published_by_one_node_are_read_by_the_others(tmp_path: Path) -> None:
+    now = time.time()
+    JobRuns(tmp_path, "node2").publish_stacks(StackEvidence("job-7", now, (_stack(2, "compute", active=True),)))
+    JobRuns(tmp_path, "node3").publish_stacks(StackEvidence("job-7", now - 600, (_stack(4, "unknown"),)))
+    node1 = JobRuns(tmp_path, "node1")
+    node1.publish_stacks(StackEvidence("job-7", now, (_stack(0, "collective", "all_reduce"),)))
+    peers = node1.peer_stacks("job-7", since=now - 60)
+    assert list(peers) == ["node2"] and peers["node2"].ranks[0].state == "compute"  # not its own, not stale
+
+
+def test_a_busy_culprit_on_another_node_is_named_from_this_one(tmp_path: Path) -> None:
+    """Node 1 sees ranks 0,1 wait in all_reduce (culprit unknown, "possibly on another node"); node 2's agent only
+    waits on its rank 2 computing forever, and published that dump. Node 1 names rank 2 from it."""
+    shared, now = tmp_path / "shared", time.time()
+    JobRuns(shared, "node2").publish_stacks(StackEvidence("job-7", now - 3, (
+        _stack(2, "compute", active=True), _stack(3, "collective", "all_reduce"))))
+    cfg = replace(Config(), fallback=FallbackConfig(shared_dir=str(shared)))
+    ctx = ActContext(cfg, "node1", IncidentStore(tmp_path / "n1"), FallbackStore(tmp_path / "n1"),
+                     runs=JobRuns(shared, "node1"))
+    finding = Finding("stall", "idle_held", "job-7", (0, 1), (), now - 5, now, (), "", "stacks")
+    inc = ctx.open_incident(finding)
+    local = [_stack(0, "collective", "all_reduce"), _stack(1, "collective", "all_reduce")]
+    alone = diagnose(local)
+    assert alone.culprit_ranks == () and "another node" in alone.reason
+    remote = EvidenceGatherer(ctx)._remote_stacks(inc, finding, alone, local, "job-7")
+    merged = diagnose([*local, *remote])
+    assert merged.culprit_ranks == (2,) and merged.collective == "all_reduce"
+    assert inc.summary["remote_stacks"] == {"node2": [2, 3]}

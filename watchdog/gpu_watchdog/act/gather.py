@@ -72,12 +72,16 @@ class EvidenceGatherer:
             ok = sum(r.ok for r in results.values())
             inc.end_action(entry, ok > 0, f"{ok}/{len(results)} ranks dumped in {time.monotonic() - t0:.2f}s"
                            + "".join(f"; rank {r}: {res.detail}" for r, res in results.items() if not res.ok))
-            diag = diagnose(stacks, None, set(finding.ranks) - set(rank_pids))
+            missing = set(finding.ranks) - set(rank_pids)
+            diag = diagnose(stacks, None, missing)
+            remote = self._remote_stacks(inc, finding, diag, stacks, job_id)
+            if remote:  # the other nodes' ranks, from their agents' dumps: the culprit named from any node
+                diag = diagnose([*stacks, *remote], None, missing)
             inc.update(culprit_ranks=list(diag.culprit_ranks) or list(finding.culprit_ranks),
                        collective=diag.collective, reason=diag.reason, desync=diag.desync,
                        groups=[[k, list(v)] for k, v in diag.groups])
             ctx.say(f"culprit: {diag.reason}")
-            culprit = _culprit_stack(diag, stacks)
+            culprit = _culprit_stack(diag, [*stacks, *remote])
             if culprit is not None:
                 ctx.say(f"culprit rank {culprit.rank} stack: {culprit.signature}")
             behind = self._workers(inc, diag, stacks, rank_pids, job_id)
@@ -92,6 +96,32 @@ class EvidenceGatherer:
         out = Gathered(out.stacks, out.diagnosis, out.culprit, "; ".join(comm))
         out.report(inc)
         return out
+
+    def _remote_stacks(self, inc: Incident, finding: Finding, diag: Diagnosis, stacks: list[RankStack],
+                       job_id: str) -> list[RankStack]:
+        """With ``fallback.shared_dir``: the job's other ranks as their own nodes' agents last dumped them (since
+        shortly before the onset; a waiting job is re-dumped every ``waiting_stack_interval_s``). When every local
+        rank waits alike and no other node has published yet, its agent gets PEER_WAIT_S to do so. Remote ranks
+        are named only from their own node's evidence, never because this node cannot see them."""
+        runs = self.ctx.runs
+        if runs is None or not stacks:
+            return []
+        since = finding.onset - self.ctx.cfg.detect.waiting_stack_interval_s - 5.0
+        peers = runs.peer_stacks(job_id, since)
+        deadline = time.monotonic() + (PEER_WAIT_S if not diag.culprit_ranks else 0.0)
+        while not peers and time.monotonic() < deadline:
+            time.sleep(0.5)
+            peers = runs.peer_stacks(job_id, since)
+        local = {s.rank for s in stacks}
+        newest: dict[int, tuple[float, RankStack]] = {}
+        for ev in peers.values():
+            for rs in ev.ranks:
+                if rs.rank not in local and (rs.rank not in newest or ev.t > newest[rs.rank][0]):
+                    newest[rs.rank] = (ev.t, rs)
+        if newest:
+            inc.update(remote_stacks={host: sorted(rs.rank for rs in ev.ranks if rs.rank not in local)
+                                      for host, ev in sorted(peers.items())})
+        return [rs for _, (_, rs) in sorted(newest.items())]
 
     def _decide(self, inc: Incident, finding: Finding, diag: Diagnosis | None, fr: FrAnalysis | None,
                 ras: SourceVerdict | None = None) -> Diagnosis | None:
@@ -228,6 +258,7 @@ def communication_sources(finding: Finding, diag: Diagnosis | None, stacks: tupl
 
 
 FR_WAIT_S = 10.0  # how long to wait for the triggered ranks' dumps (the first one may import torch._dynamo)
+PEER_WAIT_S = 6.0  # how long a job whose local ranks all wait alike waits for another node's published dump
 
 
 def _rank_env(rank_pids: dict[int, int]) -> tuple[dict[str, str], float | None]:

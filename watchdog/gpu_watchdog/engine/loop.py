@@ -10,6 +10,7 @@ health. It returns what the tick saw; what to do about the findings is ``policy.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -36,6 +37,7 @@ from gpu_watchdog.model import NodeSample, StackEvidence
 from gpu_watchdog.sample.backends import Backend
 from gpu_watchdog.sample.recent import RecentSamples
 from gpu_watchdog.store.fallback import FallbackStore
+from gpu_watchdog.store.job_runs import JobRuns
 
 log = logging.getLogger("gpu_watchdog.engine")
 
@@ -201,10 +203,24 @@ class Engine:
         wake = self._on_dump_done
         for js in self.state.jobs.values():
             if js.needs_stacks and js.job_id not in self._dumps:
-                fut = self._pool.submit(collect_stack_evidence, js.job_id, dict(js.rank_pids), self.cfg.stacks, t)
+                fut = self._pool.submit(self._dump, js.job_id, dict(js.rank_pids), t)
                 if wake is not None:
                     fut.add_done_callback(lambda _f: wake())
                 self._dumps[js.job_id] = fut
+
+    def _dump(self, job_id: str, rank_pids: dict[int, int], t: float) -> list[StackEvidence]:
+        """One dump of the job's ranks (off the sampling path); with ``fallback.shared_dir`` also published for the
+        other nodes' agents (a shared file system that hangs delays this worker, never a tick)."""
+        evidence = collect_stack_evidence(job_id, rank_pids, self.cfg.stacks, t)
+        shared = self.cfg.fallback.shared_dir
+        if shared:
+            runs = JobRuns(shared, self.cfg.agent.hostname or socket.gethostname())
+            for ev in evidence:
+                try:
+                    runs.publish_stacks(ev)
+                except OSError as e:
+                    log.warning("cannot publish the stacks of job %s to %s: %s", job_id, shared, e)
+        return evidence
 
     def _poll_ras(self, jobs: Mapping[str, JobStatus]) -> None:
         """Ask NCCL RAS about the jobs that look hung, on the poller's own thread (it never blocks the tick)."""

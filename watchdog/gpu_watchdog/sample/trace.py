@@ -149,6 +149,15 @@ def _decode_dataclass(cls: Any, value: Any, path: str) -> Any:
 Record = NodeSample | StackEvidence | dict
 
 
+def stacks_from_record(rec: Any) -> StackEvidence | None:
+    """A ``stacks`` record (``stacks_record``) back into StackEvidence; None when it is not one."""
+    try:
+        ev = _decode_dataclass(StackEvidence, rec, "")
+    except _FieldError:
+        return None
+    return ev if isinstance(ev, StackEvidence) else None
+
+
 def _lines(f: IO[bytes], p: Path) -> Iterator[str]:
     """The file's lines after the header, decoded one by one so a line that is not UTF-8 is named."""
     for lineno, raw in enumerate(f, start=2):

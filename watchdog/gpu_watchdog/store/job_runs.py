@@ -9,6 +9,10 @@ stands down ("restarted by <node>"). A record is never rewritten, so a late agen
 nor on a newer one. Every node's TaskProlog exports the record of the run it starts: one level, one set of NCCL
 settings for every rank of a communicator.
 
+Each agent also publishes its newest stack dump of a job (``<shared_dir>/<job>/stacks/<host>.json``): the acting
+agent merges them with its own, so a culprit on another node — one its own agent only "waits" on, computing — is
+named from any node.
+
 The exclusive create is ``os.link`` of a complete temporary file (atomic on local file systems and NFSv3+, where
 ``O_EXCL`` on a plain open is not always honoured): no reader ever sees half a record.
 """
@@ -23,7 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpu_watchdog.atomic import write_atomic
+from gpu_watchdog.model import StackEvidence
 from gpu_watchdog.policy.fallback import validate_job_id
+from gpu_watchdog.sample.trace import stacks_from_record, stacks_record
 
 _RUN_FILE = re.compile(r"^run-(\d+)\.json$")
 
@@ -31,7 +38,7 @@ _RUN_FILE = re.compile(r"^run-(\d+)\.json$")
 class JobRuns:
     def __init__(self, shared_dir: str | Path, host: str = "") -> None:
         self.root = Path(shared_dir)
-        self.host = host or socket.gethostname()
+        self.host = re.sub(r"[^A-Za-z0-9._-]", "_", host or socket.gethostname())  # a file name
 
     def job_dir(self, job_id: str) -> Path:
         return self.root / validate_job_id(job_id)
@@ -85,3 +92,27 @@ class JobRuns:
                 if rec is not None:
                     return rec
         return None
+
+    def publish_stacks(self, ev: StackEvidence) -> None:
+        """This node's newest dump of the job's ranks, for the other nodes' agents (replaced atomically)."""
+        d = self.job_dir(ev.job_id) / "stacks"
+        d.mkdir(parents=True, exist_ok=True)
+        write_atomic(d / f"{self.host}.json", json.dumps(stacks_record(ev)))
+
+    def peer_stacks(self, job_id: str, since: float) -> dict[str, StackEvidence]:
+        """The other nodes' newest dumps of the job taken at or after ``since`` (unix seconds), by host."""
+        out: dict[str, StackEvidence] = {}
+        try:
+            files = sorted((self.job_dir(job_id) / "stacks").glob("*.json"))
+        except OSError:
+            return out
+        for f in files:
+            if f.stem == self.host:
+                continue
+            try:
+                ev = stacks_from_record(json.loads(f.read_text()))
+            except (OSError, ValueError):
+                continue
+            if ev is not None and ev.job_id == job_id and ev.t >= since:
+                out[f.stem] = ev
+        return out
