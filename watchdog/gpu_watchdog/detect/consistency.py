@@ -17,10 +17,17 @@ from typing import Any
 import psutil
 
 from gpu_watchdog.detect.detector import Finding, JobStatus
+from gpu_watchdog.evidence.diagnosis import format_ranks
 
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 ENV_KEYS = ("NPROC_PER_NODE", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-CONSISTENCY_ENV = ENV_PREFIXES + ENV_KEYS  # what the process scanner keeps of each rank's environment
+# Which run of the job the ranks belong to (kept, never compared): the nodes' settings are compared run by run.
+RUN_KEYS = ("SLURM_RESTART_COUNT", "GPU_WATCHDOG_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+CONSISTENCY_ENV = ENV_PREFIXES + ENV_KEYS + RUN_KEYS  # what the process scanner keeps of each rank's environment
+# Named after each node's own hardware (its NIC / HCA names): they may differ between nodes by design.
+PER_NODE_KEYS = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA")
+CROSS_NODE_S = 120.0  # compare with the other nodes this long after this node's own ranks were first compared
+CROSS_NODE_EVERY_S = 5.0
 CONFIG_CHECK_WAIT_S = 10.0  # compare the ranks seen so far when the rest of LOCAL_WORLD_SIZE never shows up
 # Keep comparing this long after the first comparison: a wrapper that sets variables and then execs
 # (``export NCCL_…; exec python …``) carries the old environment until it execs, however long that takes.
@@ -82,6 +89,35 @@ def check_ranks(envs: Mapping[int, Mapping[str, str]]) -> ConfigReport:
     return ConfigReport(_digest(first), True, ())
 
 
+def run_key(envs: Iterable[Mapping[str, str]]) -> str:
+    """The run the ranks belong to (Slurm's restart count, launch's or torchrun's), "0" when none says."""
+    for env in envs:
+        for k in RUN_KEYS:
+            if env.get(k, "").isdigit():
+                return env[k]
+    return "0"
+
+
+def check_nodes(by_host: Mapping[str, Mapping[int, Mapping[str, str]]]) -> ConfigReport:
+    """Compare the launch settings of one job's ranks across nodes ({host: {rank: env}}); differences name the
+    nodes and their ranks ("NPROC_PER_NODE: n1 (ranks 0,1)=2, n2 (ranks 2-5)=4"). Keys named after a node's own
+    hardware (PER_NODE_KEYS) are left out."""
+    keys = sorted({k for ranks in by_host.values() for env in ranks.values() for k in relevant(env)
+                   if k not in PER_NODE_KEYS})
+    differences, mismatch = [], []
+    for k in keys:
+        seen: dict[str, dict[str, list[int]]] = {}  # value → host → ranks
+        for host in sorted(by_host):
+            for rank in sorted(by_host[host]):
+                v = relevant(by_host[host][rank]).get(k, "(unset)")
+                seen.setdefault(v, {}).setdefault(host, []).append(rank)
+        if len(seen) > 1:
+            parts = [f"{host} ({format_ranks(rs)})={v}" for v, hosts in seen.items() for host, rs in hosts.items()]
+            differences.append(f"{k}: {', '.join(parts)}")
+            mismatch.append((k, tuple(sorted(seen))))
+    return ConfigReport("", not differences, tuple(differences), tuple(mismatch))
+
+
 def launch_env(pid: int, scanner: Any) -> Mapping[str, str]:
     """A rank's environment as it is now (after any exec; the scanner caches the one it first saw), limited
     to the keys the consistency check compares; the scanner's copy when /proc cannot be read."""
@@ -109,6 +145,8 @@ class ConfigWatch:
         self._first_compared: float | None = None  # when these ranks were first compared
         self._last: tuple[tuple[str, tuple[str, ...]], ...] = ()  # what the previous comparison disagreed on
         self._reported: tuple[tuple[str, tuple[str, ...]], ...] = ()
+        self._cross_at = float("-inf")  # the last comparison with the other nodes
+        self._cross_reported: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def new_run(self) -> None:
         """The job was restarted: its new ranks are checked again (a known mismatch stays known)."""
@@ -136,6 +174,24 @@ class ConfigWatch:
         return report, Finding("config_mismatch", "env_mismatch", status.job_id, status.ranks, (), t, t,
                                detail=f"ranks were launched with different settings: {report.summary}",
                                evidence="process")
+
+    def cross_due(self, t: float) -> bool:
+        """Time to compare with the other nodes (``fallback.shared_dir``): every CROSS_NODE_EVERY_S, for CROSS_NODE_S
+        after this node's own ranks were first compared (the other nodes' ranks may start later)."""
+        if self._first_compared is None or t - self._first_compared > CROSS_NODE_S \
+                or t - self._cross_at < CROSS_NODE_EVERY_S:
+            return False
+        self._cross_at = t
+        return True
+
+    def cross_finding(self, report: ConfigReport, status: JobStatus, t: float) -> Finding | None:
+        """A config_mismatch finding naming the nodes, once per disagreement."""
+        if report.consistent or report.mismatch == self._cross_reported:
+            return None
+        self._cross_reported = report.mismatch
+        return Finding("config_mismatch", "env_mismatch_nodes", status.job_id, status.ranks, (), t, t,
+                       detail=f"nodes of the job were launched with different settings: {report.summary}",
+                       evidence="process")
 
     def news(self, report: ConfigReport) -> bool:
         previous, self._last = self._last, report.mismatch

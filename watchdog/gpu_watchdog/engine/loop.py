@@ -14,12 +14,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpu_watchdog.config.schema import Config
-from gpu_watchdog.detect.consistency import ConfigWatch
+from gpu_watchdog.detect.consistency import ConfigReport, ConfigWatch, check_nodes, launch_env, run_key
 from gpu_watchdog.detect.detector import (
     RUNNING,
     STALLED,
@@ -95,6 +95,8 @@ class Engine:
         self._healthy_since: dict[str, float] = {}
         self.ras = RasPoller(lambda: self.cfg.ras)  # NCCL RAS, asked only about suspect or stalled jobs
         self._holds: list[tuple[str, float, str, tuple[int, ...], str]] = []  # hold() requests for the next tick
+        self._shared: ThreadPoolExecutor | None = None  # fallback.shared_dir work (cross-node settings)
+        self._cross: dict[str, tuple[JobStatus, Future[ConfigReport | None]]] = {}
         self._holds_lock = threading.Lock()  # the daemon's acts run on worker threads
 
     def hold(self, job_id: str, onset: float, why: str, on: tuple[int, ...] = (), doing: str = "") -> None:
@@ -234,12 +236,49 @@ class Engine:
         scanner = getattr(self.backend, "scanner", None)
         if scanner is None:
             return []
-        out = []
+        out = self._cross_node_findings(t)
         for js in self.state.jobs.values():
             if self.config_watch(js.job_id).due(js.rank_pids, scanner.env_of, t):
                 finding = self.check_launch_settings(js, t)
                 if finding is not None:
                     out.append(finding)
+            if self.cfg.fallback.shared_dir and js.job_id not in self._cross and self.config_watch(
+                    js.job_id).cross_due(t):
+                envs = {r: dict(launch_env(pid, scanner)) for r, pid in js.rank_pids.items()}
+                self._cross[js.job_id] = (js, self._shared_pool().submit(self._compare_nodes, js.job_id, envs))
+        return out
+
+    def _shared_pool(self) -> Executor:
+        """One worker for the shared directory (a file system that hangs delays it, never a tick)."""
+        if self._shared is None:
+            self._shared = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shared-dir")
+        return self._shared
+
+    def _compare_nodes(self, job_id: str, envs: dict[int, dict[str, str]]) -> ConfigReport | None:
+        """Publish this node's ranks' launch settings for their run and compare them with the other nodes' (None:
+        no other node has published yet)."""
+        runs = JobRuns(self.cfg.fallback.shared_dir, self.cfg.agent.hostname or socket.gethostname())
+        run = run_key(envs.values())
+        runs.publish_settings(job_id, run, envs)
+        peers = runs.peer_settings(job_id, run)
+        if not peers:
+            return None
+        return check_nodes({runs.host: envs, **peers})
+
+    def _cross_node_findings(self, t: float) -> list[Finding]:
+        out = []
+        for job_id, (js, fut) in list(self._cross.items()):
+            if not fut.done():
+                continue
+            del self._cross[job_id]
+            try:
+                report = fut.result()
+            except Exception as e:  # an unreachable shared directory is missing evidence, not a crash
+                log.warning("job %s: cannot compare launch settings across nodes: %s", job_id, e)
+                continue
+            finding = self.config_watch(job_id).cross_finding(report, js, t) if report is not None else None
+            if finding is not None:
+                out.append(finding)
         return out
 
     def config_watch(self, job_id: str) -> ConfigWatch:

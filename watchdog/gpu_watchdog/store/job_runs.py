@@ -116,3 +116,26 @@ class JobRuns:
             if ev is not None and ev.job_id == job_id and ev.t >= since:
                 out[f.stem] = ev
         return out
+
+    def publish_settings(self, job_id: str, run: str, envs: dict[int, dict[str, str]]) -> None:
+        """This node's ranks' launch settings for run ``run`` of the job ({rank: env})."""
+        d = self.job_dir(job_id) / f"settings-run-{int(run)}"
+        d.mkdir(parents=True, exist_ok=True)
+        write_atomic(d / f"{self.host}.json", json.dumps({str(r): e for r, e in envs.items()}, sort_keys=True))
+
+    def peer_settings(self, job_id: str, run: str) -> dict[str, dict[int, dict[str, str]]]:
+        """The other nodes' published settings for run ``run``: {host: {rank: env}}."""
+        out: dict[str, dict[int, dict[str, str]]] = {}
+        try:
+            files = sorted((self.job_dir(job_id) / f"settings-run-{int(run)}").glob("*.json"))
+        except OSError:
+            return out
+        for f in files:
+            if f.stem == self.host:
+                continue
+            try:
+                data = json.loads(f.read_text())
+                out[f.stem] = {int(r): {str(k): str(v) for k, v in e.items()} for r, e in data.items()}
+            except (OSError, ValueError, AttributeError):
+                continue
+        return out
