@@ -125,8 +125,10 @@ class Recovery:
         allowed, why_not = self.budget.allow(time.time(), hang_step)
         kind_now = "desync" if desync else finding.signature
         if allowed and not decision.changed and kind_now in _DETERMINISTIC and place == previous.get("hang_place"):
-            allowed, why_not = False, (f"code bug: restarting does not help (the same {kind_now.replace('_', ' ')} "
-                                       f"at {place} came back after a restart that changed nothing)")
+            allowed, why_not = False, (
+                f"code bug: restarting does not help (the same desync at {place} came back after a restart)"
+                if kind_now == "desync" else
+                f"restarting does not help: the job waited at the same place again ({place}) after a restart")
 
         restart_env: dict[str, str] = {}
         if allowed:  # stored before the stop: a daemon killed before its restart hook resumes at this level
@@ -144,10 +146,10 @@ class Recovery:
             inc.update(advice=decision.advice or None)  # no next run, but the advice stands
             if decision.advice:
                 ctx.say(f"advice: {decision.advice}")
-            inc.record_action("give_up", True, f"restart budget spent: {why_not}" if "code bug" not in why_not
-                              else why_not)
+            spent = "restarting does not help" not in why_not
+            inc.record_action("give_up", True, f"restart budget spent: {why_not}" if spent else why_not)
             gathered.report(inc)
-            ctx.say(f"giving up: {why_not}" if "code bug" in why_not else f"giving up: restart budget spent: {why_not}")
+            ctx.say(f"giving up: restart budget spent: {why_not}" if spent else f"giving up: {why_not}")
             return RecoveryResult(inc, give_up=True, level=decision.level)
 
         inc.update(advice=decision.advice or None)

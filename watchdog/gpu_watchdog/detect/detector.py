@@ -346,7 +346,9 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
         if not _lasted(t - since, cfg.clear_after_s):
             return replace(base, progress_since=since, needs_stacks=False)
     idle = [r for r in ranks if r not in progressing]
-    if (idle and progressing and len(ranks) > 1) or (devices_busy and any(s != "busy" for s in sigs)):
+    # Ranks that only moved slowly (stacks, not counters) keep the job waiting even when every rank did: a job that
+    # polls or reads slowly everywhere waits (until waiting_timeout_s), it is not running.
+    if (idle and progressing and len(ranks) > 1) or slow_movers or (devices_busy and any(s != "busy" for s in sigs)):
         waiting_since = prev.waiting_since if prev.waiting_since is not None else (
             onset if slow_movers else prev_t)
         kernel = {r: obs[r].doing for r in progressing if obs[r].doing}
