@@ -146,3 +146,14 @@ def test_a_held_job_waits_until_the_waiting_timeout() -> None:
             assert state.jobs["j"].state == WAITING and not found
     assert [f.signature for f in findings] == ["waiting_timeout"] and findings[0].onset == 1.0
     assert "not hung in communication" in findings[0].detail
+
+
+def test_ddps_own_collectives_in_its_forward_are_collectives_too() -> None:
+    """Ranks blocked in DDP's forward pre-hook (buffer broadcast, bucket rebuild: C++ calls, no Python frame below)
+    wait in the regular flow like ranks in its backward; the rank stuck in its data is the culprit."""
+    frames = [("DistributedDataParallel._pre_forward", "torch/nn/parallel/distributed.py"),
+              ("DistributedDataParallel.forward", "torch/nn/parallel/distributed.py"), ("main", "train.py")]
+    rs = classify_threads([_thread(frames)], 0, 10)
+    assert rs is not None and rs.state == "collective" and rs.op == "ddp_pre_forward"
+    d = diagnose([rs, RankStack(1, 11, "collective", "x", False, "ddp_pre_forward", "y"), _rs(2, "data_wait")])
+    assert d.culprit_ranks == (2,) and d.collective == "ddp_pre_forward"

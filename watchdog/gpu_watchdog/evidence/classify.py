@@ -50,6 +50,7 @@ _NATIVE_COLLECTIVE = re.compile(r"c10d::\w*Work\w*::wait|c10d::ProcessGroup(NCCL
 # show their own frames (COLLECTIVE_LIBRARY_FILES). Nothing else blocks the backward pass on the host: a GPU
 # backward runs on the engine's device threads (the GPU is then busy, and there is no stall to judge).
 DDP_OP = "ddp_all_reduce"
+DDP_FILE = "torch/nn/parallel/distributed.py"  # an idle innermost frame there waits in one of DDP's collectives
 _AUTOGRAD_ENGINE_CALLS = frozenset({"_engine_run_backward", "run_backward", "backward", "grad"})
 # Families, for telling "the same collective through another entry point" from a desync.
 COLLECTIVE_FAMILIES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "barrier", "gather",
@@ -60,6 +61,11 @@ _FAMILY_ALIASES = {"allgather": "all_gather", "reducescatter": "reduce_scatter",
                    "store_based_barrier": "barrier", "init_process_group": "init", "unshard": "all_gather"}
 P2P_FAMILIES = frozenset({"send", "recv", "p2p"})
 WAIT_FAMILY = "wait"  # Work.wait()/wait_tensor: which collective it waits for is not in the frame
+
+
+def is_ddp_op(op: str | None) -> bool:
+    """One of DDP's own collectives (its gradient all-reduce, its forward's broadcasts): every rank's regular flow."""
+    return bool(op) and str(op).startswith("ddp_")
 
 
 def collective_family(op: str) -> str:
@@ -148,6 +154,9 @@ def _collective(fr: Frame) -> str | None:
         return "wait" if "::wait" in _name(fr) else _name(fr).rsplit("::", 1)[-1]
     if fr.get(_INNERMOST_IDLE) and _in(fr, "torch/autograd/") and _last(fr) in _AUTOGRAD_ENGINE_CALLS:
         return DDP_OP  # the autograd engine blocked with no Python below it: a C++ hook's wait (DDP's Reducer)
+    if fr.get(_INNERMOST_IDLE) and _in(fr, DDP_FILE):
+        # DDP's own collectives called from C++ bindings (the forward's buffer broadcast, bucket rebuild, join)
+        return f"ddp{_last(fr) if _last(fr).startswith('_') else '_' + _last(fr)}"
     return None
 
 

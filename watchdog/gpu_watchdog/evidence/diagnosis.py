@@ -26,7 +26,14 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gpu_watchdog.evidence.classify import COMMUNICATION_STATES, DDP_OP, P2P_FAMILIES, WAIT_FAMILY, collective_family
+from gpu_watchdog.evidence.classify import (
+    COMMUNICATION_STATES,
+    DDP_OP,
+    P2P_FAMILIES,
+    WAIT_FAMILY,
+    collective_family,
+    is_ddp_op,
+)
 from gpu_watchdog.model import RankStack, StackEvidence
 
 WAITING_STATES = ("collective",)
@@ -104,10 +111,9 @@ def diagnose(
     # bare wait) and is never a culprit: a desync's culprit is the rank in the odd collective, not the one in
     # backward.
     top = Counter(in_coll.values()).most_common()
-    in_ddp = sorted(r for r in in_coll if by_rank[r].op == DDP_OP)
+    in_ddp = sorted(r for r in in_coll if is_ddp_op(by_rank[r].op))
     ddp_aside: list[int] = []
-    if in_ddp and len(top) >= 2 and not (by_rank[in_ddp[0]].op == DDP_OP and top[0][0] == in_coll[in_ddp[0]]
-                                         and top[0][1] > top[1][1]):
+    if in_ddp and len(top) >= 2 and not (top[0][0] == in_coll[in_ddp[0]] and top[0][1] > top[1][1]):
         in_coll = {r: fam for r, fam in in_coll.items() if r not in in_ddp}
         ddp_aside = in_ddp
         names = {fam: n for fam, n in names.items() if fam in set(in_coll.values())}
