@@ -1,7 +1,8 @@
 """A custom training loop over ``DataLoader(num_workers=2, persistent_workers=True)`` with a
 ``DistributedSampler``: batches come from worker processes. Extra variant ``dead_worker``: a worker of rank
-``--rank`` stops (SIGSTOP) while producing the hang step's batch; the rank's main thread then polls its queue with
-a timeout forever (DataLoader's liveness check sees a live worker). Other variants: zoo_common."""
+``--rank`` stops (SIGSTOP) while producing the hang step's batch (a worker wedged on a dead mount); the rank's main
+thread then waits on its queue — or on a batch's shared memory the wedged worker was still handing over — forever
+(DataLoader's liveness check sees a live worker). Other variants: zoo_common."""
 
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 class Shards(Dataset):
-    def __init__(self, n: int, stop_at: int | None) -> None:
-        self.n, self.stop_at = n, stop_at
+    def __init__(self, n: int, stop_at: int | None, args: object = None) -> None:
+        self.n, self.stop_at, self.args = n, stop_at, args
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.stop_at is not None and i >= self.stop_at:
+            zc.event(self.args, "hang_onset", step=-1)  # type: ignore[arg-type]  # the rank waits on it from now
             os.kill(os.getpid(), signal.SIGSTOP)  # a worker wedged on a dead mount
         g = torch.Generator().manual_seed(i)
         return torch.randn(64, generator=g), torch.randn(64, generator=g)
@@ -35,7 +37,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     per_step = 8
     wedge = args.variant == "dead_worker" and rank == args.rank and zc.fault_armed(args)
-    data = Shards(per_step * world * args.steps, per_step * world * args.hang_step if wedge else None)
+    data = Shards(per_step * world * args.steps, per_step * world * args.hang_step if wedge else None, args)
     loader = DataLoader(data, batch_size=per_step, num_workers=2, persistent_workers=True,
                         sampler=DistributedSampler(data, shuffle=False))
     model = DDP(zc.small_model())
@@ -51,8 +53,6 @@ def main() -> None:
         opt.step()
         zc.straggle(args, rank)
         zc.step_done(args, step)
-        if wedge and step == args.hang_step - 1:
-            zc.event(args, "hang_onset", step=args.hang_step)  # the next batch never comes
     zc.event(args, "done")
     dist.destroy_process_group()
 
