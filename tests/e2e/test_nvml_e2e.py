@@ -410,11 +410,12 @@ def test_record_nvml_trace_replays_to_the_live_finding(nvml_standin, tmp_path):
     detect.confirm_after_s): the replayed finding is the live one — kind, signature, job, ranks, GPUs,
     evidence, onset → confirmation — with onset and confirmation times a tick or so apart (the recorder and
     the live agent sample at different phases).
-    The live agent's checkpoint step sends SIGCONT (a no-op for the job) and waits 4 s before it stops the
-    job, so the hang outlives the live confirmation long enough for the recorder to see it confirmed too."""
+    Without stacks there is no evidence that the hang is in communication (idle GPUs, no spin): the live agent's
+    first incident is observed, and the job is stopped only at detect.waiting_timeout_s (10 s here), so the hang
+    outlives the live confirmation long enough for the recorder to see it confirmed too."""
     state = nvml_standin.require_scripted()
     uuids = add_gpus(state)
-    config = {"detect": {"confirm_after_s": 6.0}, "stacks": {"enabled": False},
+    config = {"detect": {"confirm_after_s": 6.0, "waiting_timeout_s": 10.0}, "stacks": {"enabled": False},
               "recovery": {**GIVE_UP, "checkpoint_signal": "SIGCONT", "checkpoint_grace_s": 4.0}}
     cfg = write_config(tmp_path / "watchdog.toml", config)
     events = tmp_path / "events.jsonl"
@@ -429,7 +430,8 @@ def test_record_nvml_trace_replays_to_the_live_finding(nvml_standin, tmp_path):
             rec = subprocess.Popen([CLI, "record", "--config", str(cfg), "--backend", "nvml", "--duration", "25",
                                     "--job", "rec", "--output", str(trace)], env=nvml_standin.env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            live = finished_incident(run, 90)
+            live = run.wait_for("the first incident, observed", lambda: next(
+                (i for i in run.incidents()[:1] if i.get("verdict") == "waiting" and i.get("outcome")), None), 90)
             rc = run.wait(timeout=60)
             rec_out, _ = rec.communicate(timeout=60)
     finally:

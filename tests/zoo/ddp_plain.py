@@ -63,7 +63,7 @@ def main() -> None:
     model = DDP(zc.small_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     start = zc.load_checkpoint(args, model.module, opt)
-    die_at = args.hang_step if args.variant == "event_wait" and rank == args.rank else None
+    die_at = args.hang_step if args.variant == "event_wait" and rank == args.rank and zc.fault_armed(args) else None
     prefetch = Prefetcher(lambda: zc.batch(16), die_at)
     zc.event(args, "start", step=start)
     for step in range(start, args.steps):
@@ -74,6 +74,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         if args.variant == "desync" and step == args.hang_step and zc.fault_armed(args):
+            zc.event(args, "hang_onset", step=step)
             t = torch.ones(4)
             if rank == args.rank:
                 dist.all_gather([torch.zeros(4) for _ in range(world)], t)

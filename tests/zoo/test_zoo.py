@@ -27,8 +27,9 @@ PARALLEL = 2
 
 
 @pytest.fixture(scope="module")
-def rows(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Row]:
-    """Run every collected case (two at a time) once; case name → row."""
+def rows(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Row | BaseException]:
+    """Run every collected case (two at a time) once; case name → its row, or what went wrong running it (raised
+    in that case's own test: one broken row never fails the others)."""
     wanted = set()
     for item in request.session.items:
         params = getattr(getattr(item, "callspec", None), "params", {})
@@ -37,7 +38,7 @@ def rows(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     base = tmp_path_factory.mktemp("zoo")
     with ThreadPoolExecutor(PARALLEL) as pool:
         futures = {_key(c): pool.submit(run_case, base / _key(c), c) for c in CASES if _key(c) in wanted}
-        return {key: fut.result() for key, fut in futures.items()}
+        return {key: fut.exception() or fut.result() for key, fut in futures.items()}
 
 
 def _key(case: Case) -> str:
@@ -45,8 +46,10 @@ def _key(case: Case) -> str:
 
 
 @pytest.mark.parametrize("case", CASES, ids=_key)
-def test_zoo_row(rows: dict[str, Row], case: Case) -> None:
+def test_zoo_row(rows: dict[str, Row | BaseException], case: Case) -> None:
     row = rows[_key(case)]
+    if isinstance(row, BaseException):
+        raise row
     if case.expect == HEALTHY:
         assert row.rc == 0 and row.finished, row
         assert row.verdict != "acted" and not row.nccl_change, row  # an observed incident for a long wait is fine

@@ -254,11 +254,13 @@ def communication_evidence(diag: Diagnosis, ranks: Sequence[RankStack]) -> str:
     collectives, a device sync behind a collective) while the culprits do something else, or all of them there
     (a transport hang; the culprit may be on another node)."""
     waiting = sorted(r.rank for r in ranks if r.state in COMMUNICATION_STATES and r.rank not in diag.culprit_ranks)
-    culprits_in = sorted(r.rank for r in ranks if r.state in COMMUNICATION_STATES and r.rank in diag.culprit_ranks)
+    culprits_in = [r for r in ranks if r.state in COMMUNICATION_STATES and r.rank in diag.culprit_ranks]
     if not waiting and not culprits_in:
         return ""
     what = diag.collective or "device_sync"
     parts = [f"{_waits(waiting)} in {what}"] if waiting else []
-    if culprits_in:
-        parts.append(f"{format_ranks(culprits_in)} in communication too")
+    by_op: dict[str, list[int]] = defaultdict(list)
+    for r in culprits_in:
+        by_op[r.op or r.state].append(r.rank)
+    parts += [f"{format_ranks(rs)} in {op}" for op, rs in sorted(by_op.items())]
     return "stacks: " + ", ".join(parts)
