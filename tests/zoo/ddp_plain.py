@@ -31,8 +31,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 class Prefetcher:
     """A background thread that produces the next batch (as many training loops do)."""
 
-    def __init__(self, make_batch, die_at: int | None) -> None:
-        self.make_batch, self.die_at = make_batch, die_at
+    def __init__(self, make_batch, die_at: int | None, on_death=lambda step: None) -> None:
+        self.make_batch, self.die_at, self.on_death = make_batch, die_at, on_death
         self.ready, self.want = threading.Event(), threading.Event()
         self.batch = None
         self.step = 0
@@ -48,6 +48,8 @@ class Prefetcher:
             self.ready.set()
 
     def next(self, step: int):
+        if step == self.die_at:
+            self.on_death(step)  # the batch it asks for never comes
         self.step = step
         self.want.set()
         self.ready.wait()
@@ -64,7 +66,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     start = zc.load_checkpoint(args, model.module, opt)
     die_at = args.hang_step if args.variant == "event_wait" and rank == args.rank and zc.fault_armed(args) else None
-    prefetch = Prefetcher(lambda: zc.batch(16), die_at)
+    prefetch = Prefetcher(lambda: zc.batch(16), die_at, lambda step: zc.event(args, "hang_onset", step=step))
     zc.event(args, "start", step=start)
     for step in range(start, args.steps):
         zc.slow_phase(args, step, rank, handled=("event_wait", "desync"))  # poll, slow_reader, eval, busy, recv …

@@ -14,8 +14,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 class MLP(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.up = torch.nn.Linear(64, 256)
-        self.down = torch.nn.Linear(256, 64)
+        self.up = torch.nn.Linear(64, 384)  # 384: split evenly across 2, 3, 4 or 6 ranks
+        self.down = torch.nn.Linear(384, 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.relu(self.up(x)))

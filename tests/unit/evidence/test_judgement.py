@@ -79,6 +79,39 @@ def test_timed_waits_are_alive_untimed_ones_are_not() -> None:
     assert rank_moved(poll, poll) and not rank_moved(stuck, stuck)
 
 
+@pytest.mark.parametrize(("left", "alive"), [(4.0, True), (60.0, True), (1799.0, False), (3599.0, False)])
+def test_only_a_short_timeout_is_a_poll(left: float, alive: bool) -> None:
+    """A poll every few seconds is alive; a sleep(3600) or a gloo/NCCL wait with its 30-minute timeout is a wait."""
+    th = _thread([("main", "train.py")], syscall=EVENT_WAIT_30)
+    th["wait_left_s"] = left
+    rs = classify_threads([th], 0, 10)
+    assert rs is not None and rs.timed is alive and rank_moved(rs, rs) is alive
+
+
+def test_the_time_left_is_read_from_a_live_process() -> None:
+    import os
+    import subprocess
+    import sys
+    import time as _time
+
+    from gpu_watchdog.evidence.syscalls import read_syscall, wait_left_s
+
+    for code, low, high in (("import time; time.sleep(30)", 20.0, 30.0), ("import time; time.sleep(3600)", 3500, 3600),
+                            ("import threading; threading.Event().wait(7)", 1.0, 7.0)):
+        p = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            deadline = _time.monotonic() + 10
+            left = None
+            while _time.monotonic() < deadline and left is None:
+                _time.sleep(0.2)
+                left = wait_left_s(p.pid, p.pid, read_syscall(p.pid, p.pid))
+            assert left is not None and low <= left <= high, (code, left)
+        finally:
+            p.kill()
+            p.wait()
+    assert wait_left_s(os.getpid(), os.getpid(), "running") is None
+
+
 def _rs(rank: int, state: str, op: str | None = None, *, before: int | None = None,
         after: int | None = None) -> RankStack:
     return RankStack(rank, 100 + rank, state, f"s{rank}", False, op, "x", before, after)
@@ -157,3 +190,10 @@ def test_ddps_own_collectives_in_its_forward_are_collectives_too() -> None:
     assert rs is not None and rs.state == "collective" and rs.op == "ddp_pre_forward"
     d = diagnose([rs, RankStack(1, 11, "collective", "x", False, "ddp_pre_forward", "y"), _rs(2, "data_wait")])
     assert d.culprit_ranks == (2,) and d.collective == "ddp_pre_forward"
+
+
+def test_a_pipeline_stage_waiting_for_its_neighbours_activations_is_in_communication() -> None:
+    frames = [("_wait_batch_p2p", "torch/distributed/pipelining/schedules.py"),
+              ("ScheduleGPipe._step_microbatches", "torch/distributed/pipelining/schedules.py"), ("main", "pp.py")]
+    rs = classify_threads([_thread(frames, syscall=EVENT_WAIT_30)], 0, 10)
+    assert rs is not None and rs.state == "collective" and rs.op == "_wait_batch_p2p"

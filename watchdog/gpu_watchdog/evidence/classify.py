@@ -38,7 +38,7 @@ STATES = ("collective", "device_sync", "io", "data_wait", "sleep", "compute", "s
 C10D_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives.py",
               "torch/distributed/_functional_collectives_impl.py")
 COLLECTIVE_LIBRARY_FILES = ("torch/distributed/fsdp/", "torch/distributed/tensor/", "torch/distributed/_tensor/",
-                            "torch/distributed/_composable/", "deepspeed/comm/")
+                            "torch/distributed/_composable/", "torch/distributed/pipelining/", "deepspeed/comm/")
 COLLECTIVE_WORDS = re.compile(r"all_?gather|reduce_?scatter|all_?reduce|broadcast|all_?to_?all|barrier|unshard|"
                               r"(^|_)(wait|reduce|gather|scatter)(_|$)|isend|irecv|p2p")
 _C10D_NOT_BLOCKING = re.compile(r"^_*(get_|is_|check|warn|canonicalize|validate|rank_not_in_group|coalescing_manager$)")
@@ -286,11 +286,27 @@ def classify_thread(thread: Mapping[str, Any], rank: int, pid: int) -> RankStack
         where = frame_text(decisive)
     else:
         where = ""
-    timed = state == "sleep" or (state in WAITS_IN_USER_CODE and timed_wait(str(thread.get("syscall") or "")) is True)
+    timed = state in WAITS_IN_USER_CODE and polls(thread, state)
     return RankStack(
         rank=rank, pid=pid, state=state, signature=signature(thread), active=bool(thread.get("active")),
         op=op if state == "collective" else None, where=where, timed=timed,
     )
+
+
+# A wait that returns by itself within this is a polling loop's (a sleep, a poll, an Event.wait with a timeout):
+# alive. Longer ones are waits all the same: a sleep(3600), a collective's 30-minute timeout inside gloo or NCCL.
+POLL_MAX_S = 60.0
+
+
+def polls(thread: Mapping[str, Any], state: str) -> bool:
+    """Is the thread in a wait that ends by itself soon (a polling loop)? From the time left in its system call
+    (evidence.syscalls); when that cannot be read, a call with a timeout — or a sleep, without the call — is taken
+    to be a poll (the cautious side: never act on it)."""
+    left = thread.get("wait_left_s")
+    if isinstance(left, (int, float)) and not isinstance(left, bool):
+        return left <= POLL_MAX_S
+    timed = timed_wait(str(thread.get("syscall") or ""))
+    return timed is True or (timed is None and state == "sleep")
 
 
 # Main-thread states that may only be waiting on another thread of the rank (Event.wait, a queue, a join).

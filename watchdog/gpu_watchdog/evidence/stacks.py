@@ -19,8 +19,9 @@ What py-spy 0.4 really prints (checked by experiment, as root, RUST_BACKTRACE=1)
 
 Each thread object is py-spy's JSON, plus ``"wchan"`` (str, e.g. ``"hrtimer_nanosleep"``,
 ``"futex_do_wait"``, ``"0"`` when running), ``"kstate"`` (the thread's scheduler state letter, ``"D"`` for an
-uninterruptible wait) and ``"syscall"`` (its ``/proc/…/syscall`` line: whether it waits with a timeout,
-evidence.syscalls) added by gpu-watchdog on Linux when readable.
+uninterruptible wait), ``"syscall"`` (its ``/proc/…/syscall`` line: whether it waits with a timeout,
+evidence.syscalls) and ``"wait_left_s"`` (how long until that call returns by itself, or null) added by
+gpu-watchdog on Linux when readable.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import Any, TextIO
 import psutil
 
 from gpu_watchdog.errors import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE
-from gpu_watchdog.evidence.syscalls import read_syscall, timed_wait
+from gpu_watchdog.evidence.syscalls import read_syscall, timed_wait, wait_left_s
 from gpu_watchdog.sample.processes import read_task_state, read_wchan
 
 OUTCOMES = ("ok", "py_spy_missing", "permission_denied", "exited", "stopped", "timeout", "error")
@@ -131,7 +132,8 @@ def _read_kernel_waits(pid: int) -> KernelWaits:
     return out
 
 
-def _add_kernel_waits(threads: list[dict[str, Any]], before: KernelWaits, after: KernelWaits) -> None:
+def _add_kernel_waits(threads: list[dict[str, Any]], before: KernelWaits, after: KernelWaits,
+                      pid: int | None = None) -> None:
     # The kernel wait channel tells sleep (hrtimer_nanosleep) from lock waits (futex_*) when py-spy
     # shows only the calling Python frame. Read before and after the dump: py-spy's ptrace stop
     # interrupts the sleep, and on a busy machine the thread may still be runnable ("0") right
@@ -148,11 +150,14 @@ def _add_kernel_waits(threads: list[dict[str, Any]], before: KernelWaits, after:
         states = [st for _, st, _ in seen if st]
         if states:
             th["kstate"] = "D" if "D" in states else states[0]
-        # The call it blocks in, to tell a wait with a timeout (a polling loop) from one without (syscalls.py).
+        # The call it blocks in, to tell a wait with a timeout (a polling loop) from one without (syscalls.py), and
+        # how long until it returns by itself (read when the dump is taken).
         calls = [sc for _, _, sc in seen if sc]
         known = [sc for sc in calls if timed_wait(sc) is not None]
         if known or calls:
             th["syscall"] = (known or calls)[0]
+            if pid is not None and known:
+                th["wait_left_s"] = wait_left_s(pid, tid, known[-1])
 
 
 def _wakeups(pid: int) -> int | None:
@@ -252,7 +257,7 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
         # it is the dump's, not the job's ("did it wake between two dumps" must not see it).
         blocking = native or not nonblocking
         wakeups[1] = after + 1 if after is not None and blocking else after
-        _add_kernel_waits(threads, waits_before, _read_kernel_waits(pid))
+        _add_kernel_waits(threads, waits_before, _read_kernel_waits(pid), pid)
         return done("ok", f"{len(threads)} threads", raw, tuple(threads))
     # Failed: decide by the process's fate first (the text differs between versions), then by text.
     if _is_gone(pid):

@@ -15,6 +15,8 @@ kernel's syscall tables for x86_64 and aarch64 (asm-generic); other machines ans
 from __future__ import annotations
 
 import platform
+import struct
+import time
 
 # name: (argument index from 0, kind) — "ms": int milliseconds, < 0 infinite; "ptr": NULL infinite; "always".
 _TIMEOUT_ARG = {
@@ -45,22 +47,81 @@ def syscall_name(text: str, machine: str | None = None) -> str | None:
 def timed_wait(text: str, machine: str | None = None) -> bool | None:
     """True: the thread sits in a call that ends by itself (a timeout); False: in a known wait without one;
     None: not in a call this module knows (running, reading, another call), or the line is unreadable."""
-    name = syscall_name(text, machine)
-    if name is None:
+    call = _parse(text, machine)
+    if call is None:
         return None
-    kind_of = _TIMEOUT_ARG[name]
-    try:
-        args = [int(a, 16) for a in text.split()[1:7]]
-        value = args[kind_of[0]]
-    except (ValueError, IndexError):
-        return None
-    if kind_of[1] == "always":
+    name, args = call
+    kind = _TIMEOUT_ARG[name][1]
+    value = args[_TIMEOUT_ARG[name][0]]
+    if kind == "always":
         return True
     if name == "futex" and (args[1] & _FUTEX_CMD_MASK) not in _FUTEX_WAITS:
         return None
-    if kind_of[1] == "ms":
+    if kind == "ms":
         return value < (1 << 31)  # an int: 0x7fffffff and below are >= 0; -1 reads as 0xffffffff(ffffffff)
     return value != 0
+
+
+def _parse(text: str, machine: str | None) -> tuple[str, list[int]] | None:
+    name = syscall_name(text, machine)
+    if name is None:
+        return None
+    try:
+        args = [int(a, 16) for a in text.split()[1:7]]
+        args[_TIMEOUT_ARG[name][0]]  # noqa: B018  (present)
+    except (ValueError, IndexError):
+        return None
+    return name, args
+
+
+# Clocks of absolute deadlines (clock_nanosleep's clockid; a futex's FUTEX_CLOCK_REALTIME flag).
+_CLOCKS = {0: time.CLOCK_REALTIME, 1: time.CLOCK_MONOTONIC, 7: getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)}
+_FUTEX_CLOCK_REALTIME = 256
+_TIMER_ABSTIME = 1
+
+
+def wait_left_s(pid: int, tid: int, text: str, machine: str | None = None) -> float | None:
+    """How long until the call the thread blocks in returns by itself, in seconds (a relative timeout is its whole
+    length: the kernel does not rewrite it while waiting); None when it has no timeout or it cannot be read. The
+    timeout is read from the thread's memory where the call takes a pointer (``/proc/PID/mem``: the access
+    py-spy needs too). A 30-minute collective timeout (gloo, NCCL) or a ``sleep(3600)`` is a wait; a poll every
+    few seconds is a loop."""
+    if timed_wait(text, machine) is not True:
+        return None
+    call = _parse(text, machine)
+    assert call is not None
+    name, args = call
+    index, kind = _TIMEOUT_ARG[name]
+    if kind == "ms":
+        return args[index] / 1000.0
+    pointer = args[2] if name == "clock_nanosleep" else args[index]
+    seconds = _read_time(pid, pointer, micro=name == "select")
+    if seconds is None:
+        return None
+    absolute_clock = None
+    if name == "clock_nanosleep" and args[1] & _TIMER_ABSTIME:
+        absolute_clock = _CLOCKS.get(args[0])
+    elif name == "futex" and (args[1] & _FUTEX_CMD_MASK) != 0:  # FUTEX_WAIT is relative; the others absolute
+        absolute_clock = time.CLOCK_REALTIME if args[1] & _FUTEX_CLOCK_REALTIME else time.CLOCK_MONOTONIC
+    if absolute_clock is None:
+        return seconds
+    return max(0.0, seconds - time.clock_gettime(absolute_clock))
+
+
+def _read_time(pid: int, pointer: int, micro: bool) -> float | None:
+    """A ``struct timespec`` (or ``timeval``) at ``pointer`` in the process's memory, in seconds."""
+    if pointer == 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/mem", "rb") as f:
+            f.seek(pointer)
+            raw = f.read(16)
+    except (OSError, OverflowError, ValueError):
+        return None
+    if len(raw) != 16:
+        return None
+    sec, frac = struct.unpack("=qq", raw)
+    return sec + frac / (1e6 if micro else 1e9)
 
 
 def read_syscall(pid: int, tid: int) -> str:
