@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,7 @@ def generate(prompts: mp.Queue, rollouts: mp.Queue, die_at: int, slow_at: int, s
         if step == die_at:
             os._exit(1)  # CUDA error in the engine, an OOM kill
         if step == slow_at:
-            time.sleep(slow_s)
+            zc.evaluate(slow_s)  # a long rollout: the engine computes (on a GPU node: the GPU does)
         rollouts.put(torch.randn(8, 64))
 
 

@@ -197,3 +197,13 @@ def test_a_pipeline_stage_waiting_for_its_neighbours_activations_is_in_communica
               ("ScheduleGPipe._step_microbatches", "torch/distributed/pipelining/schedules.py"), ("main", "pp.py")]
     rs = classify_threads([_thread(frames, syscall=EVENT_WAIT_30)], 0, 10)
     assert rs is not None and rs.state == "collective" and rs.op == "_wait_batch_p2p"
+
+
+def test_a_reader_woken_by_its_bytes_moves_a_consumer_polling_a_dead_producer_does_not() -> None:
+    """A socket/pipe read without a timeout wakes only when bytes come (recv counts in no byte counter of the
+    thread); a queue poll with a timeout wakes on its timeouts: those wakeups are not data."""
+    reader_a, reader_b = _rs(0, "data_wait", after=5), _rs(0, "data_wait", before=6)
+    assert rank_moved(reader_a, reader_b)
+    poller_a = RankStack(0, 100, "data_wait", "s0", False, None, "x", None, 5, timed=True)
+    poller_b = RankStack(0, 100, "data_wait", "s0", False, None, "x", 6, None, timed=True)
+    assert not rank_moved(poller_a, poller_b)

@@ -230,9 +230,10 @@ def rank_moved(a: RankStack, b: RankStack, ctx: RankContext = RankContext()) -> 
     if ctx.device == "spin" or b.state == "stopped":
         return False  # a spinning GPU's host counters are the busy-wait and NCCL's proxy thread polling
     if b.state == "data_wait":
-        # A consumer is judged by its data: its producer (workers, a reader thread) worked, or its own bytes moved.
-        # Not by its wakeups or its timeout: a DataLoader polls its queue every 5 s while its worker is wedged.
-        return ctx.host_busy or moved_bytes(a, b)
+        # A consumer is judged by its data: its producer (workers, a reader thread) worked, its own bytes moved, or
+        # it woke from a read without a timeout (a socket or pipe read returns only when bytes came). Not by the
+        # wakeups of a wait with a timeout: a DataLoader polls its queue every 5 s while its worker is wedged.
+        return ctx.host_busy or moved_bytes(a, b) or (woke_between(a, b) and not (a.timed or b.timed))
     if b.timed and b.state not in COMMUNICATION_STATES:
         return True
     return woke_between(a, b) or moved_bytes(a, b) or (b.state == "compute" and (a.active or b.active))
