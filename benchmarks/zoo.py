@@ -16,8 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
-from zoo_runs import CASES, COMM_HANG, HEALTHY, Case, Row, run_case  # noqa: E402
+from zoo_runs import CASES, COMM_HANG, HEALTHY, WAITING, Case, Row, run_case  # noqa: E402
 
+MORE = ("ddp_activation_checkpointing", "ddp_autocast", "fsdp2_dcp", "zero_optimizer", "ddp_comm_hook",
+        "ddp_join", "dcp_checkpoint", "ddp_no_sync", "ddp_unused", "dtensor_tp", "pipeline")
 EXTRA = (
     Case("ddp_plain", "eval", HEALTHY, args=("--pause-s", "40")),
     Case("ddp_plain", "slow_save", HEALTHY, args=("--pause-s", "30")),
@@ -30,6 +32,10 @@ EXTRA = (
     Case("dcp_checkpoint", "event_wait", COMM_HANG, (2,)),
     Case("compiled", "lock", COMM_HANG, (2,)),
     Case("ddp_plain", "desync", COMM_HANG, args=("--hang-runs", "9"), desync=True, finishes=False),
+    *(Case(p, "poll", HEALTHY, args=("--pause-s", "10")) for p in MORE),
+    *(Case(p, "event_wait", COMM_HANG, (2,)) for p in MORE),
+    Case("tp_dp_groups", "poll", HEALTHY, args=("--pause-s", "10"), nproc=4),
+    Case("ddp_join", "busy", WAITING, (2,), waiting_timeout_s=20.0),
 )
 
 

@@ -35,6 +35,7 @@ class Case:
     collective: str | None = None  # the waiting majority's collective, when the case pins it
     finishes: bool = True  # the restarted run completes
     desync: bool = False  # the incident must name a desync
+    nproc: int = 3
 
     @property
     def name(self) -> str:
@@ -60,6 +61,8 @@ CASES: tuple[Case, ...] = (
     Case("rl_generation", "dead_worker", COMM_HANG, (2,)),
     Case("hf_trainer", "desync", COMM_HANG, desync=True),
     Case("lightning_ddp", "event_wait", COMM_HANG, (2,)),
+    Case("manual_allreduce", "event_wait", COMM_HANG, (2,), collective="all_reduce"),
+    Case("tp_dp_groups", "event_wait", COMM_HANG, (2,), nproc=4),
     Case("ddp_plain", "busy", WAITING, (2,), waiting_timeout_s=20.0),
     Case("ddp_plain", "poll", WAITING, args=("--pause-s", "600", "--hang-runs", "9"), waiting_timeout_s=20.0,
          finishes=False),
@@ -105,9 +108,10 @@ def run_case(tmp: Path, case: Case, timeout_s: float = 240.0) -> Row:
     args = ("--steps", "8", *case.args)
     if case.data_service:
         with data_service(2.0, 8) as addr:
-            return run_variant(tmp, case.program, case.variant, args=args, config=config, data_addr=addr,
-                               timeout_s=timeout_s)
-    return run_variant(tmp, case.program, case.variant, args=args, config=config, timeout_s=timeout_s)
+            return run_variant(tmp, case.program, case.variant, nproc=case.nproc, args=args, config=config,
+                               data_addr=addr, timeout_s=timeout_s)
+    return run_variant(tmp, case.program, case.variant, nproc=case.nproc, args=args, config=config,
+                       timeout_s=timeout_s)
 
 
 def run_variant(tmp: Path, program: str, variant: str, *, nproc: int = 3, args: tuple[str, ...] = (),
