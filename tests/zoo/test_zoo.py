@@ -16,11 +16,17 @@ per session, and each test asserts its own row.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
-from zoo_runs import CASES, COMM_HANG, HEALTHY, Case, Row, run_case
+from gpu_watchdog.store.incidents import IncidentStore
+from waiting import wait_for
+from zoo_runs import CASES, COMM_HANG, HEALTHY, ZOO, Case, Row, run_case
 
 pytestmark = pytest.mark.slow
 PARALLEL = 2
@@ -83,3 +89,51 @@ def test_the_desync_in_ddps_backward_never_names_the_rank_in_backward(tmp_path: 
     assert row.desync and row.detected_after_s is not None and row.detected_after_s <= 10.0, row
     assert 1 not in row.culprit, row
     assert not row.nccl_change and row.rc == 75 and row.actions[-1] == "give_up" and row.incidents == 2, row
+
+
+def _under_daemon(variant: str, *args: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int | None]:
+    """Run ddp_plain's ``variant`` as a job registered with a `gpu-watchdog run` daemon (shipped detection
+    defaults, the test hook as its restart hook); its incidents (as `incidents` returns them, with actions), the
+    restart hook's records and the job's exit (None: stopped by the daemon)."""
+    from daemon_helpers import DaemonProc, records, short_dir, write_config
+    from launch_harness import base_env, read_events, torchrun
+
+    base = short_dir()
+    d = DaemonProc(base, write_config(base))
+    events = base / "events.jsonl"
+    job = None
+    try:
+        d.wait_socket()
+        job = subprocess.Popen([torchrun(), "--standalone", "--nproc-per-node", "3", str(ZOO / "ddp_plain.py"),
+                                "--variant", variant, "--workdir", str(base), "--events", str(events), "--steps", "8",
+                                *args], env=base_env(), cwd=base, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_for(lambda: len([e for e in read_events(events) if e["event"] == "start"]) == 3, 90, "ranks up")
+        reg = d.cli("hook", "job-start", "--socket", d.socket, "--job-id", f"zoo-{variant}", "--pid", str(job.pid),
+                    "--restart-hook", "requeue")
+        assert reg.returncode == 0, reg.stdout + reg.stderr
+        try:
+            rc: int | None = job.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            rc = None
+        store = IncidentStore(base / "state")
+        wait_for(lambda: all(i.get("outcome") for i in store.list()), 60, "incidents finished")
+        return store.list(), records(base), rc
+    finally:
+        if job is not None and job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        d.kill()
+
+
+def test_under_the_daemon_a_slow_poll_runs_untouched_and_a_ddp_hang_is_named_without_the_ladder() -> None:
+    """The same rules under `gpu-watchdog run`: every rank polling every 2 s for 16 s finishes with no incident
+    that acts; rank 2 blocked in Event.wait() with its peers in DDP's backward is named, stopped and handed to the
+    restart hook at level 0 (no NCCL change)."""
+    incs, hooks, rc = _under_daemon("poll", "--pause-s", "16")
+    assert rc == 0 and hooks == [] and not [i for i in incs if i.get("verdict") != "waiting"], incs
+    incs, hooks, rc = _under_daemon("event_wait")
+    (inc,) = incs
+    assert inc["culprit_ranks"] == [2] and inc["collective"] == "ddp_all_reduce", inc
+    assert [h["argv"][2] for h in hooks if "argv" in h] == ["--level=0"], hooks
+    assert not any(k.startswith("NCCL_") for k in ((inc.get("fallback") or {}).get("env") or {})), inc
