@@ -165,6 +165,8 @@ class Recovery:
             inc.end_action(entry, waited, "waited" if waited else "cut short: the agent is stopping")
         shown = " ".join(f"{k}={v}" for k, v in sorted(decision.env.items())) or "(no NCCL change)"
         restarted = target.restart(inc, decision.level, f"fallback level {decision.level} ({decision.name}): {shown}")
+        if not restarted and inc.summary.get("restarted_by"):
+            self.budget.refund()  # another agent restarted the job: nothing was spent here
         if restarted:
             ctx.metric("restart", target.job_id)
         ctx.metric("action", "restart", restarted)

@@ -31,6 +31,7 @@ from gpu_watchdog.act.checkpoint import request_checkpoint
 from gpu_watchdog.act.faults import GpuFaultHandler
 from gpu_watchdog.act.hooks import run_hook
 from gpu_watchdog.act.recovery import Recovery, observe
+from gpu_watchdog.act.slurm import moved_on, show_job
 from gpu_watchdog.act.stopper import JobProcess
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.load import load_config
@@ -77,7 +78,7 @@ class RegisteredJob:
         return None if self.processes() else 0
 
     def restart(self, inc: Incident, level: int, shown: str) -> bool:
-        return self.daemon.run_restart_hook(inc, self.job_id, self.reg.get("restart_hook"), level)
+        return self.daemon.run_restart_hook(inc, self.job_id, self.reg.get("restart_hook"), level, self.run)
 
 
 class Daemon:
@@ -307,6 +308,7 @@ class Daemon:
             return
         result.incident.finish("gave up: restart budget spent (no restart hook run)" if result.give_up
                                else f"restarted by {result.restarted_by}" if result.restarted_by
+                               else "restarted by another agent (Slurm)" if result.incident.summary.get("restarted_by")
                                else "restart hook ran" if result.restarted else "restart hook failed or missing")
 
     def _backoff_wait(self, seconds: float) -> bool:
@@ -333,11 +335,23 @@ class Daemon:
         targets = {j: self.target(j, r) for j, r in regs.items()}
         inc, stopped = GpuFaultHandler(self.ctx, self.cfg.hooks).drain(finding, sample, targets)
         for job_id in stopped:
-            self.run_restart_hook(inc, job_id, regs[job_id].get("restart_hook"), self.fallback.level(job_id))
+            self.run_restart_hook(inc, job_id, regs[job_id].get("restart_hook"), self.fallback.level(job_id),
+                                  regs[job_id].get("run"))
         inc.finish("node drain requested" if any(a["action"] == "drain" and a["ok"] for a in inc.summary["actions"])
                    else "drain not run")
 
-    def run_restart_hook(self, inc: Incident, job_id: str, hook_name: str | None, level: int) -> bool:
+    def run_restart_hook(self, inc: Incident, job_id: str, hook_name: str | None, level: int,
+                         run: int | None = None) -> bool:
+        """The restart hook; a Slurm requeue only while the job is still in the run this agent saw hang (another
+        node's agent, or a late one, may have requeued it already: never a second requeue, never a failed hook)."""
+        spec = self.cfg.hooks.get(hook_name or "")
+        if spec is not None and spec.type == "slurm-requeue" and run is not None:
+            why = moved_on(show_job(job_id), run)
+            if why:
+                inc.record_action("restart_hook", False, f"skipped: {why}; restarted by another agent",
+                                  outcome="skipped")
+                inc.update(restarted_by={"host": "another agent (Slurm)", "incident": None, "run": run + 1})
+                return False
         return self.run_hook(inc, job_id, "restart_hook", hook_name, level)
 
     def run_hook(self, inc: Incident, job_id: str, action: str, hook_name: str | None, level: int) -> bool:

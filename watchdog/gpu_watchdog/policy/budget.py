@@ -52,6 +52,13 @@ class RestartBudget:
         self.restarts.append(now)
         return True, ""
 
+    def refund(self) -> None:
+        """The restart just allowed did not happen here (another agent restarted the job): not charged."""
+        if self.restarts:
+            self.restarts.pop()
+            if self._on_change is not None:
+                self._on_change(self)
+
     def backoff_s(self, now: float, healthy_reset_s: float) -> float:
         """How long to wait before the restart just allowed: the k-th restart in a row (each within
         ``healthy_reset_s`` of the previous) comes at least ``restart_backoff_s · 2^(k-2)`` (at most
