@@ -93,49 +93,50 @@ class JobRuns:
                     return rec
         return None
 
-    def publish_stacks(self, ev: StackEvidence) -> None:
-        """This node's newest dump of the job's ranks, for the other nodes' agents (replaced atomically)."""
-        d = self.job_dir(ev.job_id) / "stacks"
+    def _publish(self, job_id: str, kind: str, doc: Any) -> None:
+        """This node's document of one kind for the job (``<job>/<kind>/<host>.json``, replaced atomically)."""
+        d = self.job_dir(job_id) / kind
         d.mkdir(parents=True, exist_ok=True)
-        write_atomic(d / f"{self.host}.json", json.dumps(stacks_record(ev)))
+        write_atomic(d / f"{self.host}.json", json.dumps(doc, sort_keys=True))
+
+    def _peers(self, job_id: str, kind: str) -> dict[str, Any]:
+        """The other nodes' documents of one kind for the job, by host (unreadable ones left out)."""
+        out: dict[str, Any] = {}
+        try:
+            files = sorted((self.job_dir(job_id) / kind).glob("*.json"))
+        except OSError:
+            return out
+        for f in files:
+            if f.stem != self.host:
+                try:
+                    out[f.stem] = json.loads(f.read_text())
+                except (OSError, ValueError):
+                    continue
+        return out
+
+    def publish_stacks(self, ev: StackEvidence) -> None:
+        """This node's newest dump of the job's ranks, for the other nodes' agents."""
+        self._publish(ev.job_id, "stacks", stacks_record(ev))
 
     def peer_stacks(self, job_id: str, since: float) -> dict[str, StackEvidence]:
         """The other nodes' newest dumps of the job taken at or after ``since`` (unix seconds), by host."""
         out: dict[str, StackEvidence] = {}
-        try:
-            files = sorted((self.job_dir(job_id) / "stacks").glob("*.json"))
-        except OSError:
-            return out
-        for f in files:
-            if f.stem == self.host:
-                continue
-            try:
-                ev = stacks_from_record(json.loads(f.read_text()))
-            except (OSError, ValueError):
-                continue
+        for host, doc in self._peers(job_id, "stacks").items():
+            ev = stacks_from_record(doc)
             if ev is not None and ev.job_id == job_id and ev.t >= since:
-                out[f.stem] = ev
+                out[host] = ev
         return out
 
     def publish_settings(self, job_id: str, run: str, envs: dict[int, dict[str, str]]) -> None:
         """This node's ranks' launch settings for run ``run`` of the job ({rank: env})."""
-        d = self.job_dir(job_id) / f"settings-run-{int(run)}"
-        d.mkdir(parents=True, exist_ok=True)
-        write_atomic(d / f"{self.host}.json", json.dumps({str(r): e for r, e in envs.items()}, sort_keys=True))
+        self._publish(job_id, f"settings-run-{int(run)}", {str(r): e for r, e in envs.items()})
 
     def peer_settings(self, job_id: str, run: str) -> dict[str, dict[int, dict[str, str]]]:
         """The other nodes' published settings for run ``run``: {host: {rank: env}}."""
         out: dict[str, dict[int, dict[str, str]]] = {}
-        try:
-            files = sorted((self.job_dir(job_id) / f"settings-run-{int(run)}").glob("*.json"))
-        except OSError:
-            return out
-        for f in files:
-            if f.stem == self.host:
-                continue
+        for host, doc in self._peers(job_id, f"settings-run-{int(run)}").items():
             try:
-                data = json.loads(f.read_text())
-                out[f.stem] = {int(r): {str(k): str(v) for k, v in e.items()} for r, e in data.items()}
-            except (OSError, ValueError, AttributeError):
+                out[host] = {int(r): {str(k): str(v) for k, v in e.items()} for r, e in doc.items()}
+            except (ValueError, AttributeError):
                 continue
         return out
