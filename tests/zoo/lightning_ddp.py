@@ -5,6 +5,7 @@ checkpoint callback. The variant's slow phase or fault is injected in ``training
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -41,8 +42,15 @@ def main() -> None:
                         val_check_interval=4, limit_val_batches=2, default_root_dir=args.workdir,
                         enable_progress_bar=False, logger=False, enable_model_summary=False)
     zc.event(args, "start", step=0)
-    trainer.fit(Module(), loader, loader)
+    module = Module()
+    trainer.fit(module, loader, loader)
     zc.event(args, "done")
+    # Lightning leaves the gloo group to interpreter exit, where its teardown can abort (SIGABRT) on torch 2.13 CPU:
+    # free DDP's Reducer first, then the group (as tests/jobs/hf_trainer.py does for the HF Trainer).
+    del trainer, module
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
