@@ -32,7 +32,7 @@ def test_scontrol_missing_or_failing_says_nothing() -> None:
         raise FileNotFoundError("scontrol")
 
     def ok(argv: list[str], **_k: Any) -> subprocess.CompletedProcess[str]:
-        assert argv == ["scontrol", "show", "job", "-o", "4242"]
+        assert argv == ["scontrol", "-o", "show", "job", "4242"]
         return subprocess.CompletedProcess(argv, 0, LINE.format(state="PENDING", restarts=1), "")
 
     assert show_job("4242", run=missing) is None

@@ -2,7 +2,7 @@
 
 Slurm has no "requeue only if this is still run N", and a running job can be requeued: an agent that acts late —
 another node's agent already requeued it, or the job is already in its next run — must not requeue again.
-``scontrol show job -o ID`` gives every node the job's ``JobState`` and ``Restarts`` (the run counter the TaskProlog
+``scontrol -o show job ID`` gives every node the job's ``JobState`` and ``Restarts`` (the run counter the TaskProlog
 registers as ``--run``)."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ class SlurmJob:
 
 
 def parse_show_job(text: str) -> SlurmJob | None:
-    """``scontrol show job -o`` output → its JobState and Restarts; None when either is missing."""
+    """``scontrol -o show job`` output (one line, or the usual lines) → its JobState and Restarts; None when either
+    is missing."""
     fields = dict(_FIELD.findall(text))
     if "JobState" not in fields or not fields.get("Restarts", "").isdigit():
         return None
@@ -33,7 +34,7 @@ def parse_show_job(text: str) -> SlurmJob | None:
 def show_job(job_id: str, run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> SlurmJob | None:
     """The job's state from ``scontrol``; None when scontrol is missing, fails or says something unreadable."""
     try:
-        done = run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+        done = run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True,
                    timeout=SCONTROL_TIMEOUT_S, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
