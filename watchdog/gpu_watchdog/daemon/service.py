@@ -537,6 +537,7 @@ class Daemon:
                 pinger.stop()
             self._pool.shutdown(wait=False, cancel_futures=True)
             engine.backend.close()
+            engine.close()
             self.store.close()
         return 0
 

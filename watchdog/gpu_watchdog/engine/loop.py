@@ -248,6 +248,12 @@ class Engine:
                 self._cross[js.job_id] = (js, self._shared_pool().submit(self._compare_nodes, js.job_id, envs))
         return out
 
+    def close(self) -> None:
+        """Stop the shared-directory worker: queued comparisons are dropped (one already blocked on a hung shared
+        file system still finishes, or not, on its own thread)."""
+        if self._shared is not None:
+            self._shared.shutdown(wait=False, cancel_futures=True)
+
     def _shared_pool(self) -> Executor:
         """One worker for the shared directory (a file system that hangs delays it, never a tick)."""
         if self._shared is None:

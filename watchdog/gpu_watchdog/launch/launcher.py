@@ -211,6 +211,7 @@ class Launcher:
                 attempt += 1
         finally:
             backend.close()
+            engine.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _watch(self, engine: Engine, target: LaunchTarget, exits: ExitWatch) -> _Outcome:
