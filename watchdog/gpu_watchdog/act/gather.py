@@ -247,9 +247,8 @@ def communication_sources(finding: Finding, diag: Diagnosis | None, stacks: tupl
     for w in workers:
         out.append(f"worker pid {w.get('pid')} of rank {w.get('rank')} blocked in {w.get('op') or w.get('state')}")
     pending = [g for g in fr.groups if g.kind != "in_progress"] if fr is not None else []
-    if pending:
-        out.append(f"flight recorder: {len(pending)} process group(s) with pending collectives ({fr.reason})"
-                   if fr is not None else "")
+    if fr is not None and pending:
+        out.append(f"flight recorder: {len(pending)} process group(s) with pending collectives ({fr.reason})")
     if ras is not None and ras.culprit_ranks:
         out.append(f"NCCL RAS: {ras.reason}")
     if finding.signature == "spin":

@@ -120,15 +120,8 @@ class Recovery:
         claimed = self._claim_next_run(inc, target, decision)
         if claimed is not None and not claimed[0]:
             return self._stand_down(inc, target, claimed[1], gathered)
-        hang_step = max((p.heartbeat_step for p in sample.processes
-                         if p.job and p.job.job_id == target.job_id and p.heartbeat_step is not None), default=None)
-        allowed, why_not = self.budget.allow(time.time(), hang_step)
-        kind_now = "desync" if desync else finding.signature
-        if allowed and not decision.changed and kind_now in _DETERMINISTIC and place == previous.get("hang_place"):
-            allowed, why_not = False, (
-                f"code bug: restarting does not help (the same desync at {place} came back after a restart)"
-                if kind_now == "desync" else
-                f"restarting does not help: the job waited at the same place again ({place}) after a restart")
+        allowed, give_up_why = self._restart_allowed(finding, sample, target, decision, desync, place,
+                                                     str(previous.get("hang_place") or ""))
 
         restart_env: dict[str, str] = {}
         if allowed:  # stored before the stop: a daemon killed before its restart hook resumes at this level
@@ -146,10 +139,9 @@ class Recovery:
             inc.update(advice=decision.advice or None)  # no next run, but the advice stands
             if decision.advice:
                 ctx.say(f"advice: {decision.advice}")
-            spent = "restarting does not help" not in why_not
-            inc.record_action("give_up", True, f"restart budget spent: {why_not}" if spent else why_not)
+            inc.record_action("give_up", True, give_up_why)
             gathered.report(inc)
-            ctx.say(f"giving up: restart budget spent: {why_not}" if spent else f"giving up: {why_not}")
+            ctx.say(f"giving up: {give_up_why}")
             return RecoveryResult(inc, give_up=True, level=decision.level)
 
         inc.update(advice=decision.advice or None)
@@ -172,6 +164,21 @@ class Recovery:
         ctx.metric("action", "restart", restarted)
         gathered.report(inc)
         return RecoveryResult(inc, False, restart_env, decision.level, restarted)
+
+    def _restart_allowed(self, finding: Finding, sample: NodeSample, target: JobTarget, decision: FallbackDecision,
+                         desync: bool, place: str, last_place: str) -> tuple[bool, str]:
+        """(allowed, why not). A deterministic hang (a desync, a waiting timeout) back at the same place after a
+        restart that changed nothing gives up at once, without charging the budget; else the restart budget."""
+        kind = "desync" if desync else finding.signature
+        if not decision.changed and kind in _DETERMINISTIC and place == last_place:
+            return False, (f"code bug: restarting does not help (the same desync at {place} came back after a restart)"
+                           if desync else
+                           f"restarting does not help: the job waited at the same place again ({place}) after a "
+                           "restart")
+        hang_step = max((p.heartbeat_step for p in sample.processes
+                         if p.job and p.job.job_id == target.job_id and p.heartbeat_step is not None), default=None)
+        allowed, why_not = self.budget.allow(time.time(), hang_step)
+        return allowed, f"restart budget spent: {why_not}"
 
     def _claim_next_run(self, inc: Incident, target: JobTarget, decision: FallbackDecision
                         ) -> tuple[bool, dict[str, Any]] | None:
