@@ -20,10 +20,19 @@ from typing import Any
 
 import pytest
 from gpu_watchdog.config.schema import AgentConfig, Config
-from gpu_watchdog.detect.consistency import ConfigWatch, check_ranks, relevant
+from gpu_watchdog.detect.consistency import (
+    CROSS_NODE_EVERY_S,
+    CROSS_NODE_S,
+    ConfigWatch,
+    check_nodes,
+    check_ranks,
+    relevant,
+    run_key,
+)
 from gpu_watchdog.detect.detector import JobStatus
 from gpu_watchdog.launch.launcher import Launcher
 from gpu_watchdog.model import NodeSample
+from gpu_watchdog.store.job_runs import JobRuns
 from launch_harness import base_env, read_events, start_launch, torchrun, write_config
 from repo_paths import REPO
 
@@ -295,3 +304,38 @@ def test_the_same_job_without_the_skew_is_not_flagged(tmp_path: Path) -> None:
     assert len([e for e in events if e["event"] == "done"]) == 4
     assert run.incidents() == [], run.incidents()
     assert "different settings" not in run.output()
+
+
+# ---- across nodes (fallback.shared_dir) -----------------------------------------------------------------
+
+def test_launch_settings_are_compared_across_nodes_run_by_run(tmp_path: Path) -> None:
+    """The seed's multi-node failure: node 1 started with NPROC_PER_NODE=2, node 2 with 4 and NCCL_PROTO=Simple. Each
+    node's ranks agree among themselves; across the nodes the difference is named with its nodes and ranks."""
+    n1 = {r: {"NPROC_PER_NODE": "2", "WORLD_SIZE": "6", "NCCL_SOCKET_IFNAME": "eth0"} for r in (0, 1)}
+    n2 = {r: {"NPROC_PER_NODE": "4", "WORLD_SIZE": "6", "NCCL_PROTO": "Simple", "NCCL_SOCKET_IFNAME": "ens5"}
+          for r in (2, 3, 4, 5)}
+    JobRuns(tmp_path, "node2").publish_settings("job-7", "0", n2)
+    JobRuns(tmp_path, "node2").publish_settings("job-7", "1", n1 | {})  # another run: not compared with run 0
+    peers = JobRuns(tmp_path, "node1").peer_settings("job-7", "0")
+    assert list(peers) == ["node2"] and peers["node2"] == n2
+    report = check_nodes({"node1": n1, **peers})
+    assert not report.consistent
+    assert report.differences == ("NCCL_PROTO: node1 (ranks 0,1)=(unset), node2 (ranks 2-5)=Simple",
+                                  "NPROC_PER_NODE: node1 (ranks 0,1)=2, node2 (ranks 2-5)=4")  # no IFNAME: per node
+    assert check_nodes({"node1": n1, "node3": {6: dict(n1[0])}}).consistent
+    assert run_key([{"SLURM_RESTART_COUNT": "2"}]) == "2" and run_key([{}]) == "0"
+
+
+def test_a_cross_node_mismatch_is_one_finding_and_only_while_the_run_is_young() -> None:
+    watch = ConfigWatch(wait_s=0.0)
+    assert not watch.cross_due(0.0)  # this node's own ranks not compared yet
+    env = {0: 10}
+    watch.due(env, lambda pid: {}, 0.0)
+    assert watch.due(env, lambda pid: {}, 1.0)  # first local comparison at t=1
+    assert watch.cross_due(1.0) and not watch.cross_due(2.0) and watch.cross_due(1.0 + CROSS_NODE_EVERY_S)
+    assert not watch.cross_due(2.0 + CROSS_NODE_S)
+    report = check_nodes({"a": {0: {"NCCL_PROTO": "Simple"}}, "b": {1: {}}})
+    js = JobStatus("job-7", ranks=(0,))
+    first = watch.cross_finding(report, js, 3.0)
+    assert first is not None and first.kind == "config_mismatch" and "a (rank 0)=Simple" in first.detail
+    assert watch.cross_finding(report, js, 4.0) is None  # the same disagreement is not news

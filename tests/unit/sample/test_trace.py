@@ -313,3 +313,16 @@ def test_cli_record_to_an_unwritable_place_is_a_usage_error(tmp_path: Path) -> N
     assert r.returncode == 64, r.stderr
     assert "--output: cannot write" in r.stderr and "Traceback" not in r.stderr
     assert not out.parent.exists()
+
+
+def test_a_stacks_record_decodes_back_into_the_same_evidence() -> None:
+    """What the agents publish to a shared directory (store.job_runs) is a trace's stacks record, read back whole;
+    anything else is None, never an exception."""
+    from gpu_watchdog.model import RankStack, StackEvidence
+    from gpu_watchdog.sample.trace import stacks_from_record, stacks_record
+
+    ev = StackEvidence("job-7", 12.5, (RankStack(2, 4242, "collective", "sig", False, "ddp_all_reduce", "w", 3, 4,
+                                                 timed=False, io_before=10, io_after=12),))
+    assert stacks_from_record(json.loads(json.dumps(stacks_record(ev)))) == ev
+    assert stacks_from_record({"type": "stacks", "job_id": "j"}) is None  # t missing
+    assert stacks_from_record([1, 2]) is None

@@ -13,7 +13,6 @@ from gpu_watchdog.act.gather import EvidenceGatherer
 from gpu_watchdog.act.recovery import Recovery
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.schema import Config, FallbackConfig, StacksConfig
-from gpu_watchdog.detect.consistency import check_nodes, run_key
 from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.evidence.diagnosis import diagnose
 from gpu_watchdog.job.protocol import ControlDir
@@ -140,38 +139,3 @@ def test_a_busy_culprit_on_another_node_is_named_from_this_one(tmp_path: Path) -
     merged = diagnose([*local, *remote])
     assert merged.culprit_ranks == (2,) and merged.collective == "all_reduce"
     assert inc.summary["remote_stacks"] == {"node2": [2, 3]}
-
-
-def test_launch_settings_are_compared_across_nodes_run_by_run(tmp_path: Path) -> None:
-    """The seed's multi-node failure: node 1 started with NPROC_PER_NODE=2, node 2 with 4 and NCCL_PROTO=Simple. Each
-    node's ranks agree among themselves; across the nodes the difference is named with its nodes and ranks."""
-    n1 = {r: {"NPROC_PER_NODE": "2", "WORLD_SIZE": "6", "NCCL_SOCKET_IFNAME": "eth0"} for r in (0, 1)}
-    n2 = {r: {"NPROC_PER_NODE": "4", "WORLD_SIZE": "6", "NCCL_PROTO": "Simple", "NCCL_SOCKET_IFNAME": "ens5"}
-          for r in (2, 3, 4, 5)}
-    JobRuns(tmp_path, "node2").publish_settings("job-7", "0", n2)
-    JobRuns(tmp_path, "node2").publish_settings("job-7", "1", n1 | {})  # another run: not compared with run 0
-    peers = JobRuns(tmp_path, "node1").peer_settings("job-7", "0")
-    report = check_nodes({"node1": n1, **peers})
-    assert not report.consistent
-    assert report.differences == ("NCCL_PROTO: node1 (ranks 0,1)=(unset), node2 (ranks 2-5)=Simple",
-                                  "NPROC_PER_NODE: node1 (ranks 0,1)=2, node2 (ranks 2-5)=4")  # no IFNAME: per node
-    assert check_nodes({"node1": n1, "node3": {6: dict(n1[0])}}).consistent
-    assert run_key([{"SLURM_RESTART_COUNT": "2"}]) == "2" and run_key([{}]) == "0"
-
-
-def test_a_cross_node_mismatch_is_one_finding_and_only_while_the_run_is_young() -> None:
-    from gpu_watchdog.detect.consistency import CROSS_NODE_EVERY_S, CROSS_NODE_S, ConfigWatch
-    from gpu_watchdog.detect.detector import JobStatus
-
-    watch = ConfigWatch(wait_s=0.0)
-    assert not watch.cross_due(0.0)  # this node's own ranks not compared yet
-    env = {0: 10}
-    watch.due(env, lambda pid: {}, 0.0)
-    assert watch.due(env, lambda pid: {}, 1.0)  # first local comparison at t=1
-    assert watch.cross_due(1.0) and not watch.cross_due(2.0) and watch.cross_due(1.0 + CROSS_NODE_EVERY_S)
-    assert not watch.cross_due(2.0 + CROSS_NODE_S)
-    report = check_nodes({"a": {0: {"NCCL_PROTO": "Simple"}}, "b": {1: {}}})
-    js = JobStatus("job-7", ranks=(0,))
-    first = watch.cross_finding(report, js, 3.0)
-    assert first is not None and first.kind == "config_mismatch" and "a (rank 0)=Simple" in first.detail
-    assert watch.cross_finding(report, js, 4.0) is None  # the same disagreement is not news
