@@ -103,7 +103,7 @@ class Daemon:
         self.backend_why = "injected" if backend else ""
         self._stopping = threading.Event()  # set when run() ends: cuts a restart backoff short
         self.ctx = ActContext(cfg, self.host, self.incidents, self.fallback, metrics, self._log_info,
-                              runs=JobRuns(cfg.fallback.shared_dir, self.host) if cfg.fallback.shared_dir else None)
+                              runs=JobRuns.from_config(cfg, self.host))
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="watchdog-work")
         self._engine: Engine | None = None
         self._signals: queue.SimpleQueue[int] = queue.SimpleQueue()

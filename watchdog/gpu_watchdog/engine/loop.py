@@ -10,7 +10,6 @@ health. It returns what the tick saw; what to do about the findings is ``policy.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -214,14 +213,13 @@ class Engine:
         """One dump of the job's ranks (off the sampling path); with ``fallback.shared_dir`` also published for the
         other nodes' agents (a shared file system that hangs delays this worker, never a tick)."""
         evidence = collect_stack_evidence(job_id, rank_pids, self.cfg.stacks, t)
-        shared = self.cfg.fallback.shared_dir
-        if shared:
-            runs = JobRuns(shared, self.cfg.agent.hostname or socket.gethostname())
+        runs = JobRuns.from_config(self.cfg)
+        if runs is not None:
             for ev in evidence:
                 try:
                     runs.publish_stacks(ev)
                 except OSError as e:
-                    log.warning("cannot publish the stacks of job %s to %s: %s", job_id, shared, e)
+                    log.warning("cannot publish the stacks of job %s to %s: %s", job_id, runs.root, e)
         return evidence
 
     def _poll_ras(self, jobs: Mapping[str, JobStatus]) -> None:
@@ -263,7 +261,9 @@ class Engine:
     def _compare_nodes(self, job_id: str, envs: dict[int, dict[str, str]]) -> ConfigReport | None:
         """Publish this node's ranks' launch settings for their run and compare them with the other nodes' (None:
         no other node has published yet)."""
-        runs = JobRuns(self.cfg.fallback.shared_dir, self.cfg.agent.hostname or socket.gethostname())
+        runs = JobRuns.from_config(self.cfg)
+        if runs is None:  # the shared directory was configured away (a reload) meanwhile
+            return None
         run = run_key(envs.values())
         runs.publish_settings(job_id, run, envs)
         peers = runs.peer_settings(job_id, run)

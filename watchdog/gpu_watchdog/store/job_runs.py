@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_watchdog.atomic import write_atomic
+from gpu_watchdog.config.schema import Config
 from gpu_watchdog.model import StackEvidence
 from gpu_watchdog.policy.fallback import validate_job_id
 from gpu_watchdog.sample.trace import stacks_from_record, stacks_record
@@ -39,6 +40,13 @@ class JobRuns:
     def __init__(self, shared_dir: str | Path, host: str = "") -> None:
         self.root = Path(shared_dir)
         self.host = re.sub(r"[^A-Za-z0-9._-]", "_", host or socket.gethostname())  # a file name
+
+    @classmethod
+    def from_config(cls, cfg: Config, host: str = "") -> JobRuns | None:
+        """The job-wide records ``fallback.shared_dir`` names, as this node (``agent.hostname``) writes them; None
+        without a shared directory."""
+        shared = cfg.fallback.shared_dir
+        return cls(shared, host or cfg.agent.hostname) if shared else None
 
     def job_dir(self, job_id: str) -> Path:
         return self.root / validate_job_id(job_id)
