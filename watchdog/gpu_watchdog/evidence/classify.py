@@ -65,7 +65,7 @@ WAIT_FAMILY = "wait"  # Work.wait()/wait_tensor: which collective it waits for i
 
 def is_ddp_op(op: str | None) -> bool:
     """One of DDP's own collectives (its gradient all-reduce, its forward's broadcasts): every rank's regular flow."""
-    return bool(op) and str(op).startswith("ddp_")
+    return op is not None and op.startswith("ddp_")
 
 
 def collective_family(op: str) -> str:
@@ -156,7 +156,7 @@ def _collective(fr: Frame) -> str | None:
         return DDP_OP  # the autograd engine blocked with no Python below it: a C++ hook's wait (DDP's Reducer)
     if fr.get(_INNERMOST_IDLE) and _in(fr, DDP_FILE):
         # DDP's own collectives called from C++ bindings (the forward's buffer broadcast, bucket rebuild, join)
-        return f"ddp{_last(fr) if _last(fr).startswith('_') else '_' + _last(fr)}"
+        return "ddp_" + _last(fr).lstrip("_")
     return None
 
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 from gpu_watchdog.evidence.classify import (
     COMMUNICATION_STATES,
-    DDP_OP,
     P2P_FAMILIES,
     WAIT_FAMILY,
     collective_family,
@@ -166,7 +165,8 @@ def diagnose(
     if parts and in_wait and majority != WAIT_FAMILY:
         parts.append(f"{_waits(in_wait)} in a collective's wait()")
     if parts and ddp_aside:
-        parts.append(f"{_waits(ddp_aside)} in {DDP_OP} (DDP's backward: past what the others are stuck in)")
+        ops = "/".join(sorted({by_rank[r].op or "?" for r in ddp_aside}))
+        parts.append(f"{_waits(ddp_aside)} in {ops} (DDP's regular flow: past what the others are stuck in)")
 
     if not waiters:
         states = ", ".join(f"{format_ranks(m)} {by_rank[m[0]].state}" for _, m in ordered) or "no stacks"
