@@ -139,3 +139,22 @@ def test_a_busy_culprit_on_another_node_is_named_from_this_one(tmp_path: Path) -
     merged = diagnose([*local, *remote])
     assert merged.culprit_ranks == (2,) and merged.collective == "all_reduce"
     assert inc.summary["remote_stacks"] == {"node2": [2, 3]}
+
+
+def test_a_remote_culprit_alive_on_its_node_is_waited_on_a_blocked_one_is_acted_on(tmp_path: Path) -> None:
+    """Two nodes, two agents: node 1's ranks wait in all_reduce for rank 2 on node 2. If node 2's agent saw rank 2
+    polling for data (a wait that ends by itself) the job waits, as it would on one node: no action. If it saw rank
+    2 blocked for good, node 1 acts on it."""
+    from gpu_watchdog.act.gather import Gathered, _alive
+    from gpu_watchdog.act.recovery import action_proof
+
+    local = [_stack(0, "collective", "all_reduce"), _stack(1, "collective", "all_reduce")]
+    now = time.time()
+    finding = Finding("stall", "idle_held", "job-7", (0, 1), (), now - 5, now, (), "", "stacks")
+    polling = replace(_stack(2, "sleep"), timed=True)
+    stuck = _stack(2, "unknown")
+    for remote, acts in (([polling], False), ([stuck], True)):
+        diag = diagnose([*local, *remote])
+        assert diag.culprit_ranks == (2,)
+        gathered = Gathered(tuple(local), diag, remote[0], "stacks: ranks 0,1 wait in all_reduce", _alive(diag, remote))
+        assert bool(action_proof(finding, gathered, None)) is acts, gathered

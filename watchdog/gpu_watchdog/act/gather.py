@@ -8,7 +8,7 @@ stacks name the culprit when they can tell the ranks apart, else the Flight Reco
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.detect.detector import Finding, JobStatus
@@ -38,9 +38,24 @@ class Gathered:
     culprit: RankStack | None = None  # the stack the hang sits in (a blocked worker's when there is one)
     # What says the hang is in communication, one line per source ("" when nothing does): acting needs it.
     communication: str = ""
+    # The culprits are other nodes' ranks their own agents saw alive (polling, computing, in I/O): the job waits
+    # on them, as it would on one node, rather than being hung ("" when not so).
+    alive_elsewhere: str = ""
 
     def report(self, inc: Incident) -> None:
         inc.write_report(render_report(inc.summary, list(self.stacks)))
+
+
+def _alive(diag: Diagnosis, remote: list[RankStack]) -> str:
+    """The culprits, when every one is another node's rank that its own agent saw alive: in a wait that ends by
+    itself (a poll), in I/O, or computing. On one node the detector never confirms such a job (it waits on those
+    ranks); across nodes this node cannot see them progress, only their published dumps."""
+    by_rank = {rs.rank: rs for rs in remote}
+    culprits = [by_rank.get(r) for r in diag.culprit_ranks]
+    if not culprits or any(rs is None or not (rs.timed or rs.state == "io" or (rs.state == "compute" and rs.active))
+                           for rs in culprits):
+        return ""
+    return ", ".join(f"rank {rs.rank}: {rs.state} at {rs.where}" for rs in culprits if rs is not None)
 
 
 def _culprit_stack(diag: Diagnosis, stacks: list[RankStack]) -> RankStack | None:
@@ -85,15 +100,15 @@ class EvidenceGatherer:
             if culprit is not None:
                 ctx.say(f"culprit rank {culprit.rank} stack: {culprit.signature}")
             behind = self._workers(inc, diag, stacks, rank_pids, job_id)
-            out = Gathered(tuple(stacks), diag, behind or culprit)
+            out = Gathered(tuple(stacks), diag, behind or culprit, alive_elsewhere=_alive(diag, remote))
         fr = self._flight_recorder(inc, rank_pids)
         ras = self._nccl_ras(inc, job_id, rank_pids, sample)
         merged = self._decide(inc, finding, diag, fr, ras)
         if merged is not None and merged is not diag:  # the recovery acts on the merged verdict
-            out = Gathered(out.stacks, merged, out.culprit or _culprit_stack(merged, list(out.stacks)))
+            out = replace(out, diagnosis=merged, culprit=out.culprit or _culprit_stack(merged, list(out.stacks)))
         comm = communication_sources(finding, diag, out.stacks, inc.summary.get("workers") or [], fr, ras)
         inc.update(communication_evidence=comm or None)
-        out = Gathered(out.stacks, out.diagnosis, out.culprit, "; ".join(comm))
+        out = replace(out, communication="; ".join(comm))
         out.report(inc)
         return out
 

@@ -54,6 +54,8 @@ def action_proof(finding: Finding, gathered: Gathered, status: JobStatus | None)
     stopped = sorted({*(status.stopped if status else ()), *(s.rank for s in gathered.stacks if s.state == "stopped")})
     if stopped:
         return f"process: rank(s) {','.join(map(str, stopped))} stopped (state T)"
+    if gathered.alive_elsewhere:
+        return ""  # the job waits on another node's rank that is alive there
     return gathered.communication
 
 
@@ -226,7 +228,9 @@ class Recovery:
         cfg = self.ctx.cfg
         diag = gathered.diagnosis
         states = ", ".join(sorted({s.state for s in gathered.stacks})) or "no stacks"
-        why = f"no communication evidence (ranks: {states})"
+        elsewhere = gathered.alive_elsewhere
+        why = (f"waiting on another node's rank(s), alive there ({elsewhere})" if elsewhere
+               else f"no communication evidence (ranks: {states})")
         until = finding.onset + cfg.detect.waiting_timeout_s
         detail = (f"waiting, not hung in communication: {why}; no action before detect.waiting_timeout_s "
                   f"({cfg.detect.waiting_timeout_s:.0f}s after the onset, at "
