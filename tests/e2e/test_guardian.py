@@ -26,6 +26,18 @@ def _alive(pids: list[int] | dict[int, float]) -> list[int]:
     return out
 
 
+def _described(pids: list[int]) -> list[str]:
+    """Each pid with its parent and command line, for a failure message."""
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            out.append(f"{pid} (ppid {p.ppid()}, {p.status()}): {' '.join(p.cmdline())[:200]}")
+        except psutil.Error:
+            out.append(f"{pid} (gone)")
+    return out
+
+
 def _guardians() -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
@@ -79,7 +91,8 @@ def test_a_sigkilled_launch_takes_its_job_down_within_10s(tmp_path: Path, victim
         while _alive(job) and time.monotonic() - t0 < 10:
             time.sleep(0.2)
         left = _alive(job)
-        assert not left, f"job processes alive 10 s after {victims} was SIGKILLed: {left}"
+        assert not left, (f"job processes alive 10 s after {victims} was SIGKILLed: {_described(left)}; "
+                          f"launch and guardian said:\n{run.output()[-3000:]}")
         print(f"{victims}: {len(job)} job processes gone {time.monotonic() - t0:.1f} s after the SIGKILL")
         # the guardian says so once the ladder is done (just after the last process went)
         deadline = time.monotonic() + 10

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from typing import Any
 
-from gpu_watchdog.act.slurm import SlurmJob, moved_on, parse_show_job, show_job
+from gpu_watchdog.act.slurm import SlurmJob, cancelled, moved_on, parse_show_job, show_job
 from gpu_watchdog.config.schema import RecoveryConfig
 from gpu_watchdog.policy.budget import RestartBudget
 
@@ -23,8 +23,16 @@ def test_a_job_already_requeued_or_in_a_newer_run_is_not_requeued_again() -> Non
     assert moved_on(SlurmJob("RUNNING", 0), 0) == ""
     assert "already in run 1" in moved_on(SlurmJob("PENDING", 1), 0)  # requeued by the other node's agent
     assert "already requeued" in moved_on(SlurmJob("REQUEUED", 0), 0)  # being requeued right now
+    # the agent's own stop ends the batch step: a job that is ending or ended in this run is still requeued
+    for state in ("COMPLETING", "FAILED", "COMPLETED"):
+        assert moved_on(SlurmJob(state, 0), 0) == ""
     assert "already in run 1" in moved_on(SlurmJob("RUNNING", 1), 0)  # a late agent: the next run is up
     assert moved_on(None, 0) == ""  # Slurm could not say: the requeue goes ahead, as before
+
+
+def test_a_cancelled_job_is_never_brought_back() -> None:
+    assert cancelled(SlurmJob("CANCELLED", 0))
+    assert not cancelled(SlurmJob("FAILED", 0)) and not cancelled(None)
 
 
 def test_scontrol_missing_or_failing_says_nothing() -> None:

@@ -41,13 +41,23 @@ def show_job(job_id: str, run: Callable[..., subprocess.CompletedProcess[str]] =
     return parse_show_job(done.stdout) if done.returncode == 0 else None
 
 
+# States of a job that someone already requeued. A job the agent itself just stopped is COMPLETING, FAILED or
+# COMPLETED, and ``scontrol requeue`` takes it back: those states are no sign of another agent.
+_REQUEUED_STATES = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
+
+
 def moved_on(job: SlurmJob | None, run: int) -> str:
     """Why the job is no longer in run ``run`` ("" when it still is, or when Slurm could not say: then the requeue
-    goes ahead, as without this check)."""
+    goes ahead, as without this check). Slurm counts ``Restarts`` up in the requeue itself, so it is the proof."""
     if job is None:
         return ""
     if job.restarts > run:
         return f"the job is already in run {job.restarts} (Restarts={job.restarts}, JobState={job.state})"
-    if job.state not in ("RUNNING", "SUSPENDED"):
-        return f"the job is no longer running (JobState={job.state}, Restarts={job.restarts}): already requeued"
+    if job.state in _REQUEUED_STATES:
+        return f"the job is already requeued (JobState={job.state}, Restarts={job.restarts})"
     return ""
+
+
+def cancelled(job: SlurmJob | None) -> bool:
+    """A job someone cancelled is not requeued: a requeue would bring back what a person ended."""
+    return job is not None and job.state == "CANCELLED"

@@ -31,7 +31,7 @@ from gpu_watchdog.act.checkpoint import request_checkpoint
 from gpu_watchdog.act.faults import GpuFaultHandler
 from gpu_watchdog.act.hooks import run_hook
 from gpu_watchdog.act.recovery import Recovery, observe
-from gpu_watchdog.act.slurm import moved_on, show_job
+from gpu_watchdog.act.slurm import cancelled, moved_on, show_job
 from gpu_watchdog.act.stopper import JobProcess
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.load import load_config
@@ -346,7 +346,12 @@ class Daemon:
         node's agent, or a late one, may have requeued it already: never a second requeue, never a failed hook)."""
         spec = self.cfg.hooks.get(hook_name or "")
         if spec is not None and spec.type == "slurm-requeue" and run is not None:
-            why = moved_on(show_job(job_id), run)
+            job = show_job(job_id)
+            if cancelled(job):
+                inc.record_action("restart_hook", False, "skipped: the job was cancelled in Slurm (JobState=CANCELLED)",
+                                  outcome="skipped")
+                return False
+            why = moved_on(job, run)
             if why:
                 inc.record_action("restart_hook", False, f"skipped: {why}; restarted by another agent",
                                   outcome="skipped")
