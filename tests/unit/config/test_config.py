@@ -313,7 +313,7 @@ FULL = Config(
                             client_boundary_s=1.5, restart_on_crash=True),
     fallback=FallbackConfig(levels=(FallbackLevel("x", {"NCCL_PROTO": "^LL"}, WEIRD), FallbackLevel("y \u00e9", {})),
                             network_env={"NCCL_SOCKET_IFNAME": "=eth \"0\""}, diagnostics_env={},
-                            healthy_reset_s=5.0, shared_dir="/shared/gpu-watchdog runs"),
+                            healthy_reset_s=5.0, shared_dir="/shared/gpu-watchdog runs", actor_grace_s=0.0),
     faults=FaultsConfig(xid_events=False, event_wait_ms=100, application_xids=(13, 79),
                         drain_command=("/usr/bin/drain", "--node={node}", "{reason} \u00e9 \\{{x}}"),
                         drain_hook="node-drain", drain_timeout_s=9.0),

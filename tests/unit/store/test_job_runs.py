@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -12,8 +13,8 @@ from typing import Any
 from gpu_watchdog.act.gather import EvidenceGatherer
 from gpu_watchdog.act.recovery import Recovery
 from gpu_watchdog.act.target import ActContext
-from gpu_watchdog.config.schema import Config, FallbackConfig, StacksConfig
-from gpu_watchdog.detect.detector import Finding
+from gpu_watchdog.config.schema import Config, FallbackConfig, RecoveryConfig, StacksConfig
+from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.evidence.diagnosis import diagnose
 from gpu_watchdog.job.protocol import ControlDir
 from gpu_watchdog.model import NodeSample, RankStack, StackEvidence
@@ -75,8 +76,11 @@ class _Target:
         return True
 
 
-def _agent(tmp: Path, host: str, shared: Path) -> tuple[Recovery, _Target]:
-    cfg = replace(Config(), fallback=FallbackConfig(shared_dir=str(shared)), stacks=StacksConfig(enabled=False))
+def _agent(tmp: Path, host: str, shared: Path, actor_grace_s: float = 0.0,
+           max_restarts: int = 3) -> tuple[Recovery, _Target]:
+    cfg = replace(Config(), fallback=FallbackConfig(shared_dir=str(shared), actor_grace_s=actor_grace_s),
+                  stacks=StacksConfig(enabled=False),
+                  recovery=RecoveryConfig(max_restarts=max_restarts, restart_backoff_s=0.0))
     ctx = ActContext(cfg, host, IncidentStore(tmp / host), FallbackStore(tmp / host), runs=JobRuns(shared, host))
     return Recovery(ctx, RestartBudget(cfg.recovery)), _Target(tmp / host, run=0)
 
@@ -158,3 +162,65 @@ def test_a_remote_culprit_alive_on_its_node_is_waited_on_a_blocked_one_is_acted_
         assert diag.culprit_ranks == (2,)
         gathered = Gathered(tuple(local), diag, remote[0], "stacks: ranks 0,1 wait in all_reduce", _alive(diag, remote))
         assert bool(action_proof(finding, gathered, None)) is acts, gathered
+
+
+def _status(*ranks: int) -> JobStatus:
+    return JobStatus("job-7", ranks=ranks)
+
+
+def test_rank_0s_node_decides_and_another_node_waits_for_it(tmp_path: Path) -> None:
+    """Node 2 confirms first but runs no rank 0: it waits (fallback.actor_grace_s) and takes node 1's decision."""
+    shared = tmp_path / "shared"
+    sample = NodeSample(t=time.time(), hostname="x", backend="proc", devices=(), processes=(), errors=())
+    node1, t1 = _agent(tmp_path, "node1", shared, actor_grace_s=10.0)
+    node2, t2 = _agent(tmp_path, "node2", shared, actor_grace_s=10.0)
+    later = threading.Timer(1.0, lambda: node1.handle(_finding(), t1, sample, _status(0, 1)))
+    t0 = time.monotonic()
+    later.start()
+    r2 = node2.handle(_finding(), t2, sample, _status(2, 3))
+    waited = time.monotonic() - t0
+    later.join()
+    assert 0.9 <= waited < 5.0, waited  # it waited for node 1, not the whole grace
+    assert (t1.restarts, t2.restarts) == ([0], []) and r2.restarted_by == "node1"
+    claim = [a for a in r2.incident.summary["actions"] if a["action"] == "claim_run"]
+    assert "decided by node1 (rank 0's node" in claim[0]["detail"]
+
+
+def test_without_rank_0s_agent_another_node_decides_after_the_grace(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    sample = NodeSample(t=time.time(), hostname="x", backend="proc", devices=(), processes=(), errors=())
+    node2, t2 = _agent(tmp_path, "node2", shared, actor_grace_s=1.0)
+    t0 = time.monotonic()
+    r2 = node2.handle(_finding(), t2, sample, _status(2, 3))
+    assert time.monotonic() - t0 >= 1.0 and r2.restarted and t2.restarts == [0]
+    assert JobRuns(shared, "x").get("job-7", 1)["decided_by"] == "node2"  # type: ignore[index]
+
+
+def test_the_restart_budget_is_the_jobs_not_each_nodes(tmp_path: Path) -> None:
+    """max_restarts = 1: node 1 restarted the job (run 1); run 1 hangs and node 2 — which never restarted it —
+    confirms first: it gives the job up (job-wide budget spent) and node 1 stands down on that decision."""
+    shared = tmp_path / "shared"
+    sample = NodeSample(t=time.time(), hostname="x", backend="proc", devices=(), processes=(), errors=())
+    node1, t1 = _agent(tmp_path, "node1", shared, max_restarts=1)
+    node2, t2 = _agent(tmp_path, "node2", shared, max_restarts=1)
+    assert node1.handle(_finding(), t1, sample, None).restarted
+    t1.run = t2.run = 1
+    r2 = node2.handle(_finding(), t2, sample, None)
+    assert r2.give_up and t2.restarts == [] and "restart budget spent" in str(
+        JobRuns(shared, "x").get("job-7", 2)["give_up"])  # type: ignore[index]
+    r1 = node1.handle(_finding(), t1, sample, None)
+    assert r1.given_up_by == "node2" and not r1.give_up and t1.restarts == [0]
+    assert r1.incident.summary["given_up_by"]["incident"] == r2.incident.id
+    assert JobRuns(shared, "x").restart_times("job-7") == [JobRuns(shared, "x").get("job-7", 1)["decided_at"]]  # type: ignore[index]
+
+
+def test_every_node_climbs_from_the_jobs_level(tmp_path: Path) -> None:
+    """Node 2 never decided a run: its next decision starts from the level node 1 recorded for the run, not from
+    its own (empty) store."""
+    shared = tmp_path / "shared"
+    JobRuns(shared, "node1").claim("job-7", 1, {"level": 2, "env": {"NCCL_P2P_DISABLE": "1"}})
+    ctx = ActContext(Config(), "node2", IncidentStore(tmp_path / "i"), FallbackStore(tmp_path / "f"),
+                     runs=JobRuns(shared, "node2"))
+    assert ctx.level_record("job-7", 1)["level"] == 2 and ctx.level_record("job-7", 0)["level"] == 0
+    assert ActContext(Config(), "n", IncidentStore(tmp_path / "i"), FallbackStore(tmp_path / "f")).level_record(
+        "job-7", 1)["level"] == 0

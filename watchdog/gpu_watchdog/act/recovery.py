@@ -23,6 +23,7 @@ from gpu_watchdog.model import NodeSample
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.policy.fallback import WAITED_ADVICE, FallbackDecision, decide, diagnostics_env, hang_place
 from gpu_watchdog.store.incidents import Incident
+from gpu_watchdog.store.job_runs import JobRuns
 
 
 @dataclass
@@ -38,6 +39,7 @@ class RecoveryResult:
     held_on: tuple[int, ...] = ()
     held_doing: str = ""
     restarted_by: str = ""  # another node's agent decided (and restarts) the next run: this one stood down
+    given_up_by: str = ""  # another node's agent decided the job gets no next run: this one stood down
 
 
 def action_proof(finding: Finding, gathered: Gathered, status: JobStatus | None) -> str:
@@ -111,7 +113,7 @@ class Recovery:
 
         # The next run's settings, from the evidence: a worker blocked in a collective is the real culprit.
         culprit = gathered.culprit
-        previous = ctx.fallback.load(target.job_id)
+        previous = ctx.level_record(target.job_id, getattr(target, "run", None))
         desync = bool(gathered.diagnosis and gathered.diagnosis.desync)
         place = hang_place("desync" if desync else culprit.state if culprit else None,
                            culprit.where if culprit else "", finding.signature)
@@ -119,11 +121,13 @@ class Recovery:
                           culprit.state if culprit else None, desync=desync, communication=gathered.communication,
                           signature=finding.signature, place=place,
                           level_advice=finding.kind == "stall" and _on_gpus(finding, sample))
-        claimed = self._claim_next_run(inc, target, decision)
-        if claimed is not None and not claimed[0]:
-            return self._stand_down(inc, target, claimed[1], gathered)
         allowed, give_up_why = self._restart_allowed(finding, sample, target, decision, desync, place,
                                                      str(previous.get("hang_place") or ""))
+        claimed = self._claim_next_run(inc, target, decision, status, "" if allowed else give_up_why)
+        if claimed is not None and not claimed[0]:
+            if allowed:
+                self.budget.refund()  # the job's next run is another agent's decision: nothing spent here
+            return self._stand_down(inc, target, sample, status, claimed[1], gathered)
 
         restart_env: dict[str, str] = {}
         if allowed:  # stored before the stop: a daemon killed before its restart hook resumes at this level
@@ -179,48 +183,85 @@ class Recovery:
                            "restart")
         hang_step = max((p.heartbeat_step for p in sample.processes
                          if p.job and p.job.job_id == target.job_id and p.heartbeat_step is not None), default=None)
+        if self.ctx.runs is not None and getattr(target, "run", None) is not None:
+            self.budget.adopt(self.ctx.runs.restart_times(target.job_id))  # one budget for every node of the job
         allowed, why_not = self.budget.allow(time.time(), hang_step)
         return allowed, f"restart budget spent: {why_not}"
 
-    def _claim_next_run(self, inc: Incident, target: JobTarget, decision: FallbackDecision
-                        ) -> tuple[bool, dict[str, Any]] | None:
-        """With ``fallback.shared_dir``, decide the job's next run job-wide: first writer wins (store.job_runs).
-        The record carries the level's settings and diagnostics on the shared directory (the same path on every
-        node). None when there is no shared directory or no run number, or it cannot be written (this node then
+    def _claim_next_run(self, inc: Incident, target: JobTarget, decision: FallbackDecision,
+                        status: JobStatus | None, give_up: str) -> tuple[bool, dict[str, Any]] | None:
+        """With ``fallback.shared_dir``, decide the job's next run job-wide — a restart at the decision's level, or
+        (``give_up`` says why) none: first writer wins (store.job_runs). The record carries the level's settings
+        and diagnostics on the shared directory (the same path on every node). The agent of the node that runs
+        global rank 0 decides at once; another node's agent first waits ``fallback.actor_grace_s`` for that
+        decision. None when there is no shared directory or no run number, or it cannot be written (this node then
         acts on its own, as without one, and says so)."""
         runs, run = self.ctx.runs, getattr(target, "run", None)
         if runs is None or run is None:
             return None
         nxt = int(run) + 1
+        grace = self.ctx.cfg.fallback.actor_grace_s
+        if status is not None and status.ranks and 0 not in status.ranks and grace > 0:
+            rec = self._await_decision(runs, target.job_id, nxt, grace)
+            if rec is not None:
+                inc.record_action("claim_run", True, f"run {nxt} decided by {rec.get('decided_by')} (rank 0's "
+                                                     f"node; level {rec.get('level')})")
+                return False, rec
         env = dict(decision.env)
         env.update(diagnostics_env(self.ctx.cfg.fallback, runs.run_dir(target.job_id, nxt), env))
         record = {"level": decision.level, "name": decision.name, "env": env, "reason": decision.reason,
                   "advice": decision.advice, "hang_place": decision.hang_place, "incident": inc.id}
+        if give_up:
+            record.update(give_up=give_up, level=int(self.ctx.level_record(target.job_id, run).get("level", 0)))
         try:
             won, rec = runs.claim(target.job_id, nxt, record)
         except OSError as e:
             inc.record_action("claim_run", False, f"cannot write the job-wide record of run {nxt} in {runs.root}: "
                                                   f"{e}; acting on this node's decision alone")
             return None
-        inc.record_action("claim_run", True, f"run {nxt} decided here (level {decision.level})" if won else
+        what = "no restart" if give_up else f"level {record['level']}"
+        inc.record_action("claim_run", True, f"run {nxt} decided here ({what})" if won else
                           f"run {nxt} already decided by {rec.get('decided_by')} (level {rec.get('level')})")
         return won, rec
 
-    def _stand_down(self, inc: Incident, target: JobTarget, rec: dict[str, Any],
-                    gathered: Gathered) -> RecoveryResult:
-        """Another node's agent decided the next run and restarts the job: stop this node's ranks of the old run,
-        never a second restart, never a failed hook; the incident points at the deciding node's."""
+    def _await_decision(self, runs: JobRuns, job_id: str, run: int, grace_s: float) -> dict[str, Any] | None:
+        """Rank 0's node's agent decides first: wait up to ``grace_s`` for its record of run ``run``."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            rec = runs.get(job_id, run)
+            if rec is not None or time.monotonic() >= deadline:
+                return rec
+            if not self.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+                return runs.get(job_id, run)
+
+    def _stand_down(self, inc: Incident, target: JobTarget, sample: NodeSample, status: JobStatus | None,
+                    rec: dict[str, Any], gathered: Gathered) -> RecoveryResult:
+        """Another node's agent decided the next run (and restarts the job, or gave it up): this node's ranks of
+        the old run checkpoint and stop — every node's ranks must save, only this agent reaches these — never a
+        second restart, never a failed hook; the incident points at the deciding node's."""
         who = str(rec.get("decided_by") or "?")
         level = int(rec.get("level") or 0)
-        inc.update(fallback={"level": level, "name": rec.get("name"), "env": rec.get("env") or {},
-                             "reason": f"decided by {who}: {rec.get('reason') or ''}"},
-                   restarted_by={"host": who, "incident": rec.get("incident"), "run": rec.get("run")})
+        if rec.get("give_up"):
+            inc.update(given_up_by={"host": who, "incident": rec.get("incident"), "reason": rec.get("give_up")})
+        else:
+            inc.update(fallback={"level": level, "name": rec.get("name"), "env": rec.get("env") or {},
+                                 "reason": f"decided by {who}: {rec.get('reason') or ''}"},
+                       restarted_by={"host": who, "incident": rec.get("incident"), "run": rec.get("run")})
+        self._checkpoint(inc, target, sample, status)
         self._stop(inc, target)
-        inc.record_action("restart", False, f"skipped: restarted by {who} (run {rec.get('run')} at level {level}, "
-                                            f"incident {rec.get('incident')})", outcome="skipped")
+        if rec.get("give_up"):
+            inc.record_action("give_up", True, f"given up by {who} (incident {rec.get('incident')}): "
+                                               f"{rec.get('give_up')}")
+            say = f"job {target.job_id}: given up by {who}: {rec.get('give_up')}"
+        else:
+            inc.record_action("restart", False, f"skipped: restarted by {who} (run {rec.get('run')} at level "
+                                                f"{level}, incident {rec.get('incident')})", outcome="skipped")
+            say = f"job {target.job_id}: restarted by {who} (run {rec.get('run')}, level {level}): standing down"
         gathered.report(inc)
-        self.ctx.say(f"job {target.job_id}: restarted by {who} (run {rec.get('run')}, level {level}): standing down")
-        return RecoveryResult(inc, give_up=False, level=level, restarted_by=who)
+        self.ctx.say(say)
+        gave_up = bool(rec.get("give_up"))
+        return RecoveryResult(inc, give_up=False, level=level, restarted_by="" if gave_up else who,
+                              given_up_by=who if gave_up else "")
 
     def _hold(self, inc: Incident, finding: Finding, gathered: Gathered) -> RecoveryResult:
         """No proof the hang is in communication: the job is waiting (every rank asleep, polling, reading, in its

@@ -69,6 +69,13 @@ class ActContext:
         except Exception:
             log.exception("metrics: %s failed", name)
 
+    def level_record(self, job_id: str, run: int | str | None) -> dict[str, Any]:
+        """The fallback record that configures run ``run`` of the job: with ``fallback.shared_dir`` the job-wide one
+        (the truth for a multi-node job: every node decides from, and exports, the same level), else — or before
+        any run was decided there — this node's own store."""
+        shared = self.runs.current(job_id, int(run)) if self.runs is not None and run is not None else None
+        return shared if shared is not None else self.fallback.load(job_id)
+
     def open_incident(self, finding: Finding) -> Incident:
         """Every incident starts here, so the incidents counter counts every one written and each one carries
         the node's recent past (``trace.jsonl``)."""

@@ -38,7 +38,7 @@ _CHOICES = {"agent.backend": ("auto", "nvml", "proc"), "ras.enabled": ("auto", "
 _MAY_BE_ZERO = {"detect.spin_power_max_w", "detect.util_idle_max_percent", "detect.proc_rss_held_min_bytes",
                 "detect.mem_held_min_bytes", "recovery.max_restarts", "detect.progress_io_min_bytes_per_s",
                 "recovery.checkpoint_grace_s", "detect.spin_traffic_max_bytes_per_s", "agent.incident_trace_s",
-                "recovery.restart_backoff_s"}
+                "recovery.restart_backoff_s", "fallback.actor_grace_s"}
 _RATIOS = {"detect.spin_power_max_ratio"}
 _PERCENTS = {"detect.util_idle_max_percent", "detect.spin_util_min_percent"}
 

@@ -87,6 +87,9 @@ class FallbackConfig:
     # A directory every node mounts at the same path (multi-node jobs): the job-wide record of each run's level and
     # settings, written once by the agent that restarts the job (store.job_runs). Empty: per-node state only.
     shared_dir: str = ""
+    # With shared_dir: the agent of the node that runs global rank 0 decides a hang's next run; another node's agent
+    # waits this long for that decision before making it itself (rank 0's agent may be down or slower).
+    actor_grace_s: float = 20.0
 
 
 @dataclass(frozen=True)

@@ -171,8 +171,7 @@ class Daemon:
         ``fallback.shared_dir`` the job-wide record of its run, so every node exports the same settings."""
         reg = self.registry.get(job_id)
         run = reg.get("run") if reg else None
-        shared = self.ctx.runs.current(job_id, run) if self.ctx.runs is not None and run is not None else None
-        data = shared if shared is not None else self.fallback.load(job_id)
+        data = self.ctx.level_record(job_id, run)
         return {"control_dir": str(self.control_dir(job_id).path), "level": int(data.get("level", 0)),
                 "env": dict(data.get("env") or {})}
 
@@ -308,6 +307,7 @@ class Daemon:
             return
         result.incident.finish("gave up: restart budget spent (no restart hook run)" if result.give_up
                                else f"restarted by {result.restarted_by}" if result.restarted_by
+                               else f"given up by {result.given_up_by}" if result.given_up_by
                                else "restarted by another agent (Slurm)" if result.incident.summary.get("restarted_by")
                                else "restart hook ran" if result.restarted else "restart hook failed or missing")
 

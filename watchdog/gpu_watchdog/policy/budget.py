@@ -52,6 +52,13 @@ class RestartBudget:
         self.restarts.append(now)
         return True, ""
 
+    def adopt(self, restarts: list[float]) -> None:
+        """Count the job-wide restart history (a multi-node job's run records) instead of this node's own: every
+        node's agent then spends, and sees spent, the same budget."""
+        self.restarts = sorted(float(t) for t in restarts)
+        if self._on_change is not None:
+            self._on_change(self)
+
     def refund(self) -> None:
         """The restart just allowed did not happen here (another agent restarted the job): not charged."""
         if self.restarts:

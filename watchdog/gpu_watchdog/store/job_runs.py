@@ -101,6 +101,21 @@ class JobRuns:
                     return rec
         return None
 
+    def restart_times(self, job_id: str) -> list[float]:
+        """When each decided run of the job was decided (a restart; a decision to give up is none): the job-wide
+        restart history every node's budget counts, oldest first."""
+        try:
+            names = [p.name for p in self.job_dir(job_id).iterdir()]
+        except OSError:
+            return []
+        times = []
+        for name in names:
+            m = _RUN_FILE.match(name)
+            rec = self.get(job_id, int(m.group(1))) if m else None
+            if rec is not None and not rec.get("give_up") and isinstance(rec.get("decided_at"), (int, float)):
+                times.append(float(rec["decided_at"]))
+        return sorted(times)
+
     def _publish(self, job_id: str, kind: str, doc: Any) -> None:
         """This node's document of one kind for the job (``<job>/<kind>/<host>.json``, replaced atomically)."""
         d = self.job_dir(job_id) / kind
