@@ -360,3 +360,34 @@ def test_a_rank_that_stopped_issuing_work_is_missing_not_behind() -> None:
     a = _analyze(dumps)
     assert a.culprit_ranks == (1,), a.reason
     assert [g.kind for g in a.groups] == ["missing"]
+
+
+def _batch(rid: int, pg: tuple[str, str], pg_id: int, seq: int, p2p_seq: int, ops: list[str], state: str
+           ) -> list[dict[str, Any]]:
+    """batch_isend_irecv as ProcessGroupNCCL records it: one entry per op (their state never moves from
+    "scheduled"), then the "coalesced" entry of the work that runs them, which carries the batch's state."""
+    out = [_e(rid + i, pg, seq, f"nccl:{op}", state="scheduled", p2p_seq=p2p_seq, pg_id=pg_id)
+           for i, op in enumerate(ops)]
+    closing = _e(rid + len(ops), pg, seq, "nccl:coalesced", state=state, p2p_seq=p2p_seq, pg_id=pg_id)
+    return [*out, {**closing, "is_p2p": True}]
+
+
+def test_a_finished_batch_isend_irecv_is_not_pending_and_the_hang_after_it_is_named() -> None:
+    """Ranks 0,1 exchanged with batch_isend_irecv (the ops stay "scheduled", the coalesced work completed), then
+    rank 0 waits in all_reduce #3 that rank 1 never enqueued."""
+    groups = {"1": ("tp", [0, 1])}
+    d0 = _tp_entries(0, 2) + _batch(10, TP0, 1, 2, 1, ["send 0->1", "recv 0<-1"], "completed") + [
+        _e(20, TP0, 3, state="started", pg_id=1)]
+    d1 = _tp_entries(1, 2) + _batch(10, TP0, 1, 2, 1, ["recv 1<-0", "send 1->0"], "completed")
+    a = _analyze({0: _dump(d0, groups, {"1": (3, 2)}), 1: _dump(d1, groups, {"1": (2, 2)})})
+    assert a.culprit_ranks == (1,) and [g.kind for g in a.groups] == ["missing"], a.groups
+
+
+def test_a_hung_batch_is_a_p2p_hang_not_a_coalesced_collective() -> None:
+    """Rank 0's batch (send to rank 1) never completes: rank 1 never posted its side. One p2p finding naming
+    rank 1; the coalesced entry is no collective of its own."""
+    groups = {"1": ("tp", [0, 1])}
+    d0 = _tp_entries(0, 2) + _batch(10, TP0, 1, 2, 1, ["send 0->1"], "started")
+    d1 = _tp_entries(1, 2)
+    a = _analyze({0: _dump(d0, groups, {"1": (2, 2)}), 1: _dump(d1, groups, {"1": (2, 2)})})
+    assert a.culprit_ranks == (1,) and [(g.kind, g.op) for g in a.groups] == [("p2p", "send")], a.groups

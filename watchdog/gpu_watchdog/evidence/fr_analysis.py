@@ -21,8 +21,9 @@ last_started_collective, last_completed_collective}} where pg_id is the rank-loc
 ``pg_id``, and ``entries`` with ``process_group`` = (name, desc), ``collective_seq_id``, ``p2p_seq_id``,
 ``is_p2p``, ``profiling_name`` ("nccl:all_reduce", "nccl:send 0->1", "gloo:recv 1<-0"), ``input_sizes``,
 ``input_dtypes``, ``state`` (scheduled / started / completed: NCCL tracks it; gloo always says scheduled and marks a
-finished entry ``retired``), ``time_created_ns``. Everything is read defensively: a field of the wrong type is
-treated as absent.
+finished entry ``retired``; a batch — ``batch_isend_irecv``, a coalesced collective — is closed by a
+``coalesced`` entry whose state is the batch's), ``time_created_ns``. Everything is read defensively: a field of
+the wrong type is treated as absent.
 """
 
 from __future__ import annotations
@@ -228,15 +229,35 @@ def read_trace(doc: Mapping[str, Any], rank: int, dumped_at: float | None = None
         op, peer = _op_of(e)
         seq = _int(e.get("collective_seq_id"), 0)
         gloo = str(e.get("profiling_name", "")).startswith("gloo:")
+        done = _is_done(e, op, seq, gv, gloo)
+        if op == COALESCED:
+            _close_batch(gv, bool(e.get("is_p2p")), seq, _int(e.get("p2p_seq_id"), 0), str(e.get("state", "?")), done)
+            continue
         created = e.get("time_created_ns")
         gv.ops.append(FrOp(
             seq=seq, p2p_seq=_int(e.get("p2p_seq_id"), 0), op=op, peer=peer, sizes=_sizes(e.get("input_sizes")),
             dtypes=tuple(str(d) for d in e.get("input_dtypes") or () if isinstance(d, str)),
-            state=str(e.get("state", "?")), done=_is_done(e, op, seq, gv, gloo),
+            state=str(e.get("state", "?")), done=done,
             created_s=created / 1e9 if isinstance(created, (int, float)) and created > 0 else None))
         if not (peer is not None or e.get("is_p2p")):
             gv.last_enqueued = max(gv.last_enqueued, seq)
     return RankTrace(rank, version, groups, dump_time(entries, dumped_at), len(entries))
+
+
+# ProcessGroupNCCL records a batch (batch_isend_irecv, a coalesced collective) as one entry per op, all with the
+# batch's sequence id, then one "coalesced" entry for the work that runs them together: only that one's state
+# moves (the ops stay "scheduled" forever). It is bookkeeping, not an op of its own.
+COALESCED = "coalesced"
+
+
+def _close_batch(gv: GroupView, p2p: bool, seq: int, p2p_seq: int, state: str, done: bool) -> None:
+    """The ops of the batch a "coalesced" entry closes (the group's newest ops with its sequence id) take its
+    state."""
+    i = len(gv.ops)
+    while i > 0 and (gv.ops[i - 1].p2p_seq == p2p_seq if p2p else gv.ops[i - 1].seq == seq) and \
+            gv.ops[i - 1].is_p2p == p2p:
+        i -= 1
+        gv.ops[i] = replace(gv.ops[i], state=state, done=done)
 
 
 # A file's mtime is the dump's time only while the dump's own clock agrees: dumps copied or unpacked elsewhere get
