@@ -34,3 +34,23 @@ def test_a_process_older_than_its_claimed_owner_is_not_the_jobs() -> None:
     tree = JobTree(100, 10.0)
     tree.grow(procs((100, 50, 100, 10.0), (400, 100, 400, 5.0)))  # started before the member it names
     assert set(tree.members) == {100}
+
+
+def test_a_rank_orphaned_between_two_scans_is_found_by_the_runs_marker() -> None:
+    """torchrun spawned rank 102 in a session of its own and was SIGKILLed before the next scan: no parent or
+    session leads to it, but its environment names the run."""
+    marker = {"GPU_WATCHDOG_CONTROL_DIR": "/s/run/j", "GPU_WATCHDOG_RESTART_COUNT": "0"}
+    envs = {102: {**marker, "PATH": "/bin"},
+            103: {**marker, "GPU_WATCHDOG_RESTART_COUNT": "1"},  # another run of the job
+            104: {"PATH": "/bin"},  # unrelated
+            105: dict(marker)}  # carries the marker but started before the job: a stale copy, not this run
+    tree = JobTree(100, 10.0, marker)
+    tree.grow(procs((100, 50, 100, 10.0)))
+    now = procs((102, 1, 102, 11.0), (103, 1, 103, 12.0), (104, 1, 104, 12.0), (105, 1, 105, 5.0))
+    tree.grow(now)
+    assert set(tree.members) == {100}
+    tree.adopt_marked(now, read_env=lambda pid: envs.get(pid, {}))
+    assert set(tree.members) == {100, 102}
+    unmarked = JobTree(100, 10.0)
+    unmarked.adopt_marked(now, read_env=lambda pid: envs.get(pid, {}))
+    assert set(unmarked.members) == {100}  # no marker: nothing is matched by environment

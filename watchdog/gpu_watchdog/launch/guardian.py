@@ -16,14 +16,22 @@ the job's first process. A process it once saw stays in the job after its parent
 more (children started since the last scan), runs the ladder, and repeats for anything the ladder's grace let
 start. Nothing else is ever signalled: processes are matched by pid *and* start time, so a recycled pid is never
 hit.
+
+The tree can miss a process that started and lost its parent between two scans (torchrun SIGKILLed a moment after
+it spawned a rank in a session of its own). Every process of the run also carries the run's identity in its
+environment — the control directory and run number ``launch`` sets for the job, inherited by everything it
+starts — so at the stop the guardian also takes each process that started no earlier than the job and whose
+environment carries that identity.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 DONE = b"done\n"
@@ -57,6 +65,21 @@ def scan() -> dict[int, ProcStat]:
     return out
 
 
+def environ(pid: int) -> dict[str, str]:
+    """A process's environment as it was started ({} when unreadable: gone, or another user's)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            out[key.decode(errors="replace")] = value.decode(errors="replace")
+    return out
+
+
 def start_token(pid: int) -> float | None:
     st = read_stat(pid)
     return st.start if st else None
@@ -66,8 +89,24 @@ class JobTree:
     """The job's processes, pid → start token, grown from its first process; a member whose parent dies stays in
     (a re-parented rank), one whose pid now names another process (a different start) is dropped."""
 
-    def __init__(self, root_pid: int, root_start: float) -> None:
+    def __init__(self, root_pid: int, root_start: float, marker: dict[str, str] | None = None) -> None:
         self.members: dict[int, float] = {root_pid: root_start}
+        self.root_start = root_start
+        self.marker = dict(marker or {})  # environment entries every process of this run carries
+
+    def adopt_marked(self, procs: dict[int, ProcStat],
+                     read_env: Callable[[int], dict[str, str]] = environ) -> None:
+        """Add each process that started no earlier than the job and carries the run's marker in its environment:
+        the ones the tree missed (re-parented between two scans)."""
+        if not self.marker:
+            return
+        me = os.getpid()
+        for st in procs.values():
+            if st.pid in self.members or st.pid == me or st.start < self.root_start:
+                continue
+            env = read_env(st.pid)
+            if env and all(env.get(k) == v for k, v in self.marker.items()):
+                self.members[st.pid] = st.start
 
     def grow(self, procs: dict[int, ProcStat]) -> None:
         """Add every process whose parent or session leader is a member (the very process: the recorded start)
@@ -98,7 +137,9 @@ class JobTree:
 
         stopped: set[tuple[int, float]] = set()
         for _ in range(rounds):
-            self.grow(scan())
+            procs_now = scan()
+            self.grow(procs_now)
+            self.adopt_marked(procs_now)
             procs = []
             for pid, token in self.members.items():
                 if (pid, token) in stopped:
@@ -120,13 +161,14 @@ class JobTree:
 class Guardian:
     """The launcher's side: start the guardian for one run's job, release it when the run ends normally."""
 
-    def __init__(self, job_pid: int, grace_s: float) -> None:
+    def __init__(self, job_pid: int, grace_s: float, marker: dict[str, str] | None = None) -> None:
         token = start_token(job_pid)
         self._proc: subprocess.Popen[bytes] | None = None
         if token is None:  # the job is already gone: nothing to guard
             return
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "gpu_watchdog.launch.guardian", str(job_pid), repr(token), repr(grace_s)],
+            [sys.executable, "-m", "gpu_watchdog.launch.guardian", str(job_pid), repr(token), repr(grace_s),
+             json.dumps(marker or {})],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,  # stderr: launch's, for its one line
             start_new_session=True, close_fds=True, cwd="/")
 
@@ -171,7 +213,7 @@ def wait_for_launch(tree: JobTree, scan_s: float = SCAN_S) -> bytes:
 
 def main(argv: list[str]) -> int:
     job_pid, start, grace_s = int(argv[0]), float(argv[1]), float(argv[2])
-    tree = JobTree(job_pid, start)
+    tree = JobTree(job_pid, start, json.loads(argv[3]) if len(argv) > 3 else None)
     tree.grow(scan())
     if wait_for_launch(tree).startswith(DONE):
         return 0

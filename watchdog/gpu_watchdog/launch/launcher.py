@@ -148,11 +148,14 @@ class Launcher:
         self._wake.set()
 
     # -- runs --------------------------------------------------------------------------------------------
+    def _run_marker(self, attempt: int) -> dict[str, str]:
+        """The environment entries that name this run of the job: every process it starts inherits them."""
+        return {JOB_ID_ENV: self.job_id, CONTROL_DIR_ENV: str(self.control.path), RESTART_COUNT_ENV: str(attempt)}
+
     def _start(self, attempt: int, extra_env: dict[str, str]) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
         env.update(extra_env)
-        env.update({JOB_ID_ENV: self.job_id, CONTROL_DIR_ENV: str(self.control.path),
-                    RESTART_COUNT_ENV: str(attempt), FALLBACK_LEVEL_ENV: str(self.fallback.level(self.job_id))})
+        env.update({**self._run_marker(attempt), FALLBACK_LEVEL_ENV: str(self.fallback.level(self.job_id))})
         self.control.create()
         try:
             child = subprocess.Popen(self.cmd, env=env, start_new_session=True, **self.output.popen_kwargs())
@@ -194,7 +197,7 @@ class Launcher:
                 engine.new_run(self.job_id)
                 # Stops the job if this process dies without ending the run (even SIGKILL); released only
                 # when the run ended under our control, so an internal error still takes the job down with us.
-                guardian = Guardian(child.pid, self.cfg.recovery.stop_grace_s)
+                guardian = Guardian(child.pid, self.cfg.recovery.stop_grace_s, self._run_marker(attempt))
                 exits = ExitWatch()
                 target = LaunchTarget(self, child, self.control, attempt)
                 try:
