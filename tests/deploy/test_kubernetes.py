@@ -214,12 +214,13 @@ def test_a_real_alertmanager_inhibits_stall_pages_on_a_node_with_a_gpu_fault(tmp
             alert("GpuWatchdogStallConfirmed", "node-a", "warning", job_id="train-1"),  # the fault's symptom
             alert("GpuWatchdogRestartLoop", "node-a", "critical", job_id="train-1"),
             alert("GpuWatchdogStallConfirmed", "node-b", "warning", job_id="train-2"),  # another node: pages
+            alert("GpuWatchdogStallConfirmed", "node-c", "warning", job_id="train-2"),  # the same job's other node
             alert("GpuWatchdogAgentDown", "node-a", "critical"),  # never inhibited
         ])
         deadline = time.monotonic() + 20
         while True:
             got = {(a["labels"]["alertname"], a["labels"]["instance"]): a["status"] for a in _am(port, "alerts")}
-            if len(got) == 5 and got[("GpuWatchdogStallConfirmed", "node-a")]["state"] == "suppressed":
+            if len(got) == 6 and got[("GpuWatchdogStallConfirmed", "node-a")]["state"] == "suppressed":
                 break
             assert time.monotonic() < deadline, got
             time.sleep(0.2)
@@ -228,6 +229,10 @@ def test_a_real_alertmanager_inhibits_stall_pages_on_a_node_with_a_gpu_fault(tmp
         for active in (("GpuWatchdogGpuFault", "node-a"), ("GpuWatchdogStallConfirmed", "node-b"),
                        ("GpuWatchdogAgentDown", "node-a")):
             assert got[active]["state"] == "active" and not got[active]["inhibitedBy"], (active, got[active])
+        # one page for one job's hang, whichever nodes' agents fire it
+        groups = {(g["labels"].get("alertname"), g["labels"].get("job_id")): sorted(
+            a["labels"]["instance"] for a in g["alerts"]) for g in _am(port, "alerts/groups")}
+        assert groups[("GpuWatchdogStallConfirmed", "train-2")] == ["node-b", "node-c"], groups
     finally:
         proc.terminate()
         proc.wait(timeout=10)
