@@ -349,6 +349,32 @@ def test_task_prolog_exports_the_fallback_env(base: Path) -> None:
     assert "export" not in out.stdout
 
 
+def test_a_node_whose_daemon_is_down_still_exports_the_jobs_settings(base: Path) -> None:
+    """Multi-node: node 1's daemon is down while node 2's agent decided run 1 at level 1 (fallback.shared_dir). Node
+    1's TaskProlog still exports that run's settings (its ranks must match node 2's), saying it is unregistered;
+    a run nobody decided, or a config without a shared directory, exports nothing."""
+    from gpu_watchdog.store.job_runs import JobRuns
+
+    shared = base / "shared"
+    JobRuns(shared, "node2").claim("4711", 1, {"level": 1, "env": {"NCCL_P2P_DISABLE": "1"}})
+    cfg = base / "c.toml"
+    cfg.write_text(f'[daemon]\ncontrol_socket = "{base / "down.sock"}"\n[fallback]\nshared_dir = "{shared}"\n')
+    env = {k: v for k, v in os.environ.items() if k != "GPU_WATCHDOG_SOCKET"}
+    env.update({"SLURM_JOB_ID": "4711", "SLURM_RESTART_COUNT": "1", "GPU_WATCHDOG": GW,
+                "GPU_WATCHDOG_CONFIG": str(cfg)})
+    prolog = [str(REPO / "scheduler/slurm/task_prolog.sh")]
+    out = subprocess.run(prolog, env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("print gpu-watchdog: job 4711 not registered (cannot reach the daemon"), lines
+    assert "export NCCL_P2P_DISABLE=1" in lines and "export GPU_WATCHDOG_FALLBACK_LEVEL=1" in lines
+    for run, text in (("0", cfg.read_text()), ("1", f'[daemon]\ncontrol_socket = "{base / "down.sock"}"\n')):
+        cfg.write_text(text)
+        out = subprocess.run(prolog, env={**env, "SLURM_RESTART_COUNT": run}, capture_output=True, text=True,
+                             timeout=30)
+        assert out.returncode == 0 and "not registered" in out.stdout and "export" not in out.stdout, out.stdout
+
+
 def test_env_fails_loudly_on_an_unreadable_state_dir(base: Path) -> None:
     """`gpu-watchdog env` as a job user cannot open the 0750 state dir: exit 66 with one line, never a silent
     level 0. A state dir that exists without the job's file is level 0."""

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from gpu_watchdog.cli.args import add_common_options, checked_overrides, pid_arg, positive_float
-from gpu_watchdog.errors import EXIT_FAILURE, UsageError
+from gpu_watchdog.errors import EXIT_FAILURE, ServiceUnavailable, UsageError
 
 
 def _run_arg(text: str) -> int:
@@ -69,7 +69,14 @@ def cmd_hook(args: argparse.Namespace) -> int:
     if args.hook_op == "incidents":
         req["limit"] = args.limit
     timeout = (args.timeout or 60.0) + 10.0
-    reply = request(_socket_path(args), req, timeout_s=timeout)
+    try:
+        reply = request(_socket_path(args), req, timeout_s=timeout)
+    except ServiceUnavailable as e:
+        exports = _unregistered_exports(args, str(e))
+        if exports is None:
+            raise
+        sys.stdout.write(exports)
+        return 0
     if args.export and args.hook_op == "job-start" and reply.get("ok"):
         sys.stdout.write(_task_prolog_exports(reply))
     elif args.json:
@@ -83,6 +90,24 @@ def cmd_hook(args: argparse.Namespace) -> int:
         print(f"gpu-watchdog: {args.hook_op} refused: {reply.get('error', 'unknown error')}", file=sys.stderr)
         return EXIT_FAILURE
     return 0
+
+
+def _unregistered_exports(args: argparse.Namespace, why: str) -> str | None:
+    """``hook job-start --export`` with this node's daemon down: a multi-node job's other nodes run its run at the
+    job-wide level (``fallback.shared_dir`` in ``--config``), so this node's ranks must get the same NCCL settings
+    even unwatched. The TaskProlog lines of the run's record, with a note; None when there is none to read."""
+    if not (args.export and args.hook_op == "job-start" and args.run is not None and args.config):
+        return None
+    from gpu_watchdog.config.load import load_config
+    from gpu_watchdog.store.job_runs import JobRuns
+
+    runs = JobRuns.from_config(load_config(args.config))
+    record = runs.current(args.job_id, args.run) if runs is not None else None
+    if record is None:
+        return None
+    return (f"print gpu-watchdog: job {args.job_id} not registered ({why}); run {args.run} gets the job-wide "
+            f"settings of level {int(record.get('level') or 0)} from {runs.root if runs else ''}\n"
+            + _task_prolog_exports({"env": record.get("env") or {}, "level": record.get("level")}))
 
 
 def _readable(op: str, reply: dict[str, Any]) -> str:
