@@ -224,3 +224,17 @@ def test_every_node_climbs_from_the_jobs_level(tmp_path: Path) -> None:
     assert ctx.level_record("job-7", 1)["level"] == 2 and ctx.level_record("job-7", 0)["level"] == 0
     assert ActContext(Config(), "n", IncidentStore(tmp_path / "i"), FallbackStore(tmp_path / "f")).level_record(
         "job-7", 1)["level"] == 0
+
+
+def test_an_agent_that_confirms_after_the_run_was_decided_stands_down_without_gathering(tmp_path: Path) -> None:
+    """Node 2 confirms when node 1 already decided run 1 (its ranks are being stopped): no stack dump of dying
+    ranks, no 'waiting' verdict — restarted by node 1."""
+    shared = tmp_path / "shared"
+    sample = NodeSample(t=time.time(), hostname="x", backend="proc", devices=(), processes=(), errors=())
+    JobRuns(shared, "node1").claim("job-7", 1, {"level": 1, "incident": "inc-1"})
+    node2, t2 = _agent(tmp_path, "node2", shared)
+    now = time.time()
+    idle = Finding("stall", "idle_held", "job-7", (2, 3), (), now - 5, now, (), "no progress", "stacks")
+    r2 = node2.handle(idle, t2, sample, _status(2, 3))  # alone, no evidence: it would be held as waiting
+    assert r2.restarted_by == "node1" and not r2.held and t2.restarts == []
+    assert r2.incident.summary["restarted_by"]["incident"] == "inc-1"

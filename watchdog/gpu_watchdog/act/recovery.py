@@ -105,6 +105,9 @@ class Recovery:
         ctx.say(f"{finding.kind.upper()} confirmed in job {finding.job_id} ({finding.signature}): {finding.detail}; "
                 f"onset {time.strftime('%H:%M:%S', time.localtime(finding.onset))}, "
                 f"confirmed after {finding.confirmed_at - finding.onset:.1f}s; incident {inc.id}")
+        decided = self._decided_elsewhere(target)
+        if decided is not None:  # a late agent: the job's next run is already decided (and its ranks dying)
+            return self._stand_down(inc, target, sample, status, decided, Gathered())
         gathered = EvidenceGatherer(ctx).gather(inc, finding, status, sample)
         proof = action_proof(finding, gathered, status)
         if not proof:
@@ -187,6 +190,11 @@ class Recovery:
             self.budget.adopt(self.ctx.runs.restart_times(target.job_id))  # one budget for every node of the job
         allowed, why_not = self.budget.allow(time.time(), hang_step)
         return allowed, f"restart budget spent: {why_not}"
+
+    def _decided_elsewhere(self, target: JobTarget) -> dict[str, Any] | None:
+        """The job-wide record of the run after the one this agent watches, when one exists already."""
+        runs, run = self.ctx.runs, getattr(target, "run", None)
+        return runs.get(target.job_id, int(run) + 1) if runs is not None and run is not None else None
 
     def _claim_next_run(self, inc: Incident, target: JobTarget, decision: FallbackDecision,
                         status: JobStatus | None, give_up: str) -> tuple[bool, dict[str, Any]] | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     p2p_disabled = os.environ.get("NCCL_P2P_DISABLE") == "1"
     log_event(args.events, rank=rank, event="start", step=start - 1, pid=os.getpid(),
               nccl_p2p_disable=os.environ.get("NCCL_P2P_DISABLE"), nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
-              restart=os.environ.get("GPU_WATCHDOG_RESTART_COUNT"))
+              restart=os.environ.get("GPU_WATCHDOG_RESTART_COUNT"), host=socket.gethostname(),
+              nccl={k: v for k, v in os.environ.items() if k.startswith("NCCL_")})
     if rank == 0:
         print(f"[job] rank 0 of {world}: {'resuming after step ' + str(start - 1) if start > 1 else 'fresh start'}; "
               f"NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE', '(unset)')}", flush=True)
