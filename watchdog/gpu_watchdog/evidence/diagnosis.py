@@ -258,10 +258,13 @@ def communication_evidence(diag: Diagnosis, ranks: Sequence[RankStack]) -> str:
     culprits_in = [r for r in ranks if r.state in COMMUNICATION_STATES and r.rank in diag.culprit_ranks]
     if not waiting and not culprits_in:
         return ""
-    what = diag.collective or "device_sync"
-    parts = [f"{_waits(waiting)} in {what}"] if waiting else []
-    by_op: dict[str, list[int]] = defaultdict(list)
-    for r in culprits_in:
-        by_op[r.op or r.state].append(r.rank)
-    parts += [f"{format_ranks(rs)} in {op}" for op, rs in sorted(by_op.items())]
+    def by_op(rs: Sequence[RankStack]) -> list[tuple[str, list[int]]]:
+        ops: dict[str, list[int]] = defaultdict(list)
+        for r in rs:
+            ops[r.op or r.state].append(r.rank)
+        return sorted(ops.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+
+    waiters = by_op([r for r in ranks if r.rank in waiting])
+    parts = [f"{_waits(rs) if i == 0 else format_ranks(rs)} in {op}" for i, (op, rs) in enumerate(waiters)]
+    parts += [f"{format_ranks(rs)} in {op}" for op, rs in by_op(culprits_in)]
     return "stacks: " + ", ".join(parts)
