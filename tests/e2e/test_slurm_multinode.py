@@ -52,6 +52,9 @@ interval_s = 0.5
 backend = "proc"
 state_dir = "{local / 'state'}"
 
+[detect]
+waiting_timeout_s = 20.0
+
 [recovery]
 stop_grace_s = 3.0
 checkpoint_grace_s = 10.0
@@ -205,6 +208,8 @@ def jobs(site: Site) -> dict[str, tuple[str, Path]]:
         "healthy": site.submit("healthy", "--hang-at 0 --steps 12", port=29510),
         "culprit-node1": site.submit("culprit-node1", "--hang-at 5 --hang-rank 1 --steps 14", port=29511),
         "culprit-node2": site.submit("culprit-node2", "--hang-at 5 --hang-rank 3 --steps 14", port=29512),
+        # rank 3 computes forever once (alive, busy): gwn1 sees only its ranks wait, gwn2 sees rank 3 run
+        "busy-node2": site.submit("busy-node2", "--hang-at 5 --hang-rank 3 --hang-busy --steps 14", port=29515),
         # gwn2 launched with a protocol of its own: the seed's multi-node failure, caught before it hangs
         "mismatch": site.submit("mismatch", "--hang-at 0 --steps 200", port=29513, node2_env="NCCL_PROTO=Simple"),
     }
@@ -263,6 +268,29 @@ def test_a_hang_on_either_node_is_requeued_once_by_rank_0s_node(site: Site, jobs
     gwn2's agent, which may confirm first, waits for that decision and stands down."""
     job_id, work = jobs[name]
     _assert_recovered_once(site, job_id, work, hang_rank, actor="gwn1")
+
+
+def test_a_busy_culprit_on_the_other_node_is_waited_on_then_restarted_once(site: Site, jobs) -> None:
+    """Rank 3 (gwn2) computes forever: gwn1's agent confirms its ranks idle, reads gwn2's published dump — rank 3
+    alive, computing — and waits, as it would on one node (an observed incident naming rank 3); at
+    waiting_timeout_s one agent restarts the job — once, with no NCCL change (no evidence for one), the same
+    settings on every rank — and the rerun completes."""
+    job_id, work = jobs["busy-node2"]
+    info = site.wait_end(job_id, work, 300)
+    why = site.why(job_id, work)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", why
+    assert site.cluster.requeue_count(job_id) == 1, why
+    rerun = [e for e in events(work) if e["event"] == "start"][4:]
+    assert len(rerun) == 4 and len({json.dumps(e["nccl"], sort_keys=True) for e in rerun}) == 1, rerun
+    assert rerun[0]["nccl"].get("NCCL_P2P_DISABLE") is None, rerun  # a busy rank is no transport problem
+    incs = site.incidents(job_id)
+    held = [a["detail"] for i in incs["gwn1"] if i.get("verdict") == "waiting" for a in _action(i, "observe")]
+    assert held and "rank 3" in held[0] and "alive there" in held[0], (held, why)
+    acted = [i for n in NODES for i in incs[n] if i.get("outcome") == "restart hook ran"]
+    assert len(acted) == 1 and acted[0]["signature"] == "waiting_timeout", (acted, why)
+    for node in NODES:
+        for inc in incs[node]:
+            assert all(a.get("ok") or a.get("outcome") == "skipped" for a in _action(inc, "restart_hook")), inc
 
 
 def test_mismatched_launch_settings_across_nodes_are_one_incident_per_node(site: Site, jobs) -> None:

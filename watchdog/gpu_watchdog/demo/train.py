@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hang-at", type=int, default=12, help="0: never hang")
     ap.add_argument("--hang-rank", type=int, default=1)
     ap.add_argument("--hang-always", action="store_true", help="hang even with NCCL_P2P_DISABLE=1")
+    ap.add_argument("--hang-busy", action="store_true",
+                    help="the hang rank computes forever instead (its peers wait in all_reduce): no NCCL setting "
+                         "cures it, and it happens only once per --ckpt-dir (a transient fault)")
     ap.add_argument("--step-s", type=float, default=0.15, help="compute time per step")
     ap.add_argument("--ckpt-dir", required=True)
     ap.add_argument("--client", action="store_true", help="use the gpu_watchdog.job client")
@@ -96,7 +99,15 @@ def main(argv: list[str] | None = None) -> int:
             loss = torch.nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()
-            if step == args.hang_at and rank == args.hang_rank and (args.hang_always or not p2p_disabled):
+            busy_once = Path(args.ckpt_dir) / "busy-hang.done"
+            if step == args.hang_at and rank == args.hang_rank and args.hang_busy and not busy_once.exists():
+                busy_once.touch()
+                log_event(args.events, rank=rank, event="hang_onset", step=step)
+                print(f"[job] rank {rank}: step {step}: computing forever", flush=True)
+                while True:  # a rank stuck in its own code, alive and busy: the others wait for it
+                    torch.tanh(torch.randn(64, 64) @ torch.randn(64, 64))
+            if step == args.hang_at and rank == args.hang_rank and not args.hang_busy and (
+                    args.hang_always or not p2p_disabled):
                 log_event(args.events, rank=rank, event="hang_onset", step=step)
                 print(f"[job] rank {rank}: step {step}: waiting for a P2P transfer that never arrives", flush=True)
                 dist.recv(torch.zeros(1), src=(rank + 1) % world)  # nobody sends: a hung P2P
