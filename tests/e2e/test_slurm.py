@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 from daemon_helpers import GW, DaemonProc, short_dir, wait_for
+from gpu_watchdog.demo.runner import read_events
 from repo_paths import REPO
-from slurm_cluster import SlurmCluster, slurm_missing_reason
+from slurm_cluster import SlurmCluster, require, slurm_missing_reason
 
 pytestmark = pytest.mark.slow
 SCRIPTS = REPO / "scheduler" / "slurm"
@@ -131,25 +132,12 @@ timeout_s = 30
 
 
 def events(work: Path) -> list[dict[str, Any]]:
-    path = work / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    return read_events(work / "events.jsonl")
 
 
 @pytest.fixture(scope="module")
 def site() -> Iterator[Site]:
-    why = slurm_missing_reason()
-    if why:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"real-Slurm tests cannot run in CI: {why}")
-        pytest.skip(why)
+    require(slurm_missing_reason(), "real-Slurm tests")
     base = short_dir()
     epilog = base / "epilog.sh"  # a site installs gpu-watchdog on PATH; here it is the venv's
     epilog.write_text(f"#!/bin/sh\nGPU_WATCHDOG={GW} GPU_WATCHDOG_SOCKET={base / 'control.sock'} "

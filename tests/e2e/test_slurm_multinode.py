@@ -27,7 +27,9 @@ from typing import Any
 
 import pytest
 from daemon_helpers import GW, short_dir, wait_for
+from gpu_watchdog.demo.runner import read_events
 from repo_paths import REPO
+from slurm_cluster import require
 from slurm_nodes import SlurmNodes, slurm_nodes_missing_reason
 
 pytestmark = pytest.mark.slow
@@ -166,23 +168,12 @@ timeout_s = 30
 
 
 def events(work: Path) -> list[dict[str, Any]]:
-    path = work / "events.jsonl"
-    out = []
-    for line in (path.read_text().splitlines() if path.exists() else ()):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    return read_events(work / "events.jsonl")
 
 
 @pytest.fixture(scope="module")
 def site() -> Iterator[Site]:
-    why = slurm_nodes_missing_reason()
-    if why:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"multi-node Slurm tests cannot run in CI: {why}")
-        pytest.skip(why)
+    require(slurm_nodes_missing_reason(), "multi-node Slurm tests")
     base = short_dir()
     epilog = base / "epilog.sh"  # a site installs gpu-watchdog on PATH; here it is the venv's
     cluster = SlurmNodes(base / "slurm", cpus=8, task_prolog=str(SCRIPTS / "task_prolog.sh"), epilog=str(epilog))

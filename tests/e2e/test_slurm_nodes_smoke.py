@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from daemon_helpers import short_dir
+from slurm_cluster import require
 from slurm_nodes import CONTROLLER, SlurmNodes, slurm_nodes_missing_reason
 
 pytestmark = pytest.mark.slow
@@ -44,11 +45,7 @@ dist.destroy_process_group()
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[SlurmNodes]:
-    why = slurm_nodes_missing_reason()
-    if why:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"multi-node Slurm tests cannot run in CI: {why}")
-        pytest.skip(why)
+    require(slurm_nodes_missing_reason(), "multi-node Slurm tests")
     base = short_dir()
     c = SlurmNodes(base / "slurm")
     try:
