@@ -304,16 +304,20 @@ def test_mismatched_launch_settings_across_nodes_are_one_incident_per_node(site:
     assert site.cluster.requeue_count(job_id) == 0
 
 
-def test_with_rank_0s_agent_down_the_other_node_recovers_the_job_at_one_level(site: Site, jobs) -> None:
-    """gwn1's agent is down for the whole run: gwn2's agent waits fallback.actor_grace_s for a decision that never
-    comes, decides run 1 itself and requeues; gwn1's TaskProlog, with no daemon to ask, exports the run's record
-    from the shared directory: every rank of the rerun has NCCL_P2P_DISABLE=1."""
+@pytest.mark.parametrize("down,acting,port", [("gwn1", "gwn2", 29514), ("gwn2", "gwn1", 29516)])
+def test_with_one_nodes_agent_down_the_other_recovers_the_job_at_one_level(site: Site, jobs, down: str, acting: str,
+                                                                            port: int) -> None:
+    """One node's agent is down for the whole job (culprit rank 3, on gwn2). gwn1 down: gwn2's agent waits
+    fallback.actor_grace_s for rank 0's node's decision that never comes, then decides run 1 itself. gwn2 down:
+    gwn1 sees only its ranks wait in all_reduce and no dump from gwn2 — a transport hang as far as it can tell —
+    and decides at once. Either way one requeue, and the unwatched node's TaskProlog, with no daemon to ask,
+    exports the run's record from the shared directory: every rank of the rerun has NCCL_P2P_DISABLE=1."""
     for job_id, work in jobs.values():  # the side-by-side jobs are done: only this one runs
         if site.cluster.job(job_id).get("JobState") not in TERMINAL:
             site.wait_end(job_id, work, 300)
-    site.stop_agent("gwn1")
+    site.stop_agent(down)
     try:
-        job_id, work = site.submit("agent-down", "--hang-at 5 --hang-rank 3 --steps 14", port=29514)
+        job_id, work = site.submit(f"{down}-down", "--hang-at 5 --hang-rank 3 --steps 14", port=port)
         info = site.wait_end(job_id, work, 300)
         why = site.why(job_id, work)
         assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", why
@@ -321,12 +325,12 @@ def test_with_rank_0s_agent_down_the_other_node_recovers_the_job_at_one_level(si
         rerun = [e for e in events(work) if e["event"] == "start"][4:]
         assert len(rerun) == 4 and {e["nccl"].get("NCCL_P2P_DISABLE") for e in rerun} == {"1"}, rerun
         assert len({json.dumps(e["nccl"], sort_keys=True) for e in rerun}) == 1, rerun
-        (inc,) = _stalls(site, job_id)["gwn2"]
-        # gwn2 sees half the job: rank 3 in recv, rank 2 in all_reduce, no dump of ranks 0,1 — it may name rank 3
-        # or nobody (an even split), never a rank of gwn1
+        (inc,) = _stalls(site, job_id)[acting]
+        # the acting node sees half the job and no dump of the other half: it may name rank 3 (when it runs it)
+        # or nobody, never a rank it cannot see
         assert inc["outcome"] == "restart hook ran" and set(inc.get("culprit_ranks") or []) <= {3}, f"{inc}\n{why}"
         (claim,) = _action(inc, "claim_run")
         assert "decided here" in claim["detail"], claim
-        assert "not registered" in (work / "out.log").read_text(errors="replace")  # gwn1 ran unwatched, said so
+        assert "not registered" in (work / "out.log").read_text(errors="replace")  # the unwatched node said so
     finally:
-        site.start_agent("gwn1")
+        site.start_agent(down)
