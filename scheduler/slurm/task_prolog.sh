@@ -23,5 +23,7 @@ if out=$("$GW" hook job-start --job-id "$SLURM_JOB_ID" --pid "$PPID" --export "$
     printf '%s\n' "$out"
 else
     echo "print gpu-watchdog task prolog: job $SLURM_JOB_ID not registered: $(printf '%s\n' "$out" | tail -n 1)"
+    # a control dir srun copied from a registered batch shell names another node's directory
+    echo "unset GPU_WATCHDOG_CONTROL_DIR"
 fi
 exit 0

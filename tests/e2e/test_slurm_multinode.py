@@ -159,7 +159,8 @@ timeout_s = 30
         return wait_for(settled, timeout, f"job {job_id} to end", lambda: self.why(job_id, work), poll=1.0)
 
     def why(self, job_id: str, work: Path) -> str:
-        out = (work / "out.log").read_text(errors="replace")[-3000:] if (work / "out.log").exists() else ""
+        text = (work / "out.log").read_text(errors="replace") if (work / "out.log").exists() else ""
+        out = text if len(text) < 6000 else f"{text[:2500]}\n[…]\n{text[-3500:]}"  # the first error and the end
         logs = "\n".join(f"--- agent {n}\n{self.agent_log(n)}" for n in NODES)
         reports = "\n".join(f"--- {p.parent.name} on {n}\n{p.read_text(errors='replace')[-3000:]}" for n in NODES
                             for p in (self.cluster.node_dir(n) / "state").rglob("report.txt")

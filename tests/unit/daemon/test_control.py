@@ -347,6 +347,7 @@ def test_task_prolog_exports_the_fallback_env(base: Path) -> None:
                          timeout=30)
     assert out.returncode == 0 and out.stdout.startswith("print gpu-watchdog task prolog: job 4711 not registered")
     assert "export" not in out.stdout
+    assert "unset GPU_WATCHDOG_CONTROL_DIR" in out.stdout.splitlines()  # never another node's control dir
 
 
 def test_a_node_whose_daemon_is_down_still_exports_the_jobs_settings(base: Path) -> None:
@@ -368,6 +369,7 @@ def test_a_node_whose_daemon_is_down_still_exports_the_jobs_settings(base: Path)
     lines = out.stdout.splitlines()
     assert lines[0].startswith("print gpu-watchdog: job 4711 not registered (cannot reach the daemon"), lines
     assert "export NCCL_P2P_DISABLE=1" in lines and "export GPU_WATCHDOG_FALLBACK_LEVEL=1" in lines
+    assert "unset GPU_WATCHDOG_CONTROL_DIR" in lines  # unregistered: not the batch host's control dir
     for run, text in (("0", cfg.read_text()), ("1", f'[daemon]\ncontrol_socket = "{base / "down.sock"}"\n')):
         cfg.write_text(text)
         out = subprocess.run(prolog, env={**env, "SLURM_RESTART_COUNT": run}, capture_output=True, text=True,

@@ -107,3 +107,27 @@ def test_request_checkpoint_reports_a_failed_rank_as_failed(tmp_path: Path) -> N
     res = request_checkpoint(ctl, "inc-x", RecoveryConfig(), timeout_s=2.0, running=answer)
     assert (res.ok, res.outcome) == (False, "failed")
     assert "rank 0: failed at step 7 (OSError: disk full)" in res.detail and "rank 1: saved at step 7" in res.detail
+
+
+def test_a_control_dir_that_is_not_on_this_node_never_fails_the_job(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """srun copies the batch shell's GPU_WATCHDOG_CONTROL_DIR (the batch host's node-local directory) into every
+    node's tasks; on a node where the task was not registered it does not exist. The client is off, the training
+    loop runs; a control dir that vanishes mid-run turns the client off too."""
+    monkeypatch.setenv("GPU_WATCHDOG_CONTROL_DIR", str(tmp_path / "other-node" / "run-0"))
+    monkeypatch.setenv("RANK", "3")
+    client = Client.from_env()
+    assert not client.enabled
+    client.on_checkpoint(lambda step: None)
+    with client.training():
+        client.step(1)
+    ctl = ControlDir(tmp_path / "ctl")
+    ctl.create()
+    live = Client(ctl.path, rank=0)
+    live.step(1)
+    assert (ctl.path / "step-0").read_text() == "1"
+    for f in ctl.path.iterdir():
+        f.unlink()
+    ctl.path.rmdir()
+    live.step(2)  # the agent's node-local state was removed: no FileNotFoundError in the training step
+    assert not live.enabled

@@ -138,7 +138,9 @@ def _task_prolog_exports(reply: dict[str, Any]) -> str:
         env[CONTROL_DIR_ENV] = str(reply["control_dir"])
     gone = reply.get("gone") or []
     note = f"print gpu-watchdog: pids {gone} had exited before registration\n" if gone else ""
-    return note + task_prolog_lines(env)
+    # Not registered here: a control dir srun copied from the batch host names that node's directory.
+    unset = "" if reply.get("control_dir") else f"unset {CONTROL_DIR_ENV}\n"
+    return note + unset + task_prolog_lines(env)
 
 
 def register(sub: Any) -> None:

@@ -72,8 +72,22 @@ class Client:
 
     @classmethod
     def from_env(cls) -> Client:
+        """The client of this rank; off (a no-op) when not run under gpu-watchdog, or when the control directory
+        the environment names is not there (another node's, copied by srun from a registered batch shell): the
+        job must never fail because its watchdog cannot be reached."""
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-        return cls(os.environ.get(CONTROL_DIR_ENV), rank)
+        path = os.environ.get(CONTROL_DIR_ENV)
+        if path and not Path(path).is_dir():
+            log.warning("gpu-watchdog client off: control directory %s is not on this node (%s from another "
+                        "node, or this task is not registered)", path, CONTROL_DIR_ENV)
+            path = None
+        return cls(path, rank)
+
+    def _lost(self, e: OSError) -> None:
+        """The control directory went away (the agent's node-local state removed): the client turns itself off
+        rather than fail the training step."""
+        log.warning("gpu-watchdog client off: control directory %s: %s", self.control_dir, e)
+        self.control_dir = None
 
     @property
     def enabled(self) -> bool:
@@ -86,8 +100,12 @@ class Client:
         if not self.enabled or self._thread is not None:
             return
         assert self.control_dir is not None
-        write_json_atomic(self.control_dir / f"client-{self.rank}.json",
-                          {"pid": os.getpid(), "rank": self.rank, "t": time.time()})
+        try:
+            write_json_atomic(self.control_dir / f"client-{self.rank}.json",
+                              {"pid": os.getpid(), "rank": self.rank, "t": time.time()})
+        except OSError as e:
+            self._lost(e)
+            return
         self._thread = threading.Thread(target=self._watch, name="gpu-watchdog-client", daemon=True)
         self._thread.start()
 
@@ -103,8 +121,11 @@ class Client:
         if self.control_dir is not None:
             path = self.control_dir / f"step-{self.rank}"
             tmp = path.with_name(f".step-{self.rank}.tmp")
-            tmp.write_text(str(n))
-            tmp.replace(path)
+            try:
+                tmp.write_text(str(n))
+                tmp.replace(path)
+            except OSError as e:
+                self._lost(e)
         if self._request is not None and not self._aborted.is_set():
             self._boundary_reached.set()
             self._save_and_ack("saved")
