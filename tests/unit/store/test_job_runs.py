@@ -102,6 +102,7 @@ def test_two_nodes_confirm_the_same_hang_exactly_one_restarts(tmp_path: Path) ->
     restart = [a for a in r2.incident.summary["actions"] if a["action"] == "restart"]
     assert restart and restart[0]["outcome"] == "skipped" and "restarted by node1" in restart[0]["detail"]
     assert r2.incident.summary["restarted_by"]["incident"] == r1.incident.id
+    assert r1.incident.summary["run"] == r2.incident.summary["run"] == 0  # both tell of one hang of run 0
     # every node exports the same settings for run 1, with job-wide diagnostics paths
     rec = JobRuns(shared, "any").current("job-7", 1)
     assert rec is not None and rec["decided_by"] == "node1"

@@ -105,6 +105,9 @@ class Recovery:
         ctx.say(f"{finding.kind.upper()} confirmed in job {finding.job_id} ({finding.signature}): {finding.detail}; "
                 f"onset {time.strftime('%H:%M:%S', time.localtime(finding.onset))}, "
                 f"confirmed after {finding.confirmed_at - finding.onset:.1f}s; incident {inc.id}")
+        run = getattr(target, "run", None)
+        if run is not None:
+            inc.update(run=int(run))  # (job, run): every node's incident of one hang names the same run
         decided = self._decided_elsewhere(target)
         if decided is not None:  # a late agent: the job's next run is already decided (and its ranks dying)
             return self._stand_down(inc, target, sample, status, decided, Gathered())
