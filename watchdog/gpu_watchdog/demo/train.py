@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -131,4 +132,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # The process group is destroyed and every file written: leave without the interpreter's teardown, where torch
+    # 2.13 (CPU, gloo) now and then aborts ("terminate called without an active exception") once its peers have
+    # exited — seen on a 2-node run — which fails a finished job and holds the other node's torchrun in its exit
+    # barrier for 5 minutes.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
