@@ -71,6 +71,12 @@ def job_rank_processes(sample: NodeSample, job_id: str, rank_pids: dict[int, int
             if p.is_rank and p.job and p.job.job_id == job_id and p.pid in rank_pids.values()]
 
 
+def _run_of(target: JobTarget) -> int | None:
+    """The scheduler's run of the job (Slurm's restart count) when the target has one; launch numbers its own."""
+    run = getattr(target, "run", None)
+    return None if run is None else int(run)
+
+
 def _on_gpus(finding: Finding, sample: NodeSample) -> bool:
     """Whether the job's ranks use real GPUs (NCCL), not the proc backend's virtual devices (a CPU/gloo job)."""
     return any(not d.virtual for d in sample.devices if d.uuid in finding.devices)
@@ -105,9 +111,9 @@ class Recovery:
         ctx.say(f"{finding.kind.upper()} confirmed in job {finding.job_id} ({finding.signature}): {finding.detail}; "
                 f"onset {time.strftime('%H:%M:%S', time.localtime(finding.onset))}, "
                 f"confirmed after {finding.confirmed_at - finding.onset:.1f}s; incident {inc.id}")
-        run = getattr(target, "run", None)
+        run = _run_of(target)
         if run is not None:
-            inc.update(run=int(run))  # (job, run): every node's incident of one hang names the same run
+            inc.update(run=run)  # (job, run): every node's incident of one hang names the same run
         decided = self._decided_elsewhere(target)
         if decided is not None:  # a late agent: the job's next run is already decided (and its ranks dying)
             return self._stand_down(inc, target, sample, status, decided, Gathered())
@@ -119,7 +125,7 @@ class Recovery:
 
         # The next run's settings, from the evidence: a worker blocked in a collective is the real culprit.
         culprit = gathered.culprit
-        previous = ctx.level_record(target.job_id, getattr(target, "run", None))
+        previous = ctx.level_record(target.job_id, run)
         desync = bool(gathered.diagnosis and gathered.diagnosis.desync)
         place = hang_place("desync" if desync else culprit.state if culprit else None,
                            culprit.where if culprit else "", finding.signature)
@@ -189,15 +195,15 @@ class Recovery:
                            "restart")
         hang_step = max((p.heartbeat_step for p in sample.processes
                          if p.job and p.job.job_id == target.job_id and p.heartbeat_step is not None), default=None)
-        if self.ctx.runs is not None and getattr(target, "run", None) is not None:
+        if self.ctx.runs is not None and _run_of(target) is not None:
             self.budget.adopt(self.ctx.runs.restart_times(target.job_id))  # one budget for every node of the job
         allowed, why_not = self.budget.allow(time.time(), hang_step)
         return allowed, f"restart budget spent: {why_not}"
 
     def _decided_elsewhere(self, target: JobTarget) -> dict[str, Any] | None:
         """The job-wide record of the run after the one this agent watches, when one exists already."""
-        runs, run = self.ctx.runs, getattr(target, "run", None)
-        return runs.get(target.job_id, int(run) + 1) if runs is not None and run is not None else None
+        runs, run = self.ctx.runs, _run_of(target)
+        return runs.get(target.job_id, run + 1) if runs is not None and run is not None else None
 
     def _claim_next_run(self, inc: Incident, target: JobTarget, decision: FallbackDecision,
                         status: JobStatus | None, give_up: str) -> tuple[bool, dict[str, Any]] | None:
@@ -207,10 +213,10 @@ class Recovery:
         global rank 0 decides at once; another node's agent first waits ``fallback.actor_grace_s`` for that
         decision. None when there is no shared directory or no run number, or it cannot be written (this node then
         acts on its own, as without one, and says so)."""
-        runs, run = self.ctx.runs, getattr(target, "run", None)
+        runs, run = self.ctx.runs, _run_of(target)
         if runs is None or run is None:
             return None
-        nxt = int(run) + 1
+        nxt = run + 1
         grace = self.ctx.cfg.fallback.actor_grace_s
         if status is not None and status.ranks and 0 not in status.ranks and grace > 0:
             rec = self._await_decision(runs, target.job_id, nxt, grace)
