@@ -2,6 +2,8 @@
 
 The fault-injection suite is the set of tests docs/reliability.md names: they get the ``faults`` marker here, so
 ``pytest -m faults`` runs exactly what that page promises.
+
+The suite runs on pytest-xdist workers (pyproject addopts); support/scheduling.py says how tests are split.
 """
 
 import sys
@@ -13,6 +15,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 from reliability_refs import fault_tests  # noqa: E402
 from repo_paths import REPO  # noqa: E402  (after the path is set)
+from scheduling import scheduling_unit  # noqa: E402
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None  # xdist's own scheduler
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scheduling_unit(nodeid)
+
+    return FileScheduling(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
