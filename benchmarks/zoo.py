@@ -36,6 +36,7 @@ EXTRA = (
     *(Case(p, "event_wait", COMM_HANG, (2,)) for p in MORE),
     Case("tp_dp_groups", "poll", HEALTHY, args=("--pause-s", "10"), nproc=4),
     Case("ddp_join", "busy", WAITING, (2,), waiting_timeout_s=20.0),
+    Case("ddp_plain", "dstate", WAITING, (2,), waiting_timeout_s=20.0),  # a rank in D on a dead NFS mount
 )
 
 

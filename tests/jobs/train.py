@@ -40,6 +40,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from dstate import uninterruptible_sleep  # beside this script
 from job_events import compute, log_event  # beside this script
 
 
@@ -82,17 +83,6 @@ def hand_to_workers(events: str | None, rank: int, step: int) -> None:
         w.start()
     log_event(events, rank=rank, step=step, event="hang_onset", worker_pids=[w.pid for w in workers])
     results.get()  # the rank's main thread waits on its workers: a queue wait, the collective is elsewhere
-
-
-def uninterruptible_sleep(seconds: float, workdir: str) -> None:
-    """Build dsleep.c (beside this script) and sit in state D for ``seconds``."""
-    import ctypes
-    import subprocess
-
-    lib = os.path.join(workdir, f"dsleep-{os.getpid()}.so")
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dsleep.c")
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", lib, src], check=True)
-    ctypes.CDLL(lib).uninterruptible_sleep(ctypes.c_uint(int(seconds)))
 
 
 def start_fr_pipe(rank: int) -> threading.Event:

@@ -186,6 +186,18 @@ def slow_phase(args: argparse.Namespace, step: int, r: int, handled: tuple[str, 
         os.kill(os.getpid(), signal.SIGSTOP)
     elif v == "desync":
         desync(args, r)
+    elif v == "dstate":
+        in_uninterruptible_sleep(args)
+
+
+def in_uninterruptible_sleep(args: argparse.Namespace) -> None:
+    """The rank reads a checkpoint from a hard NFS mount whose server went away: state D for good."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
+    from dstate import uninterruptible_sleep
+
+    uninterruptible_sleep(3600, args.workdir)
 
 
 def desync(args: argparse.Namespace, r: int) -> None:
