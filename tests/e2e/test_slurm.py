@@ -197,7 +197,8 @@ def test_a_preempted_job_checkpoints_and_is_requeued(site: Site, jobs) -> None:
     starts = [e for e in ev if e["event"] == "start"]
     assert len(saved) == 1 and len(starts) == 6 and {e["step"] for e in starts[3:]} == set(saved), ev
     assert len([e for e in ev if e["event"] == "done"]) == 3, ev
-    assert site.incidents(job_id) == []  # a preemption is no stall
+    incs = site.incidents(job_id)
+    assert incs == [], f"{json.dumps(incs, indent=1)}\n{site.why(job_id, work)}"  # a preemption is no stall
 
 
 def test_sbatch_torchrun_hang_is_requeued_with_the_fallback_and_completes(site: Site, jobs) -> None:

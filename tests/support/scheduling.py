@@ -1,8 +1,11 @@
 """How the suite's tests are split between pytest-xdist workers (tests/conftest.py's scheduler).
 
 A file's tests stay on one worker, so module fixtures (a Slurm cluster, the zoo's rows) stay whole. The files that
-start a real Slurm cluster form one unit and run one after another: two clusters' jobs side by side on a 2-core
-machine starved each other (measured: a healthy job drew an incident, a hanging one two).
+start a real Slurm cluster form one unit and run one after another: every test cluster numbers its jobs from 1,
+and test_slurm.py's daemon watches the whole host, so it sees the 2-node cluster's namespaced ranks (a child PID
+namespace is visible from its parent) under the same SLURM_JOB_ID as its own jobs. Run side by side, its preempted
+job drew a config_mismatch incident from the other cluster's NCCL_PROTO=Simple ranks, and its hanging jobs a
+"rank 3 exited" they never had. One cluster per host at a time is what a real node has.
 """
 
 from repo_paths import TESTS
