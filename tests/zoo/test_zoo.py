@@ -93,8 +93,8 @@ def test_the_desync_in_ddps_backward_never_names_the_rank_in_backward(tmp_path: 
 
 def _under_daemon(variant: str, *args: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int | None]:
     """Run ddp_plain's ``variant`` as a job registered with a `gpu-watchdog run` daemon (shipped detection
-    defaults, the test hook as its restart hook); its incidents (as `incidents` returns them, with actions), the
-    restart hook's records and the job's exit (None: stopped by the daemon)."""
+    defaults, the test hook as its restart hook); the job's incidents (as `incidents` returns them, with actions),
+    the restart hook's records and the job's exit (None: stopped by the daemon)."""
     from daemon_helpers import DaemonProc, records, short_dir, write_config
     from launch_harness import base_env, read_events, torchrun
 
@@ -117,8 +117,12 @@ def _under_daemon(variant: str, *args: str) -> tuple[list[dict[str, Any]], list[
         except subprocess.TimeoutExpired:
             rc = None
         store = IncidentStore(base / "state")
-        wait_for(lambda: all(i.get("outcome") for i in store.list()), 60, "incidents finished")
-        return store.list(), records(base), rc
+
+        def own() -> list[dict[str, Any]]:  # the daemon watches the whole host: other tests' jobs too
+            return [i for i in store.list() if i.get("job_id") == f"zoo-{variant}"]
+
+        wait_for(lambda: all(i.get("outcome") for i in own()), 60, "incidents finished")
+        return own(), records(base), rc
     finally:
         if job is not None and job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
@@ -133,7 +137,8 @@ def test_under_the_daemon_a_slow_poll_runs_untouched_and_a_ddp_hang_is_named_wit
     incs, hooks, rc = _under_daemon("poll", "--pause-s", "16")
     assert rc == 0 and hooks == [] and not [i for i in incs if i.get("verdict") != "waiting"], incs
     incs, hooks, rc = _under_daemon("event_wait")
-    (inc,) = incs
+    assert len(incs) == 1, incs
+    inc = incs[0]
     assert inc["culprit_ranks"] == [2] and inc["collective"] == "ddp_all_reduce", inc
     assert [h["argv"][2] for h in hooks if "argv" in h] == ["--level=0"], hooks
     assert not any(k.startswith("NCCL_") for k in ((inc.get("fallback") or {}).get("env") or {})), inc
