@@ -73,7 +73,9 @@ def test_zoo_row(rows: dict[str, Row | BaseException], case: Case) -> None:
         assert ("restart" in row.actions) or ("rank_exited" in row.fallback_reason), row
     else:
         timeout = case.waiting_timeout_s or 600.0
-        assert timeout - 1.0 <= row.detected_after_s <= timeout + 10.0, row
+        # The wait is counted from when the job went quiet: the peers may have waited in the collective before
+        # the culprit's onset event (one slow step of a loaded machine; measured 18.7 s for a 20 s timeout once).
+        assert timeout - 2.5 <= row.detected_after_s <= timeout + 10.0, row
         assert "waited" in row.fallback_reason, row
     if case.finishes:
         assert row.rc == 0 and row.finished, row
