@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -174,7 +175,6 @@ def slow_phase(args: argparse.Namespace, step: int, r: int, handled: tuple[str, 
         read_shard(args, "stall")
     elif v == "subprocess_wait":
         import subprocess
-        import sys
 
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"]).wait()
     elif v == "busy":
@@ -192,8 +192,6 @@ def slow_phase(args: argparse.Namespace, step: int, r: int, handled: tuple[str, 
 
 def in_uninterruptible_sleep(args: argparse.Namespace) -> None:
     """The rank reads a checkpoint from a hard NFS mount whose server went away: state D for good."""
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
     from dstate import uninterruptible_sleep
 
