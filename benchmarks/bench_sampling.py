@@ -91,6 +91,8 @@ def fake_pynvml(n_gpus: int, n_procs: int) -> types.SimpleNamespace:
     fn("nvmlDeviceGetFieldValues", lambda h, ids: fields)
     fn("nvmlDeviceGetComputeRunningProcesses", lambda h: procs[h])
     fn("nvmlDeviceGetProcessUtilization", lambda h, since: putil[h])
+    fn("nvmlDeviceGetMaxPcieLinkGeneration", lambda h: 5)  # read once per GPU, not per tick: not in the bare tick
+    fn("nvmlDeviceGetMaxPcieLinkWidth", lambda h: 16)
     return lib
 
 
@@ -151,7 +153,8 @@ def bare_read():
     # The same calls plus reading the values the agent needs out of pynvml's structs (each attribute of a
     # pynvml struct goes through a Python-level __getattribute__): the least code that gets the same data.
     for i, h in enumerate(hs):
-        pynvml.nvmlDeviceGetUtilizationRates(h).gpu
+        u = pynvml.nvmlDeviceGetUtilizationRates(h)
+        u.gpu, u.memory
         m = pynvml.nvmlDeviceGetMemoryInfo(h)
         m.used, m.total
         pynvml.nvmlDeviceGetPowerUsage(h)

@@ -112,9 +112,10 @@ def test_dashboard_structure() -> None:
 def test_dashboard_has_the_required_views() -> None:
     d = prom.load_dashboard()
     used = set().union(*(prom.promql_metric_names(e) for _, e in prom.dashboard_expressions(d)))
-    for name in ("gpu_watchdog_gpu_utilization_ratio", "gpu_watchdog_gpu_memory_used_bytes",
-                 "gpu_watchdog_gpu_power_watts", "gpu_watchdog_gpu_stalled", "gpu_watchdog_job_state",
-                 "gpu_watchdog_job_fallback_level", "gpu_watchdog_incidents_total", "gpu_watchdog_restarts_total"):
+    for name in ("gpu_watchdog_gpu_utilization_ratio", "gpu_watchdog_gpu_memory_controller_utilization_ratio",
+                 "gpu_watchdog_gpu_memory_used_bytes", "gpu_watchdog_gpu_power_watts", "gpu_watchdog_gpu_stalled",
+                 "gpu_watchdog_job_state", "gpu_watchdog_job_fallback_level", "gpu_watchdog_incidents_total",
+                 "gpu_watchdog_restarts_total"):
         assert name in used, name
     annotations = " ".join(a.get("expr", "") for a in d["annotations"]["list"])
     assert "gpu_watchdog_incidents_total" in annotations and "gpu_watchdog_restarts_total" in annotations

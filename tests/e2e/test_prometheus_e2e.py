@@ -33,7 +33,8 @@ HANG_AT = 8
 DETECTION_WINDOW_S = DetectConfig().confirm_after_s + 15.0
 # Dashboard expressions that may be empty in this run: the proc backend reports no memory total or power,
 # the job never waits on a few ranks (every rank blocks), and no GPU fault or sampling error happens.
-OPTIONAL_HERE = {"gpu_watchdog_gpu_memory_total_bytes", "gpu_watchdog_gpu_power_watts",
+OPTIONAL_HERE = {"gpu_watchdog_gpu_memory_total_bytes", "gpu_watchdog_gpu_memory_controller_utilization_ratio",
+                 "gpu_watchdog_gpu_power_watts",
                  "gpu_watchdog_rank_waited_on", "gpu_watchdog_gpu_faults_total", "gpu_watchdog_nvml_errors_total",
                  "gpu_watchdog_process_errors_total"}
 

@@ -17,7 +17,10 @@ from gpu_watchdog.sample.nvml import FI_NVLINK_RX_KIB, FI_NVLINK_TX_KIB, FI_PCIE
 GIB = 1 << 30
 QUERIES = ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetPowerUsage",
            "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetTemperature", "nvmlDeviceGetClockInfo",
-           "nvmlDeviceGetFieldValues", "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetProcessUtilization")
+           "nvmlDeviceGetFieldValues", "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetProcessUtilization",
+           "nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetMaxPcieLinkWidth")
+# Answered too, though NvmlReader does not ask: the current link (lower while idle), to show it is not read.
+CURRENT_LINK = ("nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth")
 
 
 def nvml_error(code: int) -> pynvml.NVMLError:
@@ -35,14 +38,17 @@ class FakeNvml(types.SimpleNamespace):
         self.fail: dict[tuple[str, int | None], BaseException] = {}  # (function, gpu or None=all) → error
         self.init_error: BaseException | None = None
         self.gpus = [self._gpu(i, procs_per_gpu) for i in range(n_gpus)]
-        for name in (*QUERIES, "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetUUID", "nvmlDeviceGetName"):
+        for name in (*QUERIES, *CURRENT_LINK, "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetUUID", "nvmlDeviceGetName"):
             setattr(self, name, self._wrap(name, getattr(self, "_" + name)))
 
     @staticmethod
     def _gpu(i: int, nprocs: int) -> dict[str, Any]:
         return {
-            "util": 97, "mem_used": 40 * GIB, "mem_total": 80 * GIB, "power_mw": 450_000,
+            "util": 97, "mem_util": 10, "mem_used": 40 * GIB, "mem_total": 80 * GIB, "power_mw": 450_000,
             "limit_mw": 700_000, "temp": 61, "sm_clock": 1980,
+            # The stand-in's names (docs/nvml-standin.md); an H100 SXM's PCIe 5.0 x16.
+            "pcie_link_gen_current": 5, "pcie_link_gen_max": 5,
+            "pcie_link_width_current": 16, "pcie_link_width_max": 16,
             "fields": {FI_NVLINK_TX_KIB: 10, FI_NVLINK_RX_KIB: 20, FI_PCIE_TX_BYTES: 30, FI_PCIE_RX_BYTES: 40},
             "procs": [(10_000 + 100 * i + j, 4 * GIB) for j in range(nprocs)],
             "proc_util": [(10_000 + 100 * i + j, 90 - j, 1_000 + j) for j in range(nprocs)],
@@ -85,7 +91,7 @@ class FakeNvml(types.SimpleNamespace):
         return "NVIDIA H100 80GB HBM3"
 
     def _nvmlDeviceGetUtilizationRates(self, h: int) -> Any:  # noqa: N802
-        return types.SimpleNamespace(gpu=self.gpus[h]["util"], memory=10)
+        return types.SimpleNamespace(gpu=self.gpus[h]["util"], memory=self.gpus[h]["mem_util"])
 
     def _nvmlDeviceGetMemoryInfo(self, h: int) -> Any:  # noqa: N802
         g = self.gpus[h]
@@ -104,6 +110,18 @@ class FakeNvml(types.SimpleNamespace):
     def _nvmlDeviceGetClockInfo(self, h: int, clock: int) -> int:  # noqa: N802
         assert clock == pynvml.NVML_CLOCK_SM
         return self.gpus[h]["sm_clock"]
+
+    def _nvmlDeviceGetMaxPcieLinkGeneration(self, h: int) -> int:  # noqa: N802
+        return self.gpus[h]["pcie_link_gen_max"]
+
+    def _nvmlDeviceGetMaxPcieLinkWidth(self, h: int) -> int:  # noqa: N802
+        return self.gpus[h]["pcie_link_width_max"]
+
+    def _nvmlDeviceGetCurrPcieLinkGeneration(self, h: int) -> int:  # noqa: N802
+        return self.gpus[h]["pcie_link_gen_current"]
+
+    def _nvmlDeviceGetCurrPcieLinkWidth(self, h: int) -> int:  # noqa: N802
+        return self.gpus[h]["pcie_link_width_current"]
 
     def _nvmlDeviceGetFieldValues(self, h: int, ids: list[int]) -> list[Any]:  # noqa: N802
         out = []

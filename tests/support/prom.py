@@ -313,8 +313,9 @@ def populated_metrics(t: float | None = None) -> Any:
     now = time.time() if t is None else t
     m = AgentMetrics(interval_s=1.0)
     devices = tuple(DeviceSample(i, f"GPU-{i:04d}", "NVIDIA H100 80GB HBM3", util_percent=97.0 - i,
-                                 mem_used_bytes=(40 + i) << 30, mem_total_bytes=80 << 30, power_w=110.0 + i,
-                                 power_limit_w=700.0) for i in range(2))
+                                 mem_util_percent=40.0 + i, mem_used_bytes=(40 + i) << 30,
+                                 mem_total_bytes=80 << 30, power_w=110.0 + i, power_limit_w=700.0,
+                                 pcie_link_bytes_per_s=63.0e9) for i in range(2))
     sample = NodeSample(t=now, hostname="node-a", backend="nvml", devices=devices)
     jobs = {"train-a": JobStatus("train-a", state="stalled", ranks=(0, 1), devices=("GPU-0000",)),
             "train-b": JobStatus("train-b", state="waiting", ranks=(2, 3), waiting_since=now - 42.0,

@@ -66,6 +66,9 @@ class DeviceSample:
     uuid: str
     name: str
     util_percent: float | None = None
+    # NVML utilization.memory: the share of the last sample period the memory controller was busy. An NCCL kernel
+    # spinning on a flag keeps the SMs at 100 % with the memory controller at 0 % (measured on an H200).
+    mem_util_percent: float | None = None
     mem_used_bytes: int | None = None
     mem_total_bytes: int | None = None
     power_w: float | None = None
@@ -77,6 +80,9 @@ class DeviceSample:
     pcie_rx_bytes_total: int | None = None
     nvlink_tx_bytes_total: int | None = None
     nvlink_rx_bytes_total: int | None = None
+    # What the PCIe link can carry per direction (its maximum generation x width: the current ones drop while the
+    # GPU idles), to judge traffic against; None when NVML does not tell (proc backend, old traces).
+    pcie_link_bytes_per_s: float | None = None
     processes: tuple[GpuProcess, ...] = ()
     fault: GpuFault | None = None
     unsupported: tuple[str, ...] = ()  # metrics this device could not report (NotSupported)
@@ -138,6 +144,26 @@ class RankStack:
     timed: bool = False
     io_before: int | None = None  # the main thread's own bytes read + written just before the dump ...
     io_after: int | None = None  # ... and just after it
+
+
+@dataclass(frozen=True)
+class CommProgress:
+    """NCCL's own progress for one job: its collective counts (NCCL RAS) compared over two polls.
+
+    ``moving``: some count rose between the polls — the job progresses, whatever its hosts and GPUs look like.
+    ``frozen_unequal``: nothing rose and some ranks are behind the others' counts (``behind``: global ranks, on
+    this node or another) — the others wait for them. ``frozen_equal``: nothing rose and every rank launched the
+    same collectives (between collectives, or every rank inside one that never completes).
+    """
+
+    job_id: str
+    t: float  # the later poll (unix seconds, the sampling clock)
+    state: str  # "moving" | "frozen_unequal" | "frozen_equal"
+    behind: tuple[int, ...] = ()
+    source: str = ""  # where the counts came from, for the finding's wording ("NCCL RAS at localhost:28028")
+
+
+COMM_STATES = ("moving", "frozen_unequal", "frozen_equal")
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,11 @@ REQUIRED_SYMBOLS: tuple[str, ...] = (
     "nvmlEventSetWait_v2",
     "nvmlEventSetFree",
     "nvmlDeviceGetSupportedEventTypes",
+    "nvmlDeviceGetMaxPcieLinkGeneration",
+    "nvmlDeviceGetMaxPcieLinkWidth",
+    # The current link, which the agent does not read (it may drop while the GPU idles): for tests of that choice.
+    "nvmlDeviceGetCurrPcieLinkGeneration",
+    "nvmlDeviceGetCurrPcieLinkWidth",
 )
 
 #: Exported besides REQUIRED_SYMBOLS: resets the library's process-local state (in-process use only).
@@ -115,6 +120,10 @@ SCALAR_KEYS = frozenset(
         "clock_mem_mhz",
         "clock_video_mhz",
         "supported_event_types",
+        "pcie_link_gen_current",
+        "pcie_link_gen_max",
+        "pcie_link_width_current",
+        "pcie_link_width_max",
     }
 )
 GPU_KEYS = SCALAR_KEYS | {"uuid", "name", "fields", "processes", "process_samples"}
@@ -329,6 +338,10 @@ class StandinState:
             "clock_mem_mhz": 2619,
             "clock_video_mhz": 1545,
             "supported_event_types": DEFAULT_SUPPORTED_EVENTS,
+            "pcie_link_gen_current": 5,  # an H100 SXM's link: PCIe 5.0 x16
+            "pcie_link_gen_max": 5,
+            "pcie_link_width_current": 16,
+            "pcie_link_width_max": 16,
             "fields": {
                 str(FI_NVLINK_THROUGHPUT_DATA_TX): 0,
                 str(FI_NVLINK_THROUGHPUT_DATA_RX): 0,

@@ -207,12 +207,14 @@ static int jvalue(jparser *P, int depth)
 /* ======================================================================== state model === */
 enum {
     S_MEM_TOTAL, S_MEM_USED, S_MEM_RESERVED, S_UTIL_GPU, S_UTIL_MEM, S_POWER, S_POWER_LIMIT,
-    S_TEMP, S_CLK_GRAPHICS, S_CLK_SM, S_CLK_MEM, S_CLK_VIDEO, S_EVENT_TYPES, N_SCALARS
+    S_TEMP, S_CLK_GRAPHICS, S_CLK_SM, S_CLK_MEM, S_CLK_VIDEO, S_EVENT_TYPES,
+    S_PCIE_GEN_CUR, S_PCIE_GEN_MAX, S_PCIE_WIDTH_CUR, S_PCIE_WIDTH_MAX, N_SCALARS
 };
 static const char *const scalar_names[N_SCALARS] = {
     "memory_total", "memory_used", "memory_reserved", "utilization_gpu", "utilization_memory",
     "power_mw", "power_limit_mw", "temperature_c", "clock_graphics_mhz", "clock_sm_mhz",
-    "clock_mem_mhz", "clock_video_mhz", "supported_event_types"};
+    "clock_mem_mhz", "clock_video_mhz", "supported_event_types",
+    "pcie_link_gen_current", "pcie_link_gen_max", "pcie_link_width_current", "pcie_link_width_max"};
 
 typedef struct {
     unsigned id, scope;
@@ -821,6 +823,28 @@ nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power)
 nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t device, unsigned int *limit)
 {
     return get_uint_scalar(__func__, device, S_POWER_LIMIT, limit);
+}
+
+/* Current and maximum are independent keys: a test sets an idle GPU's downshifted current link apart from
+ * the maximum the GPU and its slot support, as nvidia-smi shows them. */
+nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t device, unsigned int *currLinkGen)
+{
+    return get_uint_scalar(__func__, device, S_PCIE_GEN_CUR, currLinkGen);
+}
+
+nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(nvmlDevice_t device, unsigned int *maxLinkGen)
+{
+    return get_uint_scalar(__func__, device, S_PCIE_GEN_MAX, maxLinkGen);
+}
+
+nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t device, unsigned int *currLinkWidth)
+{
+    return get_uint_scalar(__func__, device, S_PCIE_WIDTH_CUR, currLinkWidth);
+}
+
+nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t device, unsigned int *maxLinkWidth)
+{
+    return get_uint_scalar(__func__, device, S_PCIE_WIDTH_MAX, maxLinkWidth);
 }
 
 nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTemperatureSensors_t sensorType, unsigned int *temp)

@@ -1,5 +1,7 @@
-"""The engine asks NCCL RAS only about suspect and stalled jobs, on the poller's own thread: a running or waiting
-job is never asked, and the tick does not wait for a RAS socket that never answers."""
+"""The engine asks NCCL RAS on the poller's own thread: about every suspect or stalled job, and all the time
+(``ras.watch_interval_s``) about the jobs whose rank 0 runs on this node — a running job whose rank 0 is elsewhere
+is not asked, so a job's RAS network is watched by one node, not all of them. The tick never waits for a RAS
+socket that never answers, and each pair of polls becomes one CommProgress for the detector."""
 
 from __future__ import annotations
 
@@ -13,21 +15,22 @@ from gpu_watchdog.detect.detector import RUNNING, STALLED, SUSPECT, WAITING, Job
 from gpu_watchdog.engine.loop import Engine
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.store.fallback import FallbackStore
-from ras_standin import RasStandIn
+from ras_standin import Comm, Rank, RasStandIn, report_json
 from waiting import wait_for
 
 
-def engine(tmp_path: Path, addr: str) -> Engine:
-    cfg = replace(Config(), ras=RasConfig(enabled="on", addr=addr, timeout_s=2.0, poll_interval_s=60.0))
+def engine(tmp_path: Path, addr: str, watch_interval_s: float = 0.0) -> Engine:
+    cfg = replace(Config(), ras=RasConfig(enabled="on", addr=addr, timeout_s=2.0, poll_interval_s=60.0,
+                                          watch_interval_s=watch_interval_s))
     return Engine(cfg, backend=None, fallback=FallbackStore(tmp_path), pool=None,  # type: ignore[arg-type]
                   health=LoopHealth.for_interval(1.0))
 
 
-def jobs(**states: str) -> dict[str, JobStatus]:
-    return {name: JobStatus(name, state, rank_pids={0: os.getpid()}) for name, state in states.items()}
+def jobs(rank: int = 0, **states: str) -> dict[str, JobStatus]:
+    return {name: JobStatus(name, state, rank_pids={rank: os.getpid()}) for name, state in states.items()}
 
 
-def test_only_suspect_and_stalled_jobs_are_asked(tmp_path: Path) -> None:
+def test_without_watching_only_suspect_and_stalled_jobs_are_asked(tmp_path: Path) -> None:
     with RasStandIn() as s:
         e = engine(tmp_path, s.addr)
         e._poll_ras(jobs(a=RUNNING, b=WAITING))
@@ -48,3 +51,23 @@ def test_a_ras_socket_that_never_answers_does_not_hold_the_tick(tmp_path: Path) 
         e._poll_ras(jobs(c=SUSPECT))
         assert time.monotonic() - t0 < 0.5
         wait_for(lambda: s.connections == 1, 10, "the query started")
+
+
+def test_rank_0s_node_watches_its_jobs_all_the_time_and_hands_the_detector_their_progress(tmp_path: Path) -> None:
+    ranks = [Rank(r, host="127.0.0.1", pid=100 + r, counts={"AllReduce": 5}) for r in range(2)]
+    moved = [Rank(r, host="127.0.0.1", pid=100 + r, counts={"AllReduce": 6 if r == 0 else 5}) for r in range(2)]
+    reports = [report_json([Comm(0xBEEF, 2, ranks)]), report_json([Comm(0xBEEF, 2, moved)]),
+               report_json([Comm(0xBEEF, 2, moved)])]
+    with RasStandIn(reports) as s:
+        e = engine(tmp_path, s.addr, watch_interval_s=0.2)
+        e._poll_ras(jobs(rank=1, elsewhere=RUNNING))  # rank 0 runs on another node: that node watches
+        time.sleep(0.3)
+        assert s.connections == 0
+        seen = []
+        deadline = time.monotonic() + 10
+        while len(seen) < 2 and time.monotonic() < deadline:
+            e._poll_ras(jobs(here=RUNNING))
+            seen += e.ras.take_progress()
+            time.sleep(0.05)
+        assert [(p.job_id, p.state, p.behind) for p in seen[:2]] == [
+            ("here", "moving", ()), ("here", "frozen_unequal", (1,))], seen

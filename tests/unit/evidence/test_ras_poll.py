@@ -169,3 +169,54 @@ def test_a_job_not_asked_gets_no_connection(rank_procs: Callable[..., int]) -> N
         p.poll_due("j", {0: gloo_rank})
         time.sleep(0.3)
         assert p.address("j", {0: gloo_rank}) is None and p.evidence("j") is None and s.connections == 0
+
+
+# -- NCCL's counts as the detector's observation (comm_progress) ------------------------------------------------
+def _progress(before: str, after: str) -> tuple[str, tuple[int, ...]] | None:
+    from gpu_watchdog.evidence.ras_poll import comm_progress
+
+    p = comm_progress("j", parse_report(before), parse_report(after), 1.0, source="RAS")
+    return None if p is None else (p.state, p.behind)
+
+
+@pytest.mark.parametrize(("before", "after", "expected"), [
+    (job([5, 5, 5, 5]), job([6, 6, 5, 6]), ("moving", ())),  # rank 2 is a launch behind, but counts rose
+    (job([6, 6, 5, 6]), job([6, 6, 5, 6]), ("frozen_unequal", (2,))),  # the hang: rank 2 never launched it
+    (job([9, 9, 9, 9]), job([9, 9, 9, 9]), ("frozen_equal", ())),  # between collectives, or all inside one
+    (job([6, 6, 6, 6], missing=(3,)), job([6, 6, 6, 6], missing=(3,)), ("frozen_unequal", (3,))),  # rank 3 gone
+])
+def test_two_reports_become_one_observation(before: str, after: str, expected: tuple[str, tuple[int, ...]]) -> None:
+    assert _progress(before, after) == expected
+
+
+def test_a_new_communicator_is_progress() -> None:
+    ranks = [Rank(r, pid=100 + r, counts={"AllReduce": 4}) for r in range(4)]
+    two = report_json([Comm(0xA, 4, ranks), Comm(0xB, 4, ranks)])
+    assert _progress(report_json([Comm(0xA, 4, ranks)]), two) == ("moving", ())
+
+
+def test_a_text_report_carries_no_counts() -> None:
+    from gpu_watchdog.evidence.nccl_ras import parse_text_report
+    from gpu_watchdog.evidence.ras_poll import comm_progress
+
+    text = parse_text_report(ras_standin.OLD_TEXT_REPORT)
+    assert comm_progress("j", text, parse_report(job([1, 1, 1, 1])), 1.0) is None
+
+
+def test_a_job_whose_reports_cost_more_is_watched_less_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Watching stays under WATCH_CPU_SHARE of a core: a job whose last query cost 10 ms is next asked after
+    10 ms / share, not at the watch interval (a suspect job is still asked at poll_interval_s)."""
+    from gpu_watchdog.evidence import ras_poll
+
+    with RasStandIn([job([1, 1, 1, 1])]) as s:
+        p = RasPoller(lambda: RasConfig(enabled="on", addr=s.addr, timeout_s=2.0, poll_interval_s=0.1))
+        p.poll_due("j", {0: os.getpid()}, watch_s=0.1)
+        wait_for(lambda: s.connections == 1 and "j" not in p._inflight, 10, "the first query")
+        monkeypatch.setattr(ras_poll, "WATCH_CPU_SHARE", 0.01)
+        p._jobs["j"].cost_s = 0.01  # 1 s at a 1 % share
+        time.sleep(0.3)
+        p.poll_due("j", {0: os.getpid()}, watch_s=0.1)
+        time.sleep(0.3)
+        assert s.connections == 1
+        p.poll_due("j", {0: os.getpid()})  # suspect: poll_interval_s
+        wait_for(lambda: s.connections == 2, 10, "the suspect job's query")

@@ -75,11 +75,24 @@ def test_gpu_series_from_the_snapshot() -> None:
     assert value(m, "gpu_watchdog_up") == 1.0
 
 
+def test_memory_controller_utilization_and_pcie_link() -> None:
+    m = AgentMetrics()
+    m.update(node(gpu(0, util_percent=100.0, mem_util_percent=0.0, pcie_link_bytes_per_s=63.0e9),
+                  gpu(1, mem_util_percent=38.0)), {}, {})
+    assert value(m, "gpu_watchdog_gpu_memory_controller_utilization_ratio", **gpu_labels(0)) == 0.0
+    assert value(m, "gpu_watchdog_gpu_memory_controller_utilization_ratio", **gpu_labels(1)) == pytest.approx(0.38)
+    assert value(m, "gpu_watchdog_gpu_utilization_ratio", **gpu_labels(0)) == 1.0  # the spin: SMs 1, memory 0
+    assert value(m, "gpu_watchdog_gpu_pcie_link_bytes_per_second", **gpu_labels(0)) == 63.0e9
+    assert series(m, "gpu_watchdog_gpu_pcie_link_bytes_per_second") == [gpu_labels(0)]  # GPU 1: unknown
+    assert "# TYPE gpu_watchdog_gpu_memory_controller_utilization_ratio gauge" in m.render().decode()
+
+
 def test_no_series_for_none_values() -> None:
     m = AgentMetrics()
     m.update(node(gpu(0, util_percent=None, mem_total_bytes=None, power_w=None)), {}, {})
-    for name in ("gpu_watchdog_gpu_utilization_ratio", "gpu_watchdog_gpu_memory_total_bytes",
-                 "gpu_watchdog_gpu_power_watts"):
+    for name in ("gpu_watchdog_gpu_utilization_ratio", "gpu_watchdog_gpu_memory_controller_utilization_ratio",
+                 "gpu_watchdog_gpu_memory_total_bytes", "gpu_watchdog_gpu_power_watts",
+                 "gpu_watchdog_gpu_pcie_link_bytes_per_second"):
         assert series(m, name) == [], name
     assert value(m, "gpu_watchdog_gpu_memory_used_bytes", **gpu_labels(0)) == 10 << 30
     assert value(m, "gpu_watchdog_gpu_stalled", **gpu_labels(0)) == 0.0

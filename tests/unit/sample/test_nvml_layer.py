@@ -23,10 +23,14 @@ from fake_nvml import GIB, QUERIES, FakeNvml, nvml_error, started
 from gpu_watchdog.errors import EXIT_UNAVAILABLE, BackendUnavailable
 from gpu_watchdog.model import GpuFault
 from gpu_watchdog.sample.backends import NvmlBackend, ProcBackend, choose_backend
-from gpu_watchdog.sample.nvml import FI_PCIE_RX_BYTES, FI_PCIE_TX_BYTES, NvmlReader
+from gpu_watchdog.sample.nvml import FI_PCIE_RX_BYTES, FI_PCIE_TX_BYTES, PCIE_LANE_BYTES_PER_S, NvmlReader
 from gpu_watchdog.sample.processes import ProcessScanner
+from nvml_standin import NvmlStandin
+from nvml_standin.fixtures import nvml_standin as _nvml_standin_fixture  # noqa: F401
+from nvml_standin.fixtures import nvml_standin_lib as _nvml_standin_lib_fixture  # noqa: F401
 
 CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
+GEN5_X16 = 16 * 32e9 * 128 / 130 / 8  # ≈ 63.0 GB/s per direction: an H100 SXM's link
 
 
 # -- a healthy read -----------------------------------------------------------------------------------
@@ -41,6 +45,7 @@ def test_a_full_read_maps_every_value_with_units() -> None:
     assert d.temperature_c == 61.0 and d.sm_clock_mhz == 1980.0
     assert (d.nvlink_tx_bytes_total, d.nvlink_rx_bytes_total) == (10 * 1024, 20 * 1024)  # KiB → bytes
     assert (d.pcie_tx_bytes_total, d.pcie_rx_bytes_total) == (30, 40)
+    assert d.mem_util_percent == 10.0 and d.pcie_link_bytes_per_s == pytest.approx(GEN5_X16)
     assert [(p.pid, p.used_memory_bytes, p.util_percent) for p in d.processes] == [
         (10_100, 4 * GIB, 90.0), (10_101, 4 * GIB, 89.0)]
     assert d.fault is None and d.unsupported == () and not d.virtual
@@ -71,11 +76,13 @@ def test_no_process_samples_yet_is_not_an_error() -> None:
     ("nvmlDeviceGetEnforcedPowerLimit", "power_limit", ("power_limit_w",)),
     ("nvmlDeviceGetClockInfo", "sm_clock", ("sm_clock_mhz",)),
     ("nvmlDeviceGetTemperature", "temperature", ("temperature_c",)),
-    ("nvmlDeviceGetUtilizationRates", "utilization", ("util_percent",)),
+    ("nvmlDeviceGetUtilizationRates", "utilization", ("util_percent", "mem_util_percent")),
     ("nvmlDeviceGetMemoryInfo", "memory", ("mem_used_bytes", "mem_total_bytes")),
     ("nvmlDeviceGetFieldValues", "traffic", ("pcie_tx_bytes_total", "pcie_rx_bytes_total",
                                              "nvlink_tx_bytes_total", "nvlink_rx_bytes_total")),
     ("nvmlDeviceGetProcessUtilization", "process_utilization", ()),
+    ("nvmlDeviceGetMaxPcieLinkGeneration", "pcie_link", ("pcie_link_bytes_per_s",)),
+    ("nvmlDeviceGetMaxPcieLinkWidth", "pcie_link", ("pcie_link_bytes_per_s",)),
 ])
 def test_not_supported_is_none_and_listed(fn: str, metric: str, attrs: tuple[str, ...]) -> None:
     fake = FakeNvml(n_gpus=2)
@@ -89,6 +96,76 @@ def test_not_supported_is_none_and_listed(fn: str, metric: str, attrs: tuple[str
         assert [p.util_percent for p in devices[1].processes] == [None, None]
         assert len(devices[1].processes) == 2  # memory per process still known
     assert devices[1].fault is None
+
+
+# -- memory-controller utilization and the PCIe link --------------------------------------------------
+def test_memory_controller_utilization_is_read_per_gpu() -> None:
+    fake = FakeNvml(n_gpus=2)
+    fake.gpus[1].update(util=100, mem_util=0)  # the real-GPU NCCL spin: SMs busy, memory controller idle
+    devices, _ = started(fake).read_all()
+    assert [(d.util_percent, d.mem_util_percent) for d in devices] == [(97.0, 10.0), (100.0, 0.0)]
+
+
+# Bytes/s per lane and direction after line encoding (Wikipedia "PCI Express", link performance table: 0.250,
+# 0.500, 0.985, 1.969, 3.938, 7.563 GB/s), written out here rather than derived as the code derives them.
+@pytest.mark.parametrize(("gen", "lane"), [(1, 250e6), (2, 500e6), (3, 984.6e6), (4, 1969.2e6), (5, 3938.5e6),
+                                           (6, 7562.5e6)])
+def test_pcie_link_capacity_is_lane_rate_times_width(gen: int, lane: float) -> None:
+    fake = FakeNvml(n_gpus=1)
+    fake.gpus[0].update(pcie_link_gen_max=gen, pcie_link_width_max=8)
+    devices, errors = started(fake).read_all()
+    assert devices[0].pcie_link_bytes_per_s == pytest.approx(8 * lane, rel=1e-4)
+    assert errors == [] and devices[0].unsupported == ()
+
+
+@pytest.mark.parametrize(("gen", "width"), [(0, 16), (7, 16), (5, 0)])
+def test_an_unknown_generation_or_no_lanes_is_no_capacity(gen: int, width: int) -> None:
+    assert 7 not in PCIE_LANE_BYTES_PER_S  # no guess for a generation the table does not know
+    fake = FakeNvml(n_gpus=1)
+    fake.gpus[0].update(pcie_link_gen_max=gen, pcie_link_width_max=width)
+    devices, errors = started(fake).read_all()
+    assert devices[0].pcie_link_bytes_per_s is None
+    assert errors == [] and devices[0].unsupported == ()  # NVML answered: not "unsupported"
+
+
+def test_pcie_link_is_the_maximum_read_once_per_gpu() -> None:
+    """An idle GPU's link drops (gen 1 here): the maximum is what it carries under load, and it is read once."""
+    fake = FakeNvml(n_gpus=2)
+    fake.gpus[1].update(pcie_link_gen_current=1, pcie_link_width_current=16)
+    reader = started(fake)
+    for _ in range(3):
+        devices, _ = reader.read_all()
+        assert [d.pcie_link_bytes_per_s for d in devices] == [pytest.approx(GEN5_X16)] * 2
+    assert fake.calls.count("nvmlDeviceGetMaxPcieLinkGeneration") == 2
+    assert fake.calls.count("nvmlDeviceGetMaxPcieLinkWidth") == 2
+    assert not {"nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth"} & set(fake.calls)
+    fake.gpus[0]["pcie_link_width_max"] = 1  # not asked again
+    assert reader.read_all()[0][0].pcie_link_bytes_per_s == pytest.approx(GEN5_X16)
+
+
+def test_pcie_link_not_supported_is_remembered_and_listed_every_tick() -> None:
+    fake = FakeNvml(n_gpus=1)
+    fake.fail[("nvmlDeviceGetMaxPcieLinkGeneration", None)] = pynvml.NVMLError_NotSupported()
+    reader = started(fake)
+    for _ in range(3):
+        devices, errors = reader.read_all()
+        assert devices[0].unsupported == ("pcie_link",) and devices[0].pcie_link_bytes_per_s is None
+        assert errors == [] and devices[0].mem_util_percent == 10.0
+    assert fake.calls.count("nvmlDeviceGetMaxPcieLinkGeneration") == 1
+    assert "nvmlDeviceGetMaxPcieLinkWidth" not in fake.calls  # no width without a generation
+
+
+def test_pcie_link_after_another_error_is_asked_again() -> None:
+    fake = FakeNvml(n_gpus=2)
+    fake.fail[("nvmlDeviceGetMaxPcieLinkWidth", 1)] = pynvml.NVMLError_Unknown()
+    reader = started(fake)
+    devices, errors = reader.read_all()
+    assert devices[1].pcie_link_bytes_per_s is None and devices[1].unsupported == () and devices[1].fault is None
+    assert [(e.error_class, e.where) for e in errors] == [("NVMLError_Unknown", "nvmlDeviceGetMaxPcieLinkWidth gpu 1")]
+    assert devices[0].pcie_link_bytes_per_s == pytest.approx(GEN5_X16)
+    del fake.fail[("nvmlDeviceGetMaxPcieLinkWidth", 1)]
+    devices, errors = reader.read_all()
+    assert errors == [] and devices[1].pcie_link_bytes_per_s == pytest.approx(GEN5_X16)
 
 
 def test_field_values_not_supported_per_field() -> None:
@@ -283,6 +360,30 @@ def test_a_process_vanishing_after_being_known(rank_proc: subprocess.Popen[bytes
     rank_proc.wait()
     s = backend.sample()  # NVML still lists the pid (its view lags); psutil's does not
     assert s.process(rank_proc.pid) is None and s.devices[0].pids == {rank_proc.pid}
+
+
+# -- the real pynvml against the NVML stand-in ---------------------------------------------------------
+def test_standin_memory_controller_utilization_and_pcie_link(nvml_standin: NvmlStandin) -> None:
+    """NvmlReader through the real pynvml: utilization.memory per tick, the link's maximum (not its idle,
+    downshifted current generation) once, and NOT_SUPPORTED as ``pcie_link`` in ``unsupported``."""
+    state = nvml_standin.require_scripted()
+    with state.batch():
+        state.add_gpu(utilization_gpu=100, utilization_memory=0, pcie_link_gen_current=1, pcie_link_width_current=16)
+        state.add_gpu(utilization_gpu=97, utilization_memory=38, pcie_link_gen_max=4, pcie_link_width_max=8)
+        state.add_gpu(pcie_link_gen_max=None, pcie_link_width_max=None)
+    with nvml_standin.child() as child:
+        child.exec("from gpu_watchdog.sample.nvml import NvmlReader\n"
+                   "r = NvmlReader(); r.start()\n"
+                   "def read(): return [(d.mem_util_percent, d.pcie_link_bytes_per_s, d.unsupported)\n"
+                   "                    for d in r.read_all()[0]]\n")
+        first = child.eval("read()")
+        assert first[0][0] == 0.0 and first[0][1] == pytest.approx(GEN5_X16) and first[0][2] == []
+        assert first[1][0] == 38.0 and first[1][1] == pytest.approx(8 * 16e9 * 128 / 130 / 8)
+        assert first[2] == [0.0, None, ["pcie_link"]]
+        state.set(0, utilization_memory=55, pcie_link_gen_max=1)  # utilization is per tick, the link read once
+        again = child.eval("read()")
+        assert again[0][0] == 55.0 and again[0][1] == pytest.approx(GEN5_X16) and again[1:] == first[1:]
+        child.exec("r.shutdown()")
 
 
 # -- this machine: no GPU ----------------------------------------------------------------------------

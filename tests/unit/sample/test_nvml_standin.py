@@ -60,6 +60,8 @@ AGENT_PYNVML_CALLS = (
     "nvmlDeviceGetFieldValues",
     "nvmlDeviceGetComputeRunningProcesses",
     "nvmlDeviceGetProcessUtilization",
+    "nvmlDeviceGetMaxPcieLinkGeneration",
+    "nvmlDeviceGetMaxPcieLinkWidth",
     "nvmlDeviceGetSupportedEventTypes",
     "nvmlEventSetCreate",
     "nvmlDeviceRegisterEvents",
@@ -301,6 +303,23 @@ def test_absent_values_are_not_supported(nvml_standin: NvmlStandin) -> None:
         )
         expect_nvml_error(child, "pynvml.nvmlDeviceGetUtilizationRates(h[0])", "NVMLError_NotSupported")
         assert child.eval("pynvml.nvmlDeviceGetEnforcedPowerLimit(h[0])") == 700_000
+
+
+def test_pcie_link_current_and_max(nvml_standin: NvmlStandin) -> None:
+    state = scripted(nvml_standin, gpus=2)
+    state.set(1, pcie_link_gen_current=1, pcie_link_width_current=8, pcie_link_gen_max=4, pcie_link_width_max=16)
+    link = ("[pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h[{i}]), pynvml.nvmlDeviceGetCurrPcieLinkWidth(h[{i}]),"
+            " pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h[{i}]), pynvml.nvmlDeviceGetMaxPcieLinkWidth(h[{i}])]")
+    with nvml_standin.child() as child:
+        child.exec(OPEN)
+        assert child.eval(link.format(i=0)) == [5, 16, 5, 16]  # the default: PCIe 5.0 x16
+        assert child.eval(link.format(i=1)) == [1, 8, 4, 16]  # an idle GPU's downshifted link, apart from its max
+        state.set(1, pcie_link_gen_max=None, pcie_link_width_current=None)
+        expect_nvml_error(child, "pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h[1])", "NVMLError_NotSupported")
+        expect_nvml_error(child, "pynvml.nvmlDeviceGetCurrPcieLinkWidth(h[1])", "NVMLError_NotSupported")
+        assert child.eval("pynvml.nvmlDeviceGetMaxPcieLinkWidth(h[1])") == 16
+        state.inject_error("nvmlDeviceGetMaxPcieLinkWidth", pynvml.NVML_ERROR_GPU_IS_LOST, gpu=0)
+        expect_nvml_error(child, "pynvml.nvmlDeviceGetMaxPcieLinkWidth(h[0])", "NVMLError_GpuIsLost")
 
 
 def test_memory_info_v1_and_v2(nvml_standin: NvmlStandin) -> None:
@@ -565,6 +584,8 @@ def test_state_helpers_validate(tmp_path: Path) -> None:
         state.set(gpu, powr_mw=5)
     with pytest.raises(TypeError):
         state.set(gpu, power_mw=1.5)
+    with pytest.raises(ValueError):
+        state.set(gpu, pcie_link_width_max=-16)
     with pytest.raises(ValueError):
         state.set_field(gpu, 138, -1)
     with pytest.raises(IndexError):

@@ -24,7 +24,8 @@ from gpu_watchdog.model import (
     StackEvidence,
 )
 from gpu_watchdog.sample.record import only_job, record
-from gpu_watchdog.sample.trace import FORMAT, VERSION, TraceWriter, read_trace, sample_record
+from gpu_watchdog.sample.trace import FORMAT, SUPPORTED_VERSIONS, VERSION, TraceWriter, read_trace, sample_record
+from repo_paths import TESTS
 
 CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
 T0 = 1_700_000_000.0
@@ -35,10 +36,12 @@ def full_sample(t: float = T0) -> NodeSample:
     return NodeSample(
         t=t, hostname="node-7", backend="nvml",
         devices=(
-            DeviceSample(0, "GPU-aaa", "NVIDIA H100 80GB HBM3", util_percent=99.0, mem_used_bytes=40 << 30,
+            DeviceSample(0, "GPU-aaa", "NVIDIA H100 80GB HBM3", util_percent=99.0, mem_util_percent=0.0,
+                         mem_used_bytes=40 << 30,
                          mem_total_bytes=80 << 30, power_w=71.5, power_limit_w=700.0, temperature_c=44.0,
                          sm_clock_mhz=1980.0, pcie_tx_bytes_total=10, pcie_rx_bytes_total=20,
                          nvlink_tx_bytes_total=1 << 40, nvlink_rx_bytes_total=(1 << 40) + 1,
+                         pcie_link_bytes_per_s=63015384615.38461,
                          processes=(GpuProcess(4242, 40 << 30, 99.0), GpuProcess(4243, None)),
                          unsupported=("process_utilization",)),
             DeviceSample(1, "GPU-bbb", "NVIDIA H100 80GB HBM3", fault=GpuFault("xid", "Xid 79", xid=79)),
@@ -78,6 +81,51 @@ def test_round_trip_of_every_record_type(tmp_path: Path) -> None:
     assert got == [samples[0], stack_ev(), {"t": T0 + 0.75, "name": "hang_onset", "rank": 1, "step": 8},
                    samples[1]]
     assert isinstance(got[0], NodeSample) and isinstance(got[0].devices[0].processes, tuple)
+
+
+def test_version_2_writes_the_memory_controller_and_the_pcie_link(tmp_path: Path) -> None:
+    path = tmp_path / "t.trace"
+    with path.open("w") as f:
+        TraceWriter(f, "nvml", "node-7", 1.0, T0).sample(full_sample())
+    head, rec = (json.loads(line) for line in path.read_text().splitlines())
+    assert VERSION == 2 and head["version"] == 2 and SUPPORTED_VERSIONS == (1, 2)
+    dev = rec["devices"][0]
+    assert (dev["mem_util_percent"], dev["pcie_link_bytes_per_s"]) == (0.0, 63015384615.38461)
+    assert rec["devices"][2]["mem_util_percent"] is None  # proc backend: no memory controller
+
+
+# A version-1 sample as version 1 wrote it: every device field of its day, none of version 2's.
+V1_DEVICE = {"index": 0, "uuid": "GPU-ea0890a3", "name": "NVIDIA H200", "util_percent": 100.0,
+             "mem_used_bytes": 7681343488, "mem_total_bytes": 150754820096, "power_w": 118.352, "power_limit_w": 700.0,
+             "temperature_c": 34.0, "sm_clock_mhz": 1980.0, "pcie_tx_bytes_total": 264553584,
+             "pcie_rx_bytes_total": 3076899864, "nvlink_tx_bytes_total": None, "nvlink_rx_bytes_total": None,
+             "processes": [{"pid": 1180, "used_memory_bytes": 3510632448, "util_percent": 26.0}], "fault": None,
+             "unsupported": [], "virtual": False}
+
+
+def test_a_version_1_trace_still_reads_with_the_new_fields_none(tmp_path: Path) -> None:
+    path = tmp_path / "v1.trace"
+    head = {"type": "header", "format": FORMAT, "version": 1, "backend": "nvml", "hostname": "vm",
+            "interval_s": 1.0, "created": T0}
+    rec = {"type": "sample", "t": T0, "hostname": "vm", "backend": "nvml", "devices": [V1_DEVICE]}
+    path.write_text(json.dumps(head) + "\n" + json.dumps(rec) + "\n")
+    got_head, records = read_trace(path)
+    (sample,) = list(records)
+    d = sample.devices[0]
+    assert got_head["version"] == 1 and d.util_percent == 100.0 and d.power_w == 118.352
+    assert d.mem_util_percent is None and d.pcie_link_bytes_per_s is None
+    r = subprocess.run([CLI, "replay", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "no findings\n", r.stderr
+
+
+def test_the_version_1_corpus_still_reads() -> None:
+    traces = [p for p in sorted((TESTS / "data").glob("*.trace"))
+              if json.loads(p.read_text().split("\n", 1)[0])["version"] == 1]
+    assert traces, "no version-1 trace left in tests/data to check"
+    for p in traces:
+        devices = [d for s in read_trace(p)[1] if isinstance(s, NodeSample) for d in s.devices]
+        assert devices and all(d.mem_util_percent is None and d.pcie_link_bytes_per_s is None
+                               for d in devices), p
 
 
 def test_every_line_is_flushed_as_written(tmp_path: Path) -> None:
@@ -199,6 +247,8 @@ _DELETE = object()
     (_sample_with(t=True), r"bad\.trace:3: t must be a number"),
     (_sample_with(t=float("nan")), r"bad\.trace:3: t must be a finite number"),
     (_sample_with(devices__0__util_percent="99"), r"bad\.trace:3: devices\[0\]\.util_percent must be a number"),
+    (_sample_with(devices__0__mem_util_percent=True), r"devices\[0\]\.mem_util_percent must be a number"),
+    (_sample_with(devices__0__pcie_link_bytes_per_s=float("inf")), r"pcie_link_bytes_per_s must be a finite number"),
     (_sample_with(devices__0__mem_used_bytes=1.5), r"devices\[0\]\.mem_used_bytes must be an integer"),
     (_sample_with(devices__0__virtual=1), r"devices\[0\]\.virtual must be true or false"),
     (_sample_with(devices__0__processes__1__pid=None), r"devices\[0\]\.processes\[1\]\.pid must be an integer"),
@@ -274,7 +324,7 @@ def test_blank_lines_are_skipped(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("kind", "code", "words"), [
     ("malformed", EXIT_DATAERR, "bad.trace:3: malformed JSON"),
     ("field", EXIT_DATAERR, "bad.trace:3: devices[0].uuid is missing"),
-    ("version", EXIT_DATAERR, "unsupported trace version 2"),
+    ("version", EXIT_DATAERR, "unsupported trace version 3"),
     ("not-a-trace", EXIT_DATAERR, "not a gpu-watchdog trace"),
     ("missing", EXIT_NOINPUT, "trace not found"),
 ])
@@ -284,7 +334,7 @@ def test_cli_replay_of_a_bad_trace(tmp_path: Path, kind: str, code: int, words: 
     elif kind == "field":
         path = _trace(tmp_path, _sample_with(devices__0__uuid=_DELETE))
     elif kind == "version":
-        path = _trace(tmp_path, header={"type": "header", "format": FORMAT, "version": 2})
+        path = _trace(tmp_path, header={"type": "header", "format": FORMAT, "version": 3})
     elif kind == "not-a-trace":
         path = tmp_path / "bad.trace"
         path.write_bytes(b"\x1f\x8b\x08\x00binary")

@@ -20,6 +20,7 @@ from gpu_watchdog.evidence.collect import (
     classify_results,
     dump_job,
     dump_workers,
+    pids_on_gpu,
     rank_workers,
 )
 from gpu_watchdog.evidence.culprit import FLIGHT_RECORDER, NCCL_RAS, STACKS, SourceVerdict, merge_evidence
@@ -77,7 +78,7 @@ class EvidenceGatherer:
         else:
             entry = inc.begin_action("dump_stacks")
             t0 = time.monotonic()
-            results = dump_job(rank_pids, cfg.stacks)
+            results = dump_job(rank_pids, cfg.stacks, pids_on_gpu(sample, rank_pids.values()))
             world = max((p.job.world_size or 0 for p in sample.processes
                          if p.job and p.job.job_id == job_id), default=0) or None
             for rank, res in results.items():

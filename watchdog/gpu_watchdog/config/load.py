@@ -37,10 +37,11 @@ _CHOICES = {"agent.backend": ("auto", "nvml", "proc"), "ras.enabled": ("auto", "
 # Keys that may be zero; every other number must be > 0.
 _MAY_BE_ZERO = {"detect.spin_power_max_w", "detect.util_idle_max_percent", "detect.proc_rss_held_min_bytes",
                 "detect.mem_held_min_bytes", "recovery.max_restarts", "detect.progress_io_min_bytes_per_s",
-                "recovery.checkpoint_grace_s", "detect.spin_traffic_max_bytes_per_s", "agent.incident_trace_s",
-                "recovery.restart_backoff_s", "fallback.actor_grace_s"}
-_RATIOS = {"detect.spin_power_max_ratio"}
-_PERCENTS = {"detect.util_idle_max_percent", "detect.spin_util_min_percent"}
+                "recovery.checkpoint_grace_s", "detect.spin_traffic_max_bytes_per_s",
+                "detect.spin_mem_util_max_percent", "detect.spin_traffic_max_link_ratio", "agent.incident_trace_s",
+                "recovery.restart_backoff_s", "fallback.actor_grace_s", "ras.watch_interval_s"}
+_RATIOS = {"detect.spin_power_max_ratio", "detect.spin_traffic_max_link_ratio"}
+_PERCENTS = {"detect.util_idle_max_percent", "detect.spin_util_min_percent", "detect.spin_mem_util_max_percent"}
 
 
 def _is_host_port(text: str) -> bool:

@@ -33,7 +33,12 @@ class DetectConfig:
     spin_util_min_percent: float = 90.0  # signature B: utilization at or above this ...
     spin_power_max_ratio: float = 0.3  # ... at power below this fraction of the enforced limit ...
     spin_power_max_w: float = 0.0  # ... or below this many watts when > 0 (overrides the ratio)
-    spin_traffic_max_bytes_per_s: float = 10.0 * MIB  # ... and PCIe+NVLink traffic below this
+    spin_mem_util_max_percent: float = 10.0  # ... with the memory controller at or below this (when NVML tells) ...
+    # ... and PCIe+NVLink traffic below this, or below spin_traffic_max_link_ratio of what the PCIe link carries
+    # when NVML tells (the larger): NCCL's polling moves ~120 MiB/s while nothing progresses (measured, H200).
+    # Traffic is consulted only when NVML does not report the memory controller.
+    spin_traffic_max_bytes_per_s: float = 512.0 * MIB
+    spin_traffic_max_link_ratio: float = 0.05
     progress_cpu_min_cores: float = 0.1  # a rank tree using this much CPU is making progress
     progress_io_min_bytes_per_s: float = 256.0 * 1024  # or doing this much I/O
     progress_wakeups_min_per_s: float = 3.0  # or whose main thread blocks and wakes this often (a sleep/poll loop)
@@ -44,6 +49,9 @@ class DetectConfig:
     waiting_timeout_s: float = 600.0  # "waiting on rank r" this long → a stall
     clear_after_s: float = 2.0  # a confirmed stall clears after progress for this long
     waiting_stack_interval_s: float = 15.0  # re-dump stacks this often while a job waits on one rank
+    # A step heartbeat (in-job client) still for this many of the rank's own step times: its CPU is not progress.
+    heartbeat_stale_steps: float = 5.0
+    comm_progress_max_age_s: float = 15.0  # an NCCL RAS observation older than this no longer counts
 
 
 @dataclass(frozen=True)
@@ -141,12 +149,15 @@ class FaultsConfig:
 
 @dataclass(frozen=True)
 class RasConfig:
-    """``[ras]``: NCCL's RAS socket, asked only while a job is suspect or stalled (docs/nccl-ras.md)."""
+    """``[ras]``: NCCL's RAS socket: watched for the jobs whose rank 0 runs here, asked about every suspect or
+    stalled job (docs/nccl-ras.md)."""
 
     enabled: str = "auto"  # auto: jobs with a rank listening on the RAS port | on: every job | off: never
     addr: str = ""  # HOST:PORT; empty: the ranks' NCCL_RAS_ADDR, else localhost:28028 (NCCL's default)
     timeout_s: float = 10.0  # one query end to end (connect, handshake, report); RAS is asked for 40% of it
     poll_interval_s: float = 5.0  # at most one query this often per suspect or stalled job
+    # Every NCCL job whose rank 0 runs on this node, all the time: NCCL's own counts are its progress (0: off).
+    watch_interval_s: float = 2.0
     confirm_gap_s: float = 2.0  # the two queries an incident compares are at least this far apart
 
 

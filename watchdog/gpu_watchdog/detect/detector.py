@@ -4,11 +4,16 @@ Per job, each tick:
 - every rank's progress is judged from its process tree's CPU time and I/O deltas, its main thread's wakeups
   (voluntary context switches: a loop that sleeps or polls at one line keeps waking, a thread blocked for good
   does not) and the in-job client's step heartbeat; a rank seen for the first time counts as progressing;
-- device evidence overrides the host: a rank whose GPU spins busy-waits in a device sync, so only its heartbeat
-  (or a stack that moves between dumps) counts; a rank the kernel shows waiting on storage or a pipe write is
-  being waited on (slow is not stuck); a stopped rank (SIGSTOP) makes no progress and is the culprit;
+- device evidence overrides the host: a rank that busy-waits on its device — its GPU spins, or NCCL's counts
+  say it sits inside a launched collective (frozen, and it is not behind), or its step heartbeat has been
+  still for several of its own step times — burns CPU in a device sync and NCCL's proxy thread, so its CPU time
+  is not progress; its own I/O, its heartbeat and a stack that moves still are. A
+  rank the kernel shows waiting on storage or a pipe write is being waited on (slow is not stuck); a stopped
+  rank (SIGSTOP) makes no progress and is the culprit;
+- NCCL's own counts (``CommProgress``, from NCCL RAS) that rose since the last poll are progress for the whole
+  job, whatever its hosts and GPUs show; frozen counts with ranks behind name those ranks as the candidates;
 - every GPU the job uses shows signature A (utilization ~0 with memory held), signature B (the NCCL spin:
-  utilization ~100 % at idle power with no PCIe/NVLink traffic), or real work;
+  SMs ~100 % with the memory controller idle at low power; polling traffic is not data), or real work;
 - no progress anywhere → the no-progress streak starts at the previous tick (the last time progress was
   seen: the onset); after ``suspect_after_s`` the job is *suspect*; it is *stalled* (a finding) when two
   stack dumps ``stack_confirm_gap_s`` apart show no rank moving, or after ``confirm_after_s`` without stacks;
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from gpu_watchdog.config.schema import DetectConfig
 from gpu_watchdog.evidence.classify import kernel_wait
 from gpu_watchdog.evidence.diagnosis import RankContext, stacks_progressed
-from gpu_watchdog.model import DeviceSample, NodeSample, ProcessSample, StackEvidence
+from gpu_watchdog.model import CommProgress, DeviceSample, NodeSample, ProcessSample, StackEvidence
 
 RUNNING, SUSPECT, STALLED, WAITING = "running", "suspect", "stalled", "waiting"
 JOB_STATES = (RUNNING, SUSPECT, STALLED, WAITING)
@@ -68,9 +73,12 @@ class _RankObs:
     progressing: bool = True  # the verdict for the window that ended at ``t``
     host_busy_t: float | None = None  # the last time its tree used CPU or did I/O (a data wait's producer)
     step_t: float | None = None  # the last time its step heartbeat moved
+    step_s: float | None = None  # its own step time, learned from the heartbeat (seconds per step)
     device: str | None = None  # its GPU's signature this tick (None: no GPU, proc backend)
     doing: str = ""  # what the kernel shows it waiting on: "io wait (pipe_write)"
     stopped: bool = False  # SIGSTOP / job-control stop (T): it cannot make progress until continued
+    stale: bool = False  # its step heartbeat has been still for several of its own step times
+    io_t: float | None = None  # the last time its tree read or wrote at the progress rate
 
 
 @dataclass(frozen=True)
@@ -96,22 +104,47 @@ class JobStatus:
     # Why a confirmed stall was not acted on (no communication evidence: hold_waiting): the job waits, and only
     # ``waiting_timeout_s`` after the onset is it a stall again ("waiting_timeout"). Cleared when it runs again.
     held: str = ""
+    comm: CommProgress | None = None  # NCCL's counts as last observed (NCCL RAS), fresh or not
 
 
 @dataclass(frozen=True)
 class DetectorState:
     t: float | None = None
     ranks: Mapping[tuple[str, int], _RankObs] = field(default_factory=dict)
-    traffic: Mapping[str, tuple[float, int]] = field(default_factory=dict)  # uuid → (t, total bytes)
+    traffic: Mapping[str, tuple[float, Counters]] = field(default_factory=dict)  # uuid → (t, counters)
     jobs: Mapping[str, JobStatus] = field(default_factory=dict)
     faulted: frozenset[str] = frozenset()  # GPU UUIDs with a fault in the last sample
     fault_keys: frozenset[str] = frozenset()  # "uuid/kind/xid" of the faults already reported (see step)
 
 
-def _traffic_total(d: DeviceSample) -> int | None:
-    parts = (d.pcie_tx_bytes_total, d.pcie_rx_bytes_total, d.nvlink_tx_bytes_total, d.nvlink_rx_bytes_total)
-    known = [p for p in parts if p is not None]
-    return sum(known) if known else None
+Counters = tuple[int | None, int | None, int | None, int | None]
+
+
+def _counters(d: DeviceSample) -> Counters:
+    return (d.pcie_tx_bytes_total, d.pcie_rx_bytes_total, d.nvlink_tx_bytes_total, d.nvlink_rx_bytes_total)
+
+
+def traffic_rate(d: DeviceSample, old: tuple[float, Counters] | None, t: float) -> float | None:
+    """At least this many PCIe + NVLink bytes/s moved since ``old``; None when no counter tells.
+
+    A counter that went down wrapped (or was reset): no rate from it, ever. One that went up may still have wrapped
+    unseen — NVML's 32-bit PCIe counters wrap at 4 GiB, several times a second at real data rates — so the sum is
+    a lower bound. That is all the spin test needs: traffic only vetoes a spin, and a lower bound above the limit
+    proves data moved, while one below it proves nothing (as no counter at all)."""
+    if old is None or t <= old[0]:
+        return None
+    deltas = [now - before for now, before in zip(_counters(d), old[1], strict=True)
+              if now is not None and before is not None and now >= before]
+    return sum(deltas) / (t - old[0]) if deltas else None
+
+
+def _quiet_link(d: DeviceSample, traffic_bps: float | None, cfg: DetectConfig) -> bool:
+    """Polling is not data: NCCL's proxy polls at a few hundred MiB/s while nothing moves, so the link is quiet
+    below the larger of an absolute rate and a share of what the PCIe link carries."""
+    if traffic_bps is None:
+        return True
+    link_share = cfg.spin_traffic_max_link_ratio * d.pcie_link_bytes_per_s if d.pcie_link_bytes_per_s else 0.0
+    return traffic_bps <= max(cfg.spin_traffic_max_bytes_per_s, link_share)
 
 
 def device_signature(d: DeviceSample, cfg: DetectConfig, traffic_bps: float | None,
@@ -129,17 +162,23 @@ def device_signature(d: DeviceSample, cfg: DetectConfig, traffic_bps: float | No
             known = [m for m in job_mem if m is not None]
             held = (sum(known) if known else (d.mem_used_bytes or 0)) >= cfg.mem_held_min_bytes
         return "idle_held" if held else "busy"
-    if d.util_percent >= cfg.spin_util_min_percent and d.power_w is not None:
-        limit = cfg.spin_power_max_w or (
-            cfg.spin_power_max_ratio * d.power_limit_w if d.power_limit_w else 0.0)
-        quiet_link = traffic_bps is None or traffic_bps <= cfg.spin_traffic_max_bytes_per_s
-        if d.power_w <= limit and quiet_link:
+    if d.util_percent >= cfg.spin_util_min_percent and not d.virtual:
+        # The NCCL spin (measured on an H200): SMs at 100 % running a kernel that polls a flag, the memory
+        # controller idle, power low. Real work draws power or moves memory — data sent or received over any link
+        # passes the memory controller, so where NVML reports it, link traffic (polling included) is not asked.
+        # Without power an idle memory controller alone tells; without either, utilization is not a spin.
+        mem_idle = None if d.mem_util_percent is None else d.mem_util_percent <= cfg.spin_mem_util_max_percent
+        low_power = None if d.power_w is None else d.power_w <= (
+            cfg.spin_power_max_w or (cfg.spin_power_max_ratio * d.power_limit_w if d.power_limit_w else 0.0))
+        if low_power is False or mem_idle is False or (low_power is None and mem_idle is None):
+            return "busy"
+        if mem_idle or _quiet_link(d, traffic_bps, cfg):
             return "spin"
     return "busy"
 
 
 def _observe_rank(p: ProcessSample, prev: _RankObs | None, t: float, device: str | None,
-                  cfg: DetectConfig) -> _RankObs:
+                  cfg: DetectConfig, in_collective: bool = False) -> _RankObs:
     """The rank's progress verdict and the baseline for the next one.
 
     CPU time moves in 10 ms clock ticks, so a window much shorter than a tick interval (an early tick right
@@ -152,45 +191,68 @@ def _observe_rank(p: ProcessSample, prev: _RankObs | None, t: float, device: str
     stopped = p.status == "stopped"
     if same and prev is not None and p.status != "zombie" and t - prev.t < cfg.progress_min_window_s \
             and p.heartbeat_step == prev.heartbeat_step:
-        return replace(prev, device=device, doing=doing, stopped=stopped)
+        return replace(prev, device=device, doing=doing, stopped=stopped)  # (stale: judged on a full window)
     old = prev if same else None
-    progressing, host_busy = _rank_progress(p, old, t, device, wait, cfg)
+    stale = _heartbeat_stale(p, old, t, cfg)
+    device_wait = device == "spin" or in_collective or stale
+    progressing, host_busy, did_io = _rank_progress(p, old, t, device_wait, wait, cfg)
     host_busy_t = t if host_busy else (old.host_busy_t if old is not None else None)
+    io_t = t if did_io else (old.io_t if old is not None else None)
     stepped = old is not None and p.heartbeat_step is not None and p.heartbeat_step != old.heartbeat_step
     step_t = t if stepped else (old.step_t if old is not None else None)
+    step_s = old.step_s if old is not None else None
+    if stepped and old is not None and old.step_t is not None and old.heartbeat_step is not None \
+            and p.heartbeat_step is not None and p.heartbeat_step > old.heartbeat_step:
+        # Seconds per step, smoothed: heartbeats arrive at tick resolution, several steps per tick on a fast job.
+        per_step = (t - old.step_t) / (p.heartbeat_step - old.heartbeat_step)
+        step_s = per_step if step_s is None else 0.7 * step_s + 0.3 * per_step
     return _RankObs(p.pid, p.create_time, t, p.cpu_time_s, p.io_bytes, p.heartbeat_step, p.wakeups, progressing,
-                    host_busy_t, step_t, device, doing, stopped)
+                    host_busy_t, step_t, step_s, device, doing, stopped, stale, io_t)
+
+
+def _heartbeat_stale(p: ProcessSample, prev: _RankObs | None, t: float, cfg: DetectConfig) -> bool:
+    """The rank's step heartbeat has been still for ``heartbeat_stale_steps`` of its own step times (and at least
+    ``suspect_after_s``): whatever its host shows, it is not stepping."""
+    if prev is None or p.heartbeat_step is None or prev.step_t is None or prev.step_s is None \
+            or p.heartbeat_step != prev.heartbeat_step:
+        return False
+    return t - prev.step_t >= max(cfg.heartbeat_stale_steps * prev.step_s, cfg.suspect_after_s)
 
 
 # A blocking py-spy attach (stacks.native) wakes a thread twice: fewer wakeups than this in one window prove nothing.
 _MIN_WAKEUPS = 3
 
 
-def _rank_progress(p: ProcessSample, prev: _RankObs | None, t: float, device: str | None, wait: str | None,
-                   cfg: DetectConfig) -> tuple[bool, bool]:
-    """(progressing, host busy) for one rank over the window since ``prev``.
+def _rank_progress(p: ProcessSample, prev: _RankObs | None, t: float, device_wait: bool, wait: str | None,
+                   cfg: DetectConfig) -> tuple[bool, bool, bool]:
+    """(progressing, host busy, did I/O) for one rank over the window since ``prev``.
 
-    Host counters mean different things by GPU: a rank whose GPU spins (the NCCL signature) busy-waits in a
-    device sync, so its CPU time rises at about a core while it makes no progress at all; only its step
-    heartbeat (or moving stacks, judged between dumps) counts. A rank waiting in a file-system or pipe write
-    is being waited on, whatever its byte counters show."""
+    Host counters mean different things on a device: a rank that waits on its device (``device_wait``: its GPU
+    spins, NCCL shows it inside a launched collective, its heartbeat went still) busy-waits in a device sync
+    while NCCL's proxy thread polls — 2 cores and no wakeups measured on an H200 — so its CPU time is not
+    progress, nor are its wakeups; its own I/O still is: a rank writing a checkpoint on a GPU its peers spin on
+    is alive. A rank waiting in a file-system or pipe write is being waited on, whatever its byte
+    counters show."""
     if p.status == "zombie" or p.status == "stopped":
-        return False, False
+        return False, False, False
     if prev is None or t <= prev.t:
-        return True, False  # nothing to compare with yet: assume it works
+        return True, False, False  # nothing to compare with yet: assume it works
     dt = t - prev.t
-    busy = (p.cpu_time_s - prev.cpu_time_s) / dt >= cfg.progress_cpu_min_cores or (
-        p.io_bytes is not None and prev.io_bytes is not None
-        and (p.io_bytes - prev.io_bytes) / dt >= cfg.progress_io_min_bytes_per_s)
+    cpu = (p.cpu_time_s - prev.cpu_time_s) / dt >= cfg.progress_cpu_min_cores
+    io = p.io_bytes is not None and prev.io_bytes is not None \
+        and (p.io_bytes - prev.io_bytes) / dt >= cfg.progress_io_min_bytes_per_s
+    busy = cpu or io
     if p.heartbeat_step is not None and p.heartbeat_step != prev.heartbeat_step:
-        return True, busy
+        return True, busy, io
     if wait == "io":
-        return True, busy
-    if device == "spin":
-        return False, busy
+        return True, busy, io
     woke = p.wakeups is not None and prev.wakeups is not None and p.wakeups - prev.wakeups >= _MIN_WAKEUPS \
         and (p.wakeups - prev.wakeups) / dt >= cfg.progress_wakeups_min_per_s
-    return busy or woke, busy
+    if device_wait:
+        # Not its wakeups either: a loop polling a collective's completion (``is_completed()`` and a short
+        # sleep) wakes all the time and waits all the same.
+        return io, busy, io
+    return busy or woke, busy, io
 
 
 def stacks_show_progress(a: StackEvidence, b: StackEvidence,
@@ -222,8 +284,10 @@ def _fmt_ranks(ranks: Iterable[int]) -> str:
 
 
 def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
-         stacks: Sequence[StackEvidence] = ()) -> tuple[DetectorState, list[Finding]]:
-    """Advance the detector by one sample. Pure: same inputs, same outputs."""
+         stacks: Sequence[StackEvidence] = (),
+         comm: Sequence[CommProgress] = ()) -> tuple[DetectorState, list[Finding]]:
+    """Advance the detector by one sample. Pure: same inputs, same outputs. ``stacks`` and ``comm`` are the stack
+    dumps and NCCL count observations that finished since the last call."""
     t = sample.t
     findings: list[Finding] = []
     prev_t = state.t if state.t is not None else t
@@ -243,16 +307,12 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
                                     (d.uuid,), f"{d.fault.detail}; jobs: {', '.join(hit) or 'none'}", "fault"))
 
     # Traffic rates from cumulative counters.
-    traffic: dict[str, tuple[float, int]] = {}
+    traffic: dict[str, tuple[float, Counters]] = {}
     traffic_bps: dict[str, float | None] = {}
     for d in sample.devices:
-        total = _traffic_total(d)
-        traffic_bps[d.uuid] = None
-        if total is not None:
-            traffic[d.uuid] = (t, total)
-            old = state.traffic.get(d.uuid)
-            if old is not None and t > old[0] and total >= old[1]:
-                traffic_bps[d.uuid] = (total - old[1]) / (t - old[0])
+        traffic_bps[d.uuid] = traffic_rate(d, state.traffic.get(d.uuid), t)
+        if any(c is not None for c in _counters(d)):
+            traffic[d.uuid] = (t, _counters(d))
 
     by_job: dict[str, list[tuple[int, ProcessSample]]] = {}
     for p in sample.processes:
@@ -262,6 +322,9 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
     ev_by_job: dict[str, list[StackEvidence]] = {}
     for ev in stacks:
         ev_by_job.setdefault(ev.job_id, []).append(ev)
+    comm_by_job: dict[str, CommProgress] = {}
+    for c in sorted(comm, key=lambda c: c.t):
+        comm_by_job[c.job_id] = c
 
     ranks_obs: dict[tuple[str, int], _RankObs] = {}
     jobs: dict[str, JobStatus] = {}
@@ -269,27 +332,57 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
         pids = frozenset(p.pid for _, p in ranked)
         devs = [d for d in sample.devices if d.pids & pids and d.fault is None]
         sigs = [device_signature(d, cfg, traffic_bps.get(d.uuid), pids) for d in devs]
+        prev = state.jobs.get(job_id) or JobStatus(job_id, since=t)
+        counts = _comm_now(prev.comm, comm_by_job.get(job_id), t, cfg)
         obs_of: dict[int, _RankObs] = {}
         for rank, p in ranked:
-            obs = _observe_rank(p, state.ranks.get((job_id, rank)), t, _rank_device(p.pid, devs, sigs), cfg)
+            obs = _observe_rank(p, state.ranks.get((job_id, rank)), t, _rank_device(p.pid, devs, sigs), cfg,
+                                _inside_collective(counts, rank, "spin" in sigs))
             ranks_obs[(job_id, rank)] = obs_of[rank] = obs
-        prev = state.jobs.get(job_id) or JobStatus(job_id, since=t)
-        js = _advance_job(prev, t, prev_t, ranked, obs_of, devs, sigs, ev_by_job.get(job_id, []), cfg)
+        prev = replace(prev, comm=comm_by_job.get(job_id) or prev.comm)
+        js = _advance_job(prev, t, prev_t, ranked, obs_of, devs, sigs, ev_by_job.get(job_id, []), cfg,
+                          counts, comm_by_job.get(job_id))
         jobs[job_id] = js
         if js.state == STALLED and prev.state != STALLED:
-            findings.append(_stall_finding(js, t))
+            findings.append(_stall_finding(js, t, counts))
     # Jobs whose ranks are all gone simply end; a stall that ended with them was already reported.
     return DetectorState(t, ranks_obs, traffic, jobs, frozenset(faulted), frozenset(fault_keys)), findings
 
 
+def _comm_now(old: CommProgress | None, new: CommProgress | None, t: float,
+              cfg: DetectConfig) -> CommProgress | None:
+    """The job's NCCL counts as they stand now: the newest observation while it is under
+    ``comm_progress_max_age_s`` old (RAS went quiet or away: no longer evidence either way)."""
+    latest = new or old
+    return latest if latest is not None and t - latest.t <= cfg.comm_progress_max_age_s else None
+
+
+def _inside_collective(counts: CommProgress | None, rank: int, spinning: bool) -> bool:
+    """NCCL's frozen counts say this rank launched a collective that has not completed: every rank not behind
+    the others when some are behind, or every rank when the counts are equal and the job's GPUs spin."""
+    if counts is None:
+        return False
+    if counts.state == "frozen_unequal":
+        return bool(counts.behind) and rank not in counts.behind
+    return counts.state == "frozen_equal" and spinning
+
+
 def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tuple[int, ProcessSample]],
                  obs: Mapping[int, _RankObs], devs: Sequence[DeviceSample], sigs: Sequence[str | None],
-                 evidence_in: Sequence[StackEvidence], cfg: DetectConfig) -> JobStatus:
+                 evidence_in: Sequence[StackEvidence], cfg: DetectConfig,
+                 counts: CommProgress | None = None, counts_new: CommProgress | None = None) -> JobStatus:
     ranks = tuple(sorted(rank for rank, _ in ranked))
     progressing = [r for r in ranks if obs[r].progressing]
+    if counts_new is not None and counts_new.state == "moving":
+        # NCCL's counts rose since its last poll: the job progresses, whatever its hosts and GPUs show.
+        progressing = list(ranks)
     seen = prev.ranks_seen | frozenset(ranks)
     missing = seen - frozenset(ranks)
     devices_busy = any(s == "busy" for s in sigs)
+    if counts is not None and counts.state == "frozen_unequal" and counts.behind:
+        # NCCL's frozen counts put the other ranks inside a collective that cannot complete: only the GPUs of the
+        # ranks behind can be doing work the job waits for.
+        devices_busy = any(obs[r].device == "busy" for r in counts.behind if r in obs)
     device_sig = "spin" if "spin" in sigs else "idle_held"
     base = replace(prev, ranks=ranks, ranks_seen=seen, devices=tuple(d.uuid for d in devs),
                    rank_pids={rank: p.pid for rank, p in ranked},
@@ -303,11 +396,15 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
     if len(evidence) == 2 and _lasted(evidence[1].t - evidence[0].t, cfg.stack_confirm_gap_s) and evidence[1].ranks:
         since = evidence[0].t
         context = {r: RankContext(o.device, o.host_busy_t is not None and o.host_busy_t > since,
-                                  o.step_t is not None and o.step_t > since) for r, o in obs.items()}
+                                  o.step_t is not None and o.step_t > since, o.io_t is not None and o.io_t > since)
+                   for r, o in obs.items()}
         moving = stacks_show_progress(evidence[0], evidence[1], context)
         stack_quiet = not moving
 
-    quiet = not progressing and not devices_busy
+    # Every rank's heartbeat went still for several of its own step times: the job is suspect whatever its GPUs
+    # show; a GPU that looks busy then needs stack proof, never time alone (a long evaluation keeps it busy).
+    stale_all = all(obs[r].stale for r in ranks)
+    quiet = not progressing and (not devices_busy or stale_all)
     onset = prev.onset if prev.onset is not None else prev_t  # the last tick that saw progress
     if not quiet and stack_quiet and not devices_busy:
         quiet = True  # the CPU "progress" was a host-side spin: the stacks never moved
@@ -328,7 +425,8 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
         signature = "rank_exited" if missing else device_sig
         if prev.state == STALLED:
             return replace(base, onset=onset, evidence=evidence, progress_since=None, needs_stacks=False)
-        stalled = _lasted(t - onset, cfg.suspect_after_s) and (stack_quiet or _lasted(t - onset, cfg.confirm_after_s))
+        by_time = _lasted(t - onset, cfg.confirm_after_s) and not devices_busy
+        stalled = _lasted(t - onset, cfg.suspect_after_s) and (stack_quiet or by_time)
         if stalled:
             return replace(base, state=STALLED, since=t, onset=onset, signature=signature, evidence=evidence,
                            progress_since=None, needs_stacks=False)
@@ -386,7 +484,7 @@ def hold_waiting(state: DetectorState, job_id: str, onset: float, why: str,
     return replace(state, jobs={**state.jobs, job_id: held})
 
 
-def _stall_finding(js: JobStatus, t: float) -> Finding:
+def _stall_finding(js: JobStatus, t: float, counts: CommProgress | None = None) -> Finding:
     missing = tuple(sorted(js.ranks_seen - frozenset(js.ranks)))
     if js.signature == "rank_exited":
         culprits, detail = missing, f"rank(s) {_fmt_ranks(missing)} exited; ranks {_fmt_ranks(js.ranks)} idle"
@@ -404,6 +502,13 @@ def _stall_finding(js: JobStatus, t: float) -> Finding:
                   else "no rank makes progress while memory is held")
         if js.stopped:
             detail += f"; rank(s) {_fmt_ranks(js.stopped)} stopped (SIGSTOP or job control: state T)"
+        if counts is not None and counts.state == "frozen_unequal" and counts.behind:
+            culprits = culprits or counts.behind
+            detail += (f"; {counts.source or 'NCCL'}: rank(s) {_fmt_ranks(counts.behind)} behind the others' "
+                       "collective counts, frozen")
+        elif counts is not None and counts.state == "frozen_equal" and js.signature == "spin":
+            detail += (f"; {counts.source or 'NCCL'}: every rank launched the same collectives and none "
+                       "completes (a hang inside a launched collective)")
     evidence = "stacks" if len(js.evidence) == 2 else "time"
     assert js.onset is not None
     return Finding("stall", js.signature, js.job_id, tuple(sorted(js.ranks_seen)), culprits, js.onset, t,

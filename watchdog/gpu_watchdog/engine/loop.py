@@ -29,7 +29,7 @@ from gpu_watchdog.detect.detector import (
     hold_waiting,
     step,
 )
-from gpu_watchdog.evidence.collect import collect_stack_evidence
+from gpu_watchdog.evidence.collect import collect_stack_evidence, pids_on_gpu
 from gpu_watchdog.evidence.ras_poll import RasPoller
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.model import NodeSample, StackEvidence
@@ -92,7 +92,7 @@ class Engine:
         self._dumps: dict[str, Future[list[StackEvidence]]] = {}
         self._watches: dict[str, ConfigWatch] = {}
         self._healthy_since: dict[str, float] = {}
-        self.ras = RasPoller(lambda: self.cfg.ras)  # NCCL RAS, asked only about suspect or stalled jobs
+        self.ras = RasPoller(lambda: self.cfg.ras)  # NCCL RAS: watched jobs, and every suspect or stalled one
         self._holds: list[tuple[str, float, str, tuple[int, ...], str]] = []  # hold() requests for the next tick
         self._shared: ThreadPoolExecutor | None = None  # fallback.shared_dir work (cross-node settings)
         self._cross: dict[str, tuple[JobStatus, Future[ConfigReport | None]]] = {}
@@ -134,7 +134,7 @@ class Engine:
             self._apply_holds()
             self.recent.configure(self.cfg.agent.incident_trace_s, self.cfg.agent.interval_s)
             self.recent.add(sample, dumps)
-            state, findings = step(self.state, sample, self.cfg.detect, dumps)
+            state, findings = step(self.state, sample, self.cfg.detect, dumps, self.ras.take_progress())
             self.state, self.last_sample = state, sample
             self._schedule_dumps(sample.t)
             self._poll_ras(state.jobs)
@@ -204,15 +204,18 @@ class Engine:
         wake = self._on_dump_done
         for js in self.state.jobs.values():
             if js.needs_stacks and js.job_id not in self._dumps:
-                fut = self._pool.submit(self._dump, js.job_id, dict(js.rank_pids), t)
+                gpu = pids_on_gpu(self.last_sample, js.rank_pids.values())
+                fut = self._pool.submit(self._dump, js.job_id, dict(js.rank_pids), t, gpu)
                 if wake is not None:
                     fut.add_done_callback(lambda _f: wake())
                 self._dumps[js.job_id] = fut
 
-    def _dump(self, job_id: str, rank_pids: dict[int, int], t: float) -> list[StackEvidence]:
-        """One dump of the job's ranks (off the sampling path); with ``fallback.shared_dir`` also published for the
-        other nodes' agents (a shared file system that hangs delays this worker, never a tick)."""
-        evidence = collect_stack_evidence(job_id, rank_pids, self.cfg.stacks, t)
+    def _dump(self, job_id: str, rank_pids: dict[int, int], t: float,
+              gpu_pids: frozenset[int] = frozenset()) -> list[StackEvidence]:
+        """One dump of the job's ranks (off the sampling path; ``gpu_pids``: those on a real GPU, which may get a
+        native re-dump); with ``fallback.shared_dir`` also published for the other nodes' agents (a shared file
+        system that hangs delays this worker, never a tick)."""
+        evidence = collect_stack_evidence(job_id, rank_pids, self.cfg.stacks, t, gpu_pids)
         runs = JobRuns.from_config(self.cfg)
         if runs is not None:
             for ev in evidence:
@@ -223,10 +226,15 @@ class Engine:
         return evidence
 
     def _poll_ras(self, jobs: Mapping[str, JobStatus]) -> None:
-        """Ask NCCL RAS about the jobs that look hung, on the poller's own thread (it never blocks the tick)."""
+        """Ask NCCL RAS on the poller's own thread (it never blocks the tick): about every job that looks hung, and
+        all the time about the jobs whose rank 0 runs here. One query gathers from every node of the job, so only
+        rank 0's node watches; the others ask when their own signals suspect."""
+        watch = self.cfg.ras.watch_interval_s
         for js in jobs.values():
             if js.state in (SUSPECT, STALLED) and js.rank_pids:
                 self.ras.poll_due(js.job_id, js.rank_pids)
+            elif watch > 0 and 0 in js.rank_pids:
+                self.ras.poll_due(js.job_id, js.rank_pids, watch)
 
     def _check_configs(self, t: float) -> list[Finding]:
         """Every job's ranks on this node must share their launch settings: the digest goes to the metrics

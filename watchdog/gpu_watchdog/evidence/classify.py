@@ -13,6 +13,11 @@ Frames that py-spy never shows in its default (Python-only) mode, and how we sti
     ``thread["wchan"]``, which we treat as the innermost native frame (file ``[kernel]``), so
     ``hrtimer_nanosleep`` still reads as sleep. With ``--native`` the C frames (``time_sleep``,
     ``c10d::Work::wait``, ``cudaStreamSynchronize``) are matched directly.
+  * A rank waiting on its GPU spins on the CPU inside a C call (CUDA's default ``cudaStreamSynchronize`` under
+    ``loss.item()``, measured on an H200): without ``--native`` py-spy shows only the caller's line, *active*.
+    For a rank on a real GPU whose native frames could not be had, evidence.collect adds that line's source text
+    as ``thread["gpu_line"]``; an active thread whose line calls a device sync (``DEVICE_SYNC_CALL``) is then a
+    ``device_sync``, not ``compute``. Only GPU ranks get it: on a CPU (gloo) job ``.item()`` returns at once.
 No rule matched: ``compute`` when py-spy saw the thread on CPU (``active``), else ``unknown``.
 """
 
@@ -93,6 +98,11 @@ SLEEP_NAMES = frozenset({"sleep", "time_sleep", "pysleep", "clock_nanosleep", "n
 _DEVICE_SYNC_NATIVE = re.compile(
     r"(cuda|cu)(Device|Stream|Event|Ctx)Synchronize|_local_scalar_dense_cuda|cudaMemcpy(?!Async)"
 )
+# Python calls that wait for the device when their tensor lives on a GPU (the C call under them has no Python frame):
+# a scalar or a copy to the host, an explicit synchronize (torch.cuda's, a stream's or an event's), a Work's wait().
+DEVICE_SYNC_CALL = re.compile(r"\.(item|cpu|tolist|numpy|synchronize|wait)\s*\(|(?<![\w.])(synchronize)\s*\(")
+_STRING_OR_COMMENT = re.compile(r"""(?<!\w)([rRbBuUfF]{0,2})('(?:\\.|[^'\\])*'|"(?:\\.|[^"\\])*")|#.*$""")
+GPU_LINE = "gpu_line"  # thread key: the innermost Python frame's source line, set only for a rank on a real GPU
 
 # Kernel wait channels (/proc/PID/wchan) of a thread waiting on storage — block devices, page-cache writeback,
 # NFS/RPC, FUSE, Lustre, Ceph, journaling — or writing into a pipe: slow I/O, which ends on its own.
@@ -164,6 +174,16 @@ def _device_sync(fr: Frame) -> str | None:
     if _in(fr, "torch/cuda/") and _last(fr) in ("synchronize", "item", "cpu", "tolist"):
         return ""
     return "" if _DEVICE_SYNC_NATIVE.search(_name(fr)) else None
+
+
+def device_sync_call(code: str) -> str | None:
+    """The device-syncing call a line of Python makes (``item``, ``synchronize``, ...), else None; comments and
+    plain strings do not count, an f-string's fields do (``print(f"loss {loss.item():.4f}")``)."""
+    def blank(m: re.Match[str]) -> str:
+        return m.group(0) if "f" in (m.group(1) or "").lower() else '""'
+
+    m = DEVICE_SYNC_CALL.search(_STRING_OR_COMMENT.sub(blank, code))
+    return (m.group(1) or m.group(2)) if m else None
 
 
 def _data_wait(fr: Frame) -> str | None:
@@ -262,6 +282,8 @@ def classify_frames(thread: Mapping[str, Any]) -> tuple[str, str | None, Frame |
                 if op is not None:
                     return state, (op or None), fr
     if thread.get("active"):
+        if py and device_sync_call(str(thread.get(GPU_LINE) or "")):
+            return "device_sync", None, py[0]  # spinning in a C device sync under this line (see the docstring)
         return "compute", None, (py[0] if py else None)
     return "unknown", None, (py[0] if py else None)
 

@@ -187,6 +187,7 @@ class RankContext:
     device: str | None = None  # its GPU's signature: "spin" | "idle_held" | "busy"; None: no GPU (proc backend)
     host_busy: bool = False  # its process tree used CPU or did I/O since the earlier dump
     stepped: bool = False  # its in-job client reported a new step since the earlier dump
+    wrote: bool = False  # its process tree read or wrote at the progress rate since the earlier dump
 
 
 # A thread blocked for good shows no wakeups between one dump's end and the next one's start; a loop that sleeps
@@ -213,8 +214,9 @@ def rank_moved(a: RankStack, b: RankStack, ctx: RankContext = RankContext()) -> 
     """Did one rank make progress from dump ``a`` to dump ``b``? Equal stacks alone are not proof of a stall.
 
     - a new signature or pid, or a new step from its in-job client: it moved;
-    - io (a write, a flush, a file-system wait): slow is not stuck: it is being waited on, however slowly its
-      bytes move (an NFS flush can sit a minute in one write() with nothing counted);
+    - io (a write, a flush, a file-system wait), or bytes its tree read or wrote meanwhile: slow is not stuck: it
+      is being waited on, however slowly its bytes move (an NFS flush can sit a minute in one write() with
+      nothing counted; a checkpoint written in chunks sits in a short sleep between them at every dump);
     - unless its GPU spins (the host then only waits on the device, and NCCL's proxy thread polls): a data wait
       whose producer (dataloader workers, a reader thread: the rest of its tree) used CPU or I/O or whose main
       thread read or wrote a byte (a slow reader; never its wakeups alone: a consumer polling a dead producer
@@ -225,7 +227,7 @@ def rank_moved(a: RankStack, b: RankStack, ctx: RankContext = RankContext()) -> 
     """
     if a.pid != b.pid or a.signature != b.signature or ctx.stepped:
         return True
-    if b.state == "io":
+    if b.state == "io" or (ctx.wrote and b.state != "stopped"):
         return True
     if ctx.device == "spin" or b.state == "stopped":
         return False  # a spinning GPU's host counters are the busy-wait and NCCL's proxy thread polling

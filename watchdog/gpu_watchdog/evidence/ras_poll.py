@@ -1,10 +1,12 @@
-"""Asking NCCL RAS about a job the detector suspects, and the two-poll rule that turns its counts into evidence.
+"""Asking NCCL RAS about a job, and the two-poll rule that turns its counts into evidence.
 
 One snapshot of collective counts cannot tell a hung communicator from ranks caught a launch apart: counts that
 differ between ranks **and stay unchanged across two polls** ``ras.confirm_gap_s`` apart can, and so can the same
-ranks missing from both. ``RasPoller`` queries only jobs the engine reports suspect or stalled, on a thread of its
-own (never the sampling path), at most every ``ras.poll_interval_s``; a failing socket is "no evidence". An
-incident asks it for the evidence (``incident_evidence``), reusing the last background poll when it is recent.
+ranks missing from both. ``RasPoller`` queries jobs on a thread of its own (never the sampling path): the engine
+has it watch every NCCL job whose rank 0 runs on this node every ``ras.watch_interval_s`` — NCCL's own counts are
+the job's progress, and each pair of polls becomes a ``CommProgress`` for the detector — and ask about any suspect
+or stalled job every ``ras.poll_interval_s``; a failing socket is "no evidence". An incident asks it for the
+evidence (``incident_evidence``), reusing the last background poll when it is recent.
 """
 
 from __future__ import annotations
@@ -35,8 +37,14 @@ from gpu_watchdog.evidence.nccl_ras import (
     query,
     read_reply,
 )
+from gpu_watchdog.model import CommProgress
 
 log = logging.getLogger("gpu_watchdog.ras")
+
+# Watching may take at most this share of a core per job: a report grows with the job (measured on a 2-core box:
+# 0.7 ms of agent CPU per query for 2 nodes, 39 ms for 128, 309 ms for 1,000 — benchmarks/bench_ras_watch.py), so
+# a large job is watched less often than ``ras.watch_interval_s``; a suspect job is asked at ``poll_interval_s``.
+WATCH_CPU_SHARE = 0.0025
 
 Query = Callable[[str, float], RasReply]
 
@@ -107,6 +115,27 @@ class RasEvidence:
                 "hung": self.analysis.to_json() if self.analysis is not None else None,
                 "last_report": analyze_report(last).to_json() if last is not None else None,
                 "culprit_ranks": self.culprit_ranks, "summary": self.summary}
+
+
+def comm_progress(job_id: str, prev: RasReport, cur: RasReport, t: float,
+                  rank_map: Mapping[HostPid, int] | None = None, world_size: int | None = None,
+                  source: str = "") -> CommProgress | None:
+    """What two reports say about the job's progress: ``moving`` when some rank's count of some collective rose
+    (or a communicator appeared), else ``frozen_unequal`` with the global ranks behind the others or missing,
+    else ``frozen_equal``. None when they carry no counts (an old server's text report)."""
+    if prev.text_only or cur.text_only:
+        return None
+    before = {c.id: _counts(c) for c in prev.communicators}
+    for c in cur.communicators:
+        old = before.get(c.id)
+        if old is None or any(n > old.get(rank, {}).get(op, 0) for rank, counts in _counts(c).items()
+                              for op, n in counts.items()):
+            return CommProgress(job_id, t, "moving", source=source)
+    suspects = analyze_report(cur, rank_map, world_size).suspects
+    if not suspects:
+        return CommProgress(job_id, t, "frozen_equal", source=source)
+    behind = tuple(sorted({s.global_rank for s in suspects if s.global_rank is not None}))
+    return CommProgress(job_id, t, "frozen_unequal", behind, source)
 
 
 def compare_polls(addr: str, polls: tuple[RasPoll, ...], rank_map: Mapping[HostPid, int] | None = None,
@@ -201,10 +230,13 @@ class _JobRas:
     addr: str | None  # None: the job is not asked
     polls: tuple[RasPoll, ...] = ()
     next_at: float = 0.0
+    rank_map: Mapping[HostPid, int] | None = None  # this node's (address, pid) → global rank
+    cost_s: float = 0.0  # the agent's CPU for the last query (connection, report, comparison)
 
 
 class RasPoller:
-    """Background RAS queries for suspect and stalled jobs, kept per job, each on a thread of its own."""
+    """Background RAS queries, kept per job, each on a thread of its own; each pair of readable polls of a job
+    becomes a ``CommProgress`` that ``take_progress`` hands to the detector once."""
 
     def __init__(self, cfg: Callable[[], RasConfig], query_fn: Query = query,
                  target: Callable[[RasConfig, list[int]], str | None] = ras_target) -> None:
@@ -214,6 +246,7 @@ class RasPoller:
         self._lock = threading.Lock()
         self._jobs: dict[str, _JobRas] = {}
         self._inflight: set[str] = set()
+        self._progress: list[CommProgress] = []
 
     def _job(self, job_id: str, rank_pids: Mapping[int, int]) -> _JobRas:
         """The job's state. Its address is looked up again for a new set of rank pids (a restart) and while none
@@ -226,40 +259,62 @@ class RasPoller:
         addr = self._target(self._cfg(), list(pids))
         with self._lock:
             if js is None or js.pids != pids:
-                js = self._jobs[job_id] = _JobRas(pids, addr)
+                js = self._jobs[job_id] = _JobRas(pids, addr, rank_map=local_rank_map(rank_pids))
             js.addr = addr
         return js
 
-    def poll_due(self, job_id: str, rank_pids: Mapping[int, int]) -> None:
-        """Start a query for the job unless one runs or the last was under ``poll_interval_s`` ago. Never blocks
-        on the socket; the (cheap, /proc) address lookup runs once per run of the job, on the poll thread."""
+    def poll_due(self, job_id: str, rank_pids: Mapping[int, int], watch_s: float | None = None,
+                 world_size: int | None = None) -> None:
+        """Start a query for the job unless one runs or the last was under ``poll_interval_s`` ago — or, for a
+        job only watched, ``watch_s`` and at least what keeps its queries under ``WATCH_CPU_SHARE`` of a core.
+        Never blocks on the socket; the (cheap, /proc) address lookup runs once per run of the job, on the poll
+        thread."""
         now = time.monotonic()
         with self._lock:
             js = self._jobs.get(job_id)
-            if job_id in self._inflight or (js is not None and now < js.next_at):
+            interval = self._cfg().poll_interval_s if watch_s is None else max(
+                watch_s, (js.cost_s if js is not None else 0.0) / WATCH_CPU_SHARE)
+            if job_id in self._inflight or (js is not None and js.polls and now < js.polls[-1].mono + interval) \
+                    or (js is not None and now < js.next_at):
                 return
             self._inflight.add(job_id)
         # A daemon thread per query in flight (at most one per job): a query outliving the agent's exit is
         # dropped, never waited for.
-        threading.Thread(target=self._background, args=(job_id, dict(rank_pids)), name=f"ras-{job_id}",
-                         daemon=True).start()
+        threading.Thread(target=self._background, args=(job_id, dict(rank_pids), world_size),
+                         name=f"ras-{job_id}", daemon=True).start()
 
-    def _background(self, job_id: str, rank_pids: dict[int, int]) -> None:
+    def _background(self, job_id: str, rank_pids: dict[int, int], world_size: int | None = None) -> None:
         try:
             js = self._job(job_id, rank_pids)
             cfg = self._cfg()
             if js.addr is None:  # not asked (no RAS socket in the job): look again after poll_interval_s
                 js.next_at = time.monotonic() + cfg.poll_interval_s
                 return
+            cpu0 = time.thread_time()
             poll = poll_once(js.addr, cfg.timeout_s, self._query)
             if poll.error:
                 log.debug("RAS poll of job %s: %s", job_id, poll.error)
             with self._lock:
+                before = next((p for p in reversed(js.polls) if p.report is not None), None)
                 js.polls = (*js.polls, poll)[-2:]
-                js.next_at = time.monotonic() + cfg.poll_interval_s
+                js.next_at = 0.0
+            progress = None
+            if before is not None and before.report is not None and poll.report is not None:
+                progress = comm_progress(job_id, before.report, poll.report, poll.at, js.rank_map, world_size,
+                                         f"NCCL RAS at {js.addr}")
+            with self._lock:
+                js.cost_s = time.thread_time() - cpu0
+                if progress is not None:
+                    self._progress.append(progress)
         finally:
             with self._lock:
                 self._inflight.discard(job_id)
+
+    def take_progress(self) -> list[CommProgress]:
+        """The observations made since the last call, oldest first (each is handed out once)."""
+        with self._lock:
+            out, self._progress = self._progress, []
+        return out
 
     def evidence(self, job_id: str) -> RasEvidence | None:
         """The two-poll verdict over the polls made so far (None: the job was never asked)."""

@@ -70,7 +70,8 @@ class DumpResult:
     raw: str = field(default="", repr=False)  # py-spy's stdout + stderr, kept for the incident record
     elapsed_s: float = 0.0
     wakeups_before: int | None = None  # the main thread's voluntary context switches before the dump ...
-    wakeups_after: int | None = None  # ... and after it (py-spy's attach itself wakes the thread)
+    wakeups_after: int | None = None  # ... and after it (py-spy's attach itself wakes the thread; read after a
+    # failed attempt too, except when the process is gone)
     io_before: int | None = None  # the main thread's own bytes read and written (rchar + wchar) before the dump ...
     io_after: int | None = None  # ... and after it: a reader whose bytes trickle in moves between two dumps
 
@@ -205,6 +206,16 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
     def done(outcome: str, detail: str, raw: str = "", threads: tuple[dict[str, Any], ...] = ()) -> DumpResult:
         return DumpResult(pid, outcome, detail, threads, raw, round(time.monotonic() - t0, 4), *wakeups, *io)
 
+    def read_after(attached: bool = True) -> None:
+        # A paused (blocking) attach may cost the thread one more wakeup just after this read, as it blocks again:
+        # it is the dump's, not the job's ("did it wake between two dumps" must not see it). Read after a failed
+        # attempt too (a timeout, an error): py-spy may have stopped the thread all the same, and a later dump of
+        # the same collection (collect.py's native re-dump) carries these counters on.
+        io[1] = _main_thread_io(pid)
+        after = _wakeups(pid)
+        blocking = attached and (native or not nonblocking)
+        wakeups[1] = after + 1 if after is not None and blocking else after
+
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return done("error", f"invalid pid {pid!r}")
     if _is_stopped(pid):  # py-spy would wait for a stopped process until its timeout: its state says enough
@@ -232,6 +243,7 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
             out_b, err_b = b"", b""
             proc.wait()
         raw = out_b.decode(errors="replace") + err_b.decode(errors="replace")
+        read_after()
         return done(
             "timeout",
             f"py-spy did not finish within {timeout_s:g} s and was killed "
@@ -245,23 +257,19 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
     out, err = out_b.decode(errors="replace"), err_b.decode(errors="replace")
     raw = out + err
     if proc.returncode == 0:
+        read_after()
         try:
             threads = json.loads(out)
             if not isinstance(threads, list):
                 raise ValueError("not a JSON list")
         except ValueError as e:
             return done("error", f"py-spy printed unreadable JSON for pid {pid}: {e}", raw)
-        io[1] = _main_thread_io(pid)
-        after = _wakeups(pid)
-        # A paused (blocking) attach may cost the thread one more wakeup just after this read, as it blocks again:
-        # it is the dump's, not the job's ("did it wake between two dumps" must not see it).
-        blocking = native or not nonblocking
-        wakeups[1] = after + 1 if after is not None and blocking else after
         _add_kernel_waits(threads, waits_before, _read_kernel_waits(pid), pid)
         return done("ok", f"{len(threads)} threads", raw, tuple(threads))
     # Failed: decide by the process's fate first (the text differs between versions), then by text.
     if _is_gone(pid):
         return done("exited", f"process {pid} is not running (exited before or during the dump)", raw)
+    read_after(attached=not _PERMISSION_RE.search(err))  # a refused attach stopped nothing
     if _PERMISSION_RE.search(err):
         return done("permission_denied", f"permission denied reading process {pid}: {PERMISSION_HINT}", raw)
     if _NOT_PYTHON_RE.search(err):

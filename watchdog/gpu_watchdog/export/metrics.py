@@ -21,8 +21,9 @@ Label conventions:
   values past the cap are counted under ``"other"``.
 
 Series (alert rules: prometheus/alerts.yml; dashboard: grafana/dashboards/gpu-watchdog.json):
-  per GPU {gpu, UUID, Hostname}: gpu_watchdog_gpu_utilization_ratio (0..1), _gpu_memory_used_bytes,
-    _gpu_memory_total_bytes, _gpu_power_watts (each omitted when unknown), _gpu_stalled (0/1),
+  per GPU {gpu, UUID, Hostname}: gpu_watchdog_gpu_utilization_ratio (0..1),
+    _gpu_memory_controller_utilization_ratio (0..1), _gpu_memory_used_bytes, _gpu_memory_total_bytes,
+    _gpu_power_watts, _gpu_pcie_link_bytes_per_second (each omitted when unknown), _gpu_stalled (0/1),
     _gpu_info{+model_name} (1)
   per job {job_id}: gpu_watchdog_job_state{state} (one-hot: running/suspect/stalled/waiting), _job_stalled,
     _job_ranks (ranks on this node), _job_fallback_level, _job_waiting_seconds, _rank_waited_on{rank},
@@ -104,9 +105,15 @@ def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily
 _GPU_LABELS = ("gpu", "UUID", "Hostname")
 _GPU_GAUGES = (
     ("gpu_watchdog_gpu_utilization_ratio", "GPU utilization, 0..1 (proc backend: the rank's CPU share)"),
+    # Next to it: the pair tells an NCCL spin (utilization 1, memory controller 0 on an H200) from work.
+    ("gpu_watchdog_gpu_memory_controller_utilization_ratio", "share of time the GPU's memory was read or written, "
+     "0..1 (NVML utilization.memory)"),
     ("gpu_watchdog_gpu_memory_used_bytes", "GPU memory used (proc backend: the rank's RSS)"),
     ("gpu_watchdog_gpu_memory_total_bytes", "GPU memory total"),
     ("gpu_watchdog_gpu_power_watts", "GPU power draw"),
+    # Static like memory_total: what PCIe traffic (dcgm-exporter's DCGM_FI_PROF_PCIE_TX/RX_BYTES, bytes/s) is out of.
+    ("gpu_watchdog_gpu_pcie_link_bytes_per_second", "what the GPU's PCIe link carries per direction (its maximum "
+     "generation x width)"),
     ("gpu_watchdog_gpu_stalled", "1 while a job using this GPU is in state stalled"),
 )
 _GPU_INFO = ("gpu_watchdog_gpu_info", "one series per GPU (proc backend: per rank) with its model name, value 1")
@@ -172,9 +179,12 @@ class _SnapshotCollector:
                 for name, value in (
                     ("gpu_watchdog_gpu_utilization_ratio",
                      None if d.util_percent is None else d.util_percent / 100.0),
+                    ("gpu_watchdog_gpu_memory_controller_utilization_ratio",
+                     None if d.mem_util_percent is None else d.mem_util_percent / 100.0),
                     ("gpu_watchdog_gpu_memory_used_bytes", d.mem_used_bytes),
                     ("gpu_watchdog_gpu_memory_total_bytes", d.mem_total_bytes),
                     ("gpu_watchdog_gpu_power_watts", d.power_w),
+                    ("gpu_watchdog_gpu_pcie_link_bytes_per_second", d.pcie_link_bytes_per_s),
                     ("gpu_watchdog_gpu_stalled", 1.0 if d.uuid in stalled_uuids else 0.0),
                 ):
                     if value is not None:

@@ -7,6 +7,8 @@ Error mapping (RESEARCH §4):
 - driver not loaded, library missing, RM version mismatch, no permission at init → ``BackendUnavailable``.
 - anything else → None plus a ``SampleError`` (counted by error class in metrics).
 
+The PCIe link's capacity is read once per GPU (``NvmlReader._pcie_link``): its maximum is fixed by the GPU and slot.
+
 The pynvml module is injectable (``lib=``) so tests can drive this layer with the real error classes.
 """
 
@@ -24,6 +26,19 @@ FI_NVLINK_RX_KIB = 139
 FI_PCIE_TX_BYTES = 197
 FI_PCIE_RX_BYTES = 198
 TRAFFIC_FIELDS = (FI_NVLINK_TX_KIB, FI_NVLINK_RX_KIB, FI_PCIE_TX_BYTES, FI_PCIE_RX_BYTES)
+
+# Bytes/s one PCIe lane carries per direction, by generation: the transfer rate less the line encoding (PCI-SIG
+# base specifications; Wikipedia "PCI Express", table "PCI Express link performance"). Gen 1-2: 2.5 / 5 GT/s,
+# 8b/10b. Gen 3-5: 8 / 16 / 32 GT/s, 128b/130b. Gen 6: 64 GT/s in 256-byte FLITs, of which 242 carry TLP and
+# DLLP bytes and 14 the CRC and FEC. A generation not listed (newer) gives no capacity rather than a guess.
+PCIE_LANE_BYTES_PER_S: dict[int, float] = {
+    1: 2.5e9 * 8 / 10 / 8,
+    2: 5e9 * 8 / 10 / 8,
+    3: 8e9 * 128 / 130 / 8,
+    4: 16e9 * 128 / 130 / 8,
+    5: 32e9 * 128 / 130 / 8,
+    6: 64e9 * 242 / 256 / 8,
+}
 
 
 class _DeviceFault(Exception):
@@ -45,6 +60,8 @@ class _Device:
     uuid: str
     name: str
     last_process_ts: int = 0  # for nvmlDeviceGetProcessUtilization's "since" argument
+    # (bytes/s or None, NVML said NotSupported) once NvmlReader._pcie_link got an answer; None until then.
+    pcie_link: tuple[float | None, bool] | None = None
 
 
 class NvmlReader:
@@ -153,6 +170,7 @@ class NvmlReader:
         if fields is not None and not traffic:
             uns.append("traffic")
         proc_util = self._process_util(dev, uns, errors)
+        link = self._pcie_link(dev, uns, errors)
         util_of = proc_util.get
         # The hot loop at 64 GPUs x 512 processes: a list comprehension, the memory check inlined.
         processes = tuple([GpuProcess(p.pid, None if (m := p.usedGpuMemory) is None or m >= _NOT_AVAILABLE
@@ -161,6 +179,7 @@ class NvmlReader:
         return DeviceSample(
             index=dev.index, uuid=dev.uuid, name=dev.name,
             util_percent=float(util.gpu) if util is not None else None,
+            mem_util_percent=float(util.memory) if util is not None else None,
             mem_used_bytes=int(mem.used) if mem is not None else None,
             mem_total_bytes=int(mem.total) if mem is not None else None,
             power_w=power / 1000.0 if power is not None else None,
@@ -171,9 +190,33 @@ class NvmlReader:
             pcie_rx_bytes_total=traffic.get(FI_PCIE_RX_BYTES),
             nvlink_tx_bytes_total=nv_tx * 1024 if nv_tx is not None else None,
             nvlink_rx_bytes_total=nv_rx * 1024 if nv_rx is not None else None,
+            pcie_link_bytes_per_s=link,
             processes=processes,
             unsupported=tuple(uns),
         )
+
+    def _pcie_link(self, dev: _Device, uns: list[str], errors: list[SampleError]) -> float | None:
+        """What the GPU's PCIe link carries per direction: its maximum generation x maximum width, read once.
+
+        The maximum, not the current link: NVML's current generation and width "may be reduced when the GPU is
+        not in use" (nvidia-smi --help-query-gpu), and a value read once, at an agent start on an idle GPU, would
+        understate the link for good. The maximum is what the GPU and its slot both support (an x16 card in an
+        x8 slot: 8). The price: a link that trained below it (a bad riser left at x8) is overstated.
+        """
+        if dev.pcie_link is None:
+            n, n_errors = self.nvml, len(errors)
+            link_uns: list[str] = []
+            gen = self._query(n.nvmlDeviceGetMaxPcieLinkGeneration, dev, "pcie_link", link_uns, errors)
+            width = (self._query(n.nvmlDeviceGetMaxPcieLinkWidth, dev, "pcie_link", link_uns, errors)
+                     if gen is not None else None)
+            if len(errors) > n_errors:
+                return None  # a passing error (SampleError): asked again next tick
+            lane = PCIE_LANE_BYTES_PER_S.get(gen) if gen is not None else None
+            dev.pcie_link = (lane * width if lane is not None and width else None, bool(link_uns))
+        capacity, unsupported = dev.pcie_link
+        if unsupported:
+            uns.append("pcie_link")
+        return capacity
 
     def _process_util(self, dev: _Device, uns: list[str], errors: list[SampleError]) -> dict[int, float]:
         n = self.nvml

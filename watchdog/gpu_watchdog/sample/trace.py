@@ -1,9 +1,10 @@
 """Versioned JSONL traces of samples (docs/trace-format.md): ``record`` writes them, ``replay`` reads them.
 
-Line 1 is a header ``{"type": "header", "format": "gpu-watchdog-trace", "version": 1, ...}``; then one
+Line 1 is a header ``{"type": "header", "format": "gpu-watchdog-trace", "version": 2, ...}``; then one
 JSON object per line: ``sample`` (a NodeSample), ``stacks`` (a StackEvidence) or ``event`` (a free-form
 annotation such as a test's true hang onset; replay ignores it). Every field is checked on read and a bad
-line is one TraceError naming the line and the field.
+line is one TraceError naming the line and the field. A field a trace leaves out takes its model default, so
+version 1 (no ``mem_util_percent``, no ``pcie_link_bytes_per_s``) reads with both None.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from gpu_watchdog.model import NodeSample, StackEvidence
 
 FORMAT = "gpu-watchdog-trace"
 DIR_TRACE = "trace.jsonl"  # the trace inside an incident directory: ``replay DIR`` reads it
-VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+# 2: devices gained mem_util_percent and pcie_link_bytes_per_s (docs/trace-format.md, "Versions").
+VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 
 
 def header(backend: str, hostname: str, interval_s: float, created: float) -> dict[str, Any]:
