@@ -1,7 +1,8 @@
 """NCCL RAS in a real incident: ``gpu-watchdog launch`` on a real 4-rank torchrun job whose rank 2 hangs, with
 ``ras.enabled = on`` pointed at the stand-in RAS server (a gloo job has no RAS socket of its own). The stand-in
 reports the job's world communicator with rank 2 one AllReduce behind; the incident names rank 2 from RAS,
-keeps both raw reports in ``ras.json``, and the stand-in was asked nothing while the job ran healthy."""
+keeps both raw reports in ``ras.json``, and — with watching off (``ras.watch_interval_s = 0``) — the stand-in was
+asked nothing while the job ran healthy."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ def test_a_hung_jobs_incident_names_the_rank_ras_shows_behind(tmp_path: Path) ->
     with RasStandIn([report_json([Comm(0xBEEF, 4, ranks)])]) as ras:
         config = write_config(tmp_path / "watchdog.toml", {
             "recovery": {"max_restarts": 0, "stop_grace_s": 5.0},
-            "ras": {"enabled": "on", "addr": ras.addr, "timeout_s": 3.0, "confirm_gap_s": 0.5}})
+            # Not watched (watch_interval_s = 0): the stand-in serves one fixed report, which a watching agent would
+            # read as frozen from the start; tests/e2e/test_nccl_standin.py watches counts that follow the job.
+            "ras": {"enabled": "on", "addr": ras.addr, "timeout_s": 3.0, "confirm_gap_s": 0.5,
+                    "watch_interval_s": 0.0}})
         job = train_argv(tmp_path / "events.jsonl", tmp_path, nproc=4, scenario="hang", rank_at=2, step_at=6,
                          step_s=0.2, steps=40)
         run = start_launch(["--backend", "proc", "--config", str(config)], job, env=base_env(), tmp_path=tmp_path,

@@ -7,13 +7,18 @@ The server follows NCCL's ``src/ras/client_support.cc``: one command per line (`
 
 ``report_json`` prints a report with NCCL's own layout (``jsonWriteHeader`` … ``jsonWriteFooter``);
 ``nccl_2289=True`` drops the comma after a missing rank's ``nvml_dev`` as NCCL 2.28.9 does.
+
+``RasStandIn(source=fn)`` builds the JSON report at each STATUS by calling ``fn()`` instead of serving fixed
+``reports``, so the counts can follow a running job (``nccl_like_state.ras_report`` reads tests/jobs/nccl_like.py's
+per-rank files); every report served is kept in ``served``.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 COLLECTIVES = ("Broadcast", "Reduce", "AllGather", "ReduceScatter", "AllReduce")  # ncclFuncToString order
@@ -130,11 +135,14 @@ Warnings
 
 
 class RasStandIn:
-    """Serves ``reports`` (one per connection, the last repeated) on 127.0.0.1, a free port, until closed."""
+    """Serves ``reports`` (one per connection, the last repeated) on 127.0.0.1, a free port, until closed; with
+    ``source``, the JSON report is ``source()`` at each STATUS (``reports`` ignored)."""
 
     def __init__(self, reports: Sequence[str] = (), *, text: str = OLD_TEXT_REPORT, json: bool = True,
-                 hang: bool = False, port: int = 0) -> None:
+                 hang: bool = False, port: int = 0, source: Callable[[], str] | None = None) -> None:
         self.reports = list(reports)
+        self.source = source
+        self.served: list[tuple[float, str]] = []  # (wall time, JSON report) of every STATUS answered in JSON
         self.text = text
         self.json = json
         self.hang = hang
@@ -181,9 +189,11 @@ class RasStandIn:
             threading.Thread(target=self._client, args=(conn, self.connections - 1), daemon=True).start()
 
     def _report(self, n: int, fmt: str) -> str:
-        if fmt == "text" or not self.reports:
+        if fmt == "text" or not (self.reports or self.source):
             return self.text
-        return self.reports[min(n, len(self.reports) - 1)]
+        report = self.source() if self.source is not None else self.reports[min(n, len(self.reports) - 1)]
+        self.served.append((time.time(), report))
+        return report
 
     def _client(self, conn: socket.socket, n: int) -> None:
         fmt = "text"

@@ -71,3 +71,34 @@ def test_rank_0s_node_watches_its_jobs_all_the_time_and_hands_the_detector_their
             time.sleep(0.05)
         assert [(p.job_id, p.state, p.behind) for p in seen[:2]] == [
             ("here", "moving", ()), ("here", "frozen_unequal", (1,))], seen
+
+
+def test_the_other_nodes_get_the_watchers_observations_through_the_shared_directory(tmp_path: Path) -> None:
+    from gpu_watchdog.config.schema import AgentConfig, FallbackConfig
+    from gpu_watchdog.model import CommProgress
+
+    def node(name: str) -> Engine:
+        cfg = replace(Config(), agent=AgentConfig(hostname=name),
+                      fallback=FallbackConfig(shared_dir=str(tmp_path / "shared")),
+                      ras=RasConfig(enabled="off", watch_interval_s=0.2))
+        return Engine(cfg, backend=None, fallback=FallbackStore(tmp_path / name), pool=None,  # type: ignore[arg-type]
+                      health=LoopHealth.for_interval(1.0))
+
+    watcher, other = node("n0"), node("n1")
+    seen: list[CommProgress] = []
+    try:
+        watcher._share_comm([CommProgress("j", time.time(), "frozen_unequal", (3,), "NCCL RAS at x")],
+                            jobs(rank=0, j=RUNNING))
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            other._share_comm([], jobs(rank=1, j=RUNNING))
+            time.sleep(0.05)
+            seen += other._shared_comm()
+        assert [(p.job_id, p.state, p.behind) for p in seen] == [("j", "frozen_unequal", (3,))]
+        time.sleep(0.3)
+        other._share_comm([], jobs(rank=1, j=RUNNING))
+        time.sleep(0.2)
+        assert other._shared_comm() == []  # handed to the detector once
+    finally:
+        watcher.close()
+        other.close()

@@ -239,3 +239,19 @@ def test_an_agent_that_confirms_after_the_run_was_decided_stands_down_without_ga
     r2 = node2.handle(idle, t2, sample, _status(2, 3))  # alone, no evidence: it would be held as waiting
     assert r2.restarted_by == "node1" and not r2.held and t2.restarts == []
     assert r2.incident.summary["restarted_by"]["incident"] == "inc-1"
+
+
+def test_what_rank_0s_watcher_saw_of_nccls_counts_is_read_by_the_other_nodes(tmp_path: Path) -> None:
+    """Only rank 0's node watches NCCL RAS all the time; it publishes each observation, the others read the ones
+    newer than what they already have (never their own), and a malformed record is no evidence."""
+    from gpu_watchdog.model import CommProgress
+
+    watcher, other = JobRuns(tmp_path, "node0"), JobRuns(tmp_path, "node1")
+    watcher.publish_comm(CommProgress("job-7", 100.0, "moving", (), "NCCL RAS at localhost:28028"))
+    (seen,) = other.peer_comm("job-7", since=0.0)
+    assert (seen.state, seen.t, seen.behind) == ("moving", 100.0, ()) and "via node0" in seen.source
+    watcher.publish_comm(CommProgress("job-7", 102.0, "frozen_unequal", (5,), "NCCL RAS at localhost:28028"))
+    assert [(p.state, p.behind) for p in other.peer_comm("job-7", since=100.0)] == [("frozen_unequal", (5,))]
+    assert other.peer_comm("job-7", since=102.0) == [] and watcher.peer_comm("job-7", since=0.0) == []
+    (tmp_path / "job-7" / "comm" / "node2.json").write_text('{"t": "soon", "state": "moving"}')
+    assert len(other.peer_comm("job-7", since=0.0)) == 1

@@ -32,7 +32,7 @@ from gpu_watchdog.detect.detector import (
 from gpu_watchdog.evidence.collect import collect_stack_evidence, pids_on_gpu
 from gpu_watchdog.evidence.ras_poll import RasPoller
 from gpu_watchdog.export.health import LoopHealth
-from gpu_watchdog.model import NodeSample, StackEvidence
+from gpu_watchdog.model import CommProgress, NodeSample, StackEvidence
 from gpu_watchdog.sample.backends import Backend
 from gpu_watchdog.sample.recent import RecentSamples
 from gpu_watchdog.store.fallback import FallbackStore
@@ -96,6 +96,11 @@ class Engine:
         self._holds: list[tuple[str, float, str, tuple[int, ...], str]] = []  # hold() requests for the next tick
         self._shared: ThreadPoolExecutor | None = None  # fallback.shared_dir work (cross-node settings)
         self._cross: dict[str, tuple[JobStatus, Future[ConfigReport | None]]] = {}
+        # NCCL RAS observations shared through fallback.shared_dir: reads of the watcher's record in flight, and
+        # the newest observation time handed to the detector per job.
+        self._comm_reads: dict[str, Future[list[CommProgress]]] = {}
+        self._comm_seen: dict[str, float] = {}
+        self._comm_read_at: dict[str, float] = {}  # monotonic: the next read of a job's shared record
         self._holds_lock = threading.Lock()  # the daemon's acts run on worker threads
 
     def hold(self, job_id: str, onset: float, why: str, on: tuple[int, ...] = (), doing: str = "") -> None:
@@ -134,10 +139,13 @@ class Engine:
             self._apply_holds()
             self.recent.configure(self.cfg.agent.incident_trace_s, self.cfg.agent.interval_s)
             self.recent.add(sample, dumps)
-            state, findings = step(self.state, sample, self.cfg.detect, dumps, self.ras.take_progress())
+            own = self.ras.take_progress()
+            comm = own + self._shared_comm()
+            state, findings = step(self.state, sample, self.cfg.detect, dumps, comm)
             self.state, self.last_sample = state, sample
             self._schedule_dumps(sample.t)
             self._poll_ras(state.jobs)
+            self._share_comm(own, state.jobs)
             findings.extend(self._check_configs(sample.t))
             self._note_healthy(state.jobs)
             self._forget_ended(state.jobs)
@@ -236,6 +244,40 @@ class Engine:
             elif watch > 0 and 0 in js.rank_pids:
                 self.ras.poll_due(js.job_id, js.rank_pids, watch)
 
+    def _shared_comm(self) -> list[CommProgress]:
+        """What the watcher on rank 0's node published since the last tick for the jobs this node does not watch
+        (read off the tick, on the shared-directory worker)."""
+        comm: list[CommProgress] = []
+        for job_id, fut in list(self._comm_reads.items()):
+            if fut.done():
+                del self._comm_reads[job_id]
+                try:
+                    comm += fut.result()
+                except Exception as e:  # an unreachable shared directory is missing evidence, not a crash
+                    log.debug("job %s: cannot read the shared NCCL RAS record: %s", job_id, e)
+        for c in comm:
+            self._comm_seen[c.job_id] = max(self._comm_seen.get(c.job_id, 0.0), c.t)
+        return comm
+
+    def _share_comm(self, own: list[CommProgress], jobs: Mapping[str, JobStatus]) -> None:
+        """With ``fallback.shared_dir``: publish what this node watched, and read the watcher's record for the jobs
+        whose rank 0 runs elsewhere, once per ``ras.watch_interval_s`` each."""
+        runs = JobRuns.from_config(self.cfg)
+        watch = self.cfg.ras.watch_interval_s
+        if runs is None or watch <= 0:
+            return
+        for c in own:
+            js = jobs.get(c.job_id)
+            if js is not None and 0 in js.rank_pids:
+                self._shared_pool().submit(runs.publish_comm, c)
+        now = time.monotonic()
+        for js in jobs.values():
+            if 0 in js.rank_pids or js.job_id in self._comm_reads or now < self._comm_read_at.get(js.job_id, 0.0):
+                continue
+            self._comm_read_at[js.job_id] = now + watch
+            self._comm_reads[js.job_id] = self._shared_pool().submit(
+                runs.peer_comm, js.job_id, self._comm_seen.get(js.job_id, 0.0))
+
     def _check_configs(self, t: float) -> list[Finding]:
         """Every job's ranks on this node must share their launch settings: the digest goes to the metrics
         (an alert compares nodes), a new mismatch becomes a finding."""
@@ -327,6 +369,10 @@ class Engine:
             del self._healthy_since[job_id]
         for job_id in self.ras.jobs() - set(jobs):
             self.ras.forget(job_id)
+        for job_id in set(self._comm_seen) - set(jobs):
+            del self._comm_seen[job_id]
+        for job_id in set(self._comm_read_at) - set(jobs):
+            del self._comm_read_at[job_id]
 
 
 def count_internal_error(metrics: Any, stage: str) -> None:

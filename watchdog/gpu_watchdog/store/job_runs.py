@@ -11,7 +11,8 @@ settings for every rank of a communicator.
 
 Each agent also publishes its newest stack dump of a job (``<shared_dir>/<job>/stacks/<host>.json``): the acting
 agent merges them with its own, so a culprit on another node — one its own agent only "waits" on, computing — is
-named from any node.
+named from any node. The agent on rank 0's node, the only one that watches NCCL RAS all the time, publishes what
+NCCL's counts showed (``<job>/comm/<host>.json``); the other nodes read it instead of loading the job's RAS network.
 
 The exclusive create is ``os.link`` of a complete temporary file (atomic on local file systems and NFSv3+, where
 ``O_EXCL`` on a plain open is not always honoured): no reader ever sees half a record.
@@ -29,7 +30,7 @@ from typing import Any
 
 from gpu_watchdog.atomic import write_atomic
 from gpu_watchdog.config.schema import Config
-from gpu_watchdog.model import StackEvidence
+from gpu_watchdog.model import COMM_STATES, CommProgress, StackEvidence
 from gpu_watchdog.policy.fallback import validate_job_id
 from gpu_watchdog.sample.trace import stacks_from_record, stacks_record
 
@@ -163,3 +164,22 @@ class JobRuns:
             except (ValueError, AttributeError):
                 continue
         return out
+
+    def publish_comm(self, progress: CommProgress) -> None:
+        """What NCCL's counts showed this node's watcher last (the job's progress as NCCL RAS sees it)."""
+        self._publish(progress.job_id, "comm", {"t": progress.t, "state": progress.state,
+                                                "behind": list(progress.behind), "source": progress.source})
+
+    def peer_comm(self, job_id: str, since: float) -> list[CommProgress]:
+        """The other nodes' published observations of the job newer than ``since`` (unix seconds), oldest first;
+        malformed documents are left out."""
+        out = []
+        for host, doc in self._peers(job_id, "comm").items():
+            try:
+                t, state = float(doc["t"]), str(doc["state"])
+                behind = tuple(int(r) for r in doc.get("behind", ()))
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue
+            if state in COMM_STATES and t > since:
+                out.append(CommProgress(job_id, t, state, behind, f"{doc.get('source') or 'NCCL RAS'} via {host}"))
+        return sorted(out, key=lambda p: p.t)

@@ -1,0 +1,126 @@
+"""The node daemon's own CPU while it watches one healthy 4-rank job, with and without NCCL RAS watching.
+
+    .venv/bin/python benchmarks/bench_daemon_overhead.py [--window S] [--rounds N]
+
+P3's goal: the agent costs at most 0.5 % of a core with one job on the node. A real ``gpu-watchdog run`` daemon
+(default config: 1 s ticks, proc backend since this box has no GPU) watches a real 4-rank torchrun job
+(tests/jobs/train.py, healthy, 0.3 s steps). Two daemons are measured side by side in one run, alternating
+window by window: ``ras.watch_interval_s = 0`` (no RAS watching) and the default 2 s against a RAS stand-in
+(tests/support/ras_standin.py, ``ras.enabled = on``) whose report follows a running job — counts that rise at
+every query, so every poll pair is a "moving" observation the detector consumes. CPU is the daemon process's
+user + system time (psutil) over each window, after a warm-up; the job keeps running across all windows, and
+only one daemon runs at a time. Prints each window, then the median of each configuration and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests" / "support"))
+
+from ras_standin import Comm, Rank, RasStandIn, report_json  # noqa: E402
+
+GW = str(Path(sys.executable).parent / "gpu-watchdog")
+
+
+def daemon_config(base: Path, name: str, ras_addr: str, watch_s: float) -> Path:
+    cfg = base / f"{name}.toml"
+    cfg.write_text(f"""
+[agent]
+backend = "proc"
+state_dir = "{base / name / 'state'}"
+
+[daemon]
+control_socket = "{base / name / 'control.sock'}"
+socket_group = ""
+
+[ras]
+enabled = "on"
+addr = "{ras_addr}"
+watch_interval_s = {watch_s}
+""")
+    (base / name).mkdir(exist_ok=True)
+    return cfg
+
+
+def measure(cfg: Path, warmup_s: float, window_s: float) -> float:
+    """The daemon's CPU over one window, as a percentage of one core."""
+    proc = subprocess.Popen([GW, "run", "--config", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        time.sleep(warmup_s)
+        p = psutil.Process(proc.pid)
+        c0, t0 = p.cpu_times(), time.monotonic()
+        time.sleep(window_s)
+        c1, t1 = p.cpu_times(), time.monotonic()
+        if proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited {proc.returncode}")
+        return 100.0 * ((c1.user + c1.system) - (c0.user + c0.system)) / (t1 - t0)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--window", type=float, default=60.0, help="seconds measured per window")
+    ap.add_argument("--warmup", type=float, default=8.0, help="seconds after a daemon starts before measuring")
+    ap.add_argument("--rounds", type=int, default=3, help="windows per configuration")
+    args = ap.parse_args()
+
+    counter = itertools.count(100)
+
+    def moving_report() -> str:  # a running job: every rank one AllReduce further at each query
+        n = next(counter)
+        return report_json([Comm(0xBEEF, 4, [Rank(r, host="127.0.0.1", pid=100 + r, counts={"AllReduce": n})
+                                             for r in range(4)])])
+
+    base = Path(tempfile.mkdtemp(prefix="gw-bench-", dir="/tmp"))
+    env = {**os.environ, "GPU_WATCHDOG_JOB_ID": "bench-overhead"}
+    steps = int((args.rounds * 2 * (args.window + args.warmup + 5) + 60) / 0.3)
+    job = subprocess.Popen([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "4",
+                            str(REPO / "tests" / "jobs" / "train.py"), "--scenario", "healthy", "--steps", str(steps),
+                            "--step-s", "0.3", "--workdir", str(base)], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    results: dict[str, list[float]] = {"no RAS watch": [], "RAS watch every 2 s": []}
+    try:
+        with RasStandIn(source=moving_report) as ras:
+            configs = {"no RAS watch": daemon_config(base, "off", ras.addr, 0.0),
+                       "RAS watch every 2 s": daemon_config(base, "on", ras.addr, 2.0)}
+            time.sleep(10)  # the job's ranks are up and training
+            print(f"daemon CPU, % of one core, {args.window:g} s windows ({os.cpu_count()} cores; a healthy 4-rank "
+                  "torchrun job, 0.3 s steps)")
+            for rnd in range(args.rounds):
+                for name, cfg in configs.items():
+                    if job.poll() is not None:
+                        raise RuntimeError(f"the job exited {job.returncode} early")
+                    before = ras.connections
+                    pct = measure(cfg, args.warmup, args.window)
+                    results[name].append(pct)
+                    print(f"  round {rnd + 1}  {name:<20} {pct:6.3f} %   RAS queries: {ras.connections - before}")
+    finally:
+        os.killpg(job.pid, 15)
+        job.wait(30)
+    off, on = (statistics.median(v) for v in results.values())
+    print(f"median: no RAS watch {off:.3f} %, RAS watch every 2 s {on:.3f} % (ratio {on / off:.2f}, "
+          f"+{on - off:.3f} % of a core); goal ≤ 0.5 %")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
