@@ -561,7 +561,7 @@ def test_daemon_nvml_finds_a_registered_hang_and_runs_the_restart_hook(nvml_stan
     hook once at fallback level 1."""
     import shutil
 
-    from daemon_helpers import GW, records, short_dir, wait_for
+    from daemon_helpers import GW, records, register_when_up, short_dir, wait_for
     from daemon_helpers import write_config as daemon_config
     from gloo_jobs import start_job
 
@@ -584,14 +584,7 @@ def test_daemon_nvml_finds_a_registered_hang_and_runs_the_restart_hook(nvml_stan
 
     try:
         with placer:
-            wait_for(lambda: (base / "control.sock").exists() or daemon.poll() is not None, 60, "daemon socket",
-                     daemon_log)
-            assert daemon.poll() is None, daemon_log()
-            job.wait_ranks(90)
-            reg = subprocess.run([GW, "hook", "job-start", "--socket", str(base / "control.sock"), "--job-id",
-                                  "nvml-42", "--pid", str(job.proc.pid), "--restart-hook", "requeue"],
-                                 capture_output=True, text=True, timeout=60)
-            assert reg.returncode == 0, reg.stdout + reg.stderr + daemon_log()
+            register_when_up(daemon, base, job, "nvml-42", daemon_log)
             wait_for(lambda: any(r.get("done") for r in records(base)), 120, "restart hook ran", daemon_log)
 
             from gpu_watchdog.store.incidents import IncidentStore

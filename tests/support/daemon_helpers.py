@@ -114,3 +114,16 @@ def records(base: Path) -> list[dict[str, Any]]:
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def register_when_up(daemon: subprocess.Popen[bytes], base: Path, job: Any, job_id: str,
+                     daemon_log: Any, ranks_timeout: float = 90.0) -> None:
+    """Wait for a daemon started on ``base`` (its control socket ``base/control.sock``) and the job's ranks, then
+    register the job (``hook job-start`` with the ``requeue`` restart hook); the daemon's log on any failure."""
+    wait_for(lambda: (base / "control.sock").exists() or daemon.poll() is not None, 60, "daemon socket", daemon_log)
+    assert daemon.poll() is None, daemon_log()
+    job.wait_ranks(ranks_timeout)
+    reg = subprocess.run([GW, "hook", "job-start", "--socket", str(base / "control.sock"), "--job-id", job_id,
+                          "--pid", str(job.proc.pid), "--restart-hook", "requeue"],
+                         capture_output=True, text=True, timeout=60)
+    assert reg.returncode == 0, reg.stdout + reg.stderr + daemon_log()

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
+from harness_loop import HarnessLoop
 from nvml_standin import (
     FI_NVLINK_THROUGHPUT_DATA_RX,
     FI_NVLINK_THROUGHPUT_DATA_TX,
@@ -67,8 +68,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-class GpuPlacer:
+class GpuPlacer(HarnessLoop):
     """A harness thread that keeps the stand-in's GPUs in step with a real job (see the module doc)."""
+
+    name = "gpu-placer"
 
     def __init__(self, state: StandinState, events: Path, n_gpus: int, *, mem_per_rank: int = 2 * GIB,
                  busy: str | Mapping[str, Any] = "busy", hung: str | Mapping[str, Any] = "idle",
@@ -78,14 +81,12 @@ class GpuPlacer:
         self.events_path = Path(events)
         self.n_gpus = n_gpus
         self.mem_per_rank = mem_per_rank
-        self.period_s = period_s
+        super().__init__(period_s)
         self.process_samples = process_samples
         self._profiles = {"busy": self._resolve(busy), "hung": self._resolve(hung),
                           "none": dict(NO_PROCESS if idle is None else idle)}
         self._overrides: dict[int, dict[str, Any]] = {}  # GPU → profile shown while it has processes
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._offset = 0
         self._partial = b""
         self._rank_pid: dict[int, int] = {}
@@ -100,7 +101,6 @@ class GpuPlacer:
         self._last_t = time.time()
         self._last_sample = 0.0
         self._profile_changed = True
-        self.error: BaseException | None = None
 
     @staticmethod
     def _resolve(p: str | Mapping[str, Any]) -> dict[str, Any]:
@@ -132,23 +132,6 @@ class GpuPlacer:
         with self._lock:
             return dict(self._placed)
 
-    def start(self) -> GpuPlacer:
-        self._thread = threading.Thread(target=self._run, name="gpu-placer", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        if self.error is not None:
-            raise AssertionError(f"the GPU placer thread failed: {self.error!r}") from self.error
-
-    def __enter__(self) -> GpuPlacer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # -- the thread --------------------------------------------------------------------------------------
     def _new_events(self) -> list[dict[str, Any]]:
@@ -170,15 +153,8 @@ class GpuPlacer:
                 continue
         return out
 
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._tick()
-                self._stop.wait(self.period_s)
-        except BaseException as e:  # surfaced by stop()
-            self.error = e
 
-    def _tick(self) -> None:
+    def tick(self) -> None:
         changed = placed_now = False
         with self._lock:
             for ev in self._new_events():

@@ -161,6 +161,7 @@ class CommProgress:
     state: str  # "moving" | "frozen_unequal" | "frozen_equal"
     behind: tuple[int, ...] = ()
     source: str = ""  # where the counts came from, for the finding's wording ("NCCL RAS at localhost:28028")
+    desync: bool = False  # frozen_unequal: the ranks launched different collectives; ``behind`` are the odd ones
 
 
 COMM_STATES = ("moving", "frozen_unequal", "frozen_equal")

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ras_standin
@@ -220,3 +221,96 @@ def test_a_job_whose_reports_cost_more_is_watched_less_often(monkeypatch: pytest
         assert s.connections == 1
         p.poll_due("j", {0: os.getpid()})  # suspect: poll_interval_s
         wait_for(lambda: s.connections == 2, 10, "the suspect job's query")
+
+
+def test_a_watched_job_without_a_ras_socket_is_looked_up_ever_less_often_a_suspect_one_at_once() -> None:
+    """A gloo job (no RAS socket) under watching: each lookup reads the kernel's socket tables, so they back off
+    (0.05 s, 0.1 s, 0.2 s, ...); once the job is suspect it is looked at again after poll_interval_s."""
+    from gpu_watchdog.evidence.ras_poll import port_listening
+
+    lookups: list[float] = []
+
+    def target(cfg: RasConfig, pids: list[int]) -> str | None:
+        lookups.append(time.monotonic())
+        return None
+
+    p = RasPoller(lambda: RasConfig(enabled="auto", poll_interval_s=0.05), target=target)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        p.poll_due("j", {0: os.getpid()}, watch_s=0.01)
+        time.sleep(0.005)
+    gaps = [b - a for a, b in zip(lookups, lookups[1:], strict=False)]
+    assert 3 <= len(lookups) <= 6 and all(b > 1.5 * a for a, b in zip(gaps, gaps[1:], strict=False)), gaps
+    n = len(lookups)
+    time.sleep(0.06)
+    p.poll_due("j", {0: os.getpid()})  # suspect now
+    wait_for(lambda: len(lookups) == n + 1, 5, "the suspect job's lookup")
+    assert port_listening(free_port()) is False
+
+
+def test_port_listening_reads_the_kernels_tables(tmp_path: Path) -> None:
+    import socket
+
+    from gpu_watchdog.evidence.ras_poll import port_listening
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert port_listening(s.getsockname()[1]) is True
+    assert port_listening(28028, (str(tmp_path / "missing"),)) is None
+    table = tmp_path / "tcp"
+    table.write_text("  sl  local_address rem_address   st\n   0: 0100007F:1F90 00000000:0000 0A 0\n")
+    assert port_listening(8080, (str(table),)) is True and port_listening(28028, (str(table),)) is False
+
+
+def _typed(counts: list[dict[str, int]]) -> str:
+    return report_json([Comm(0xA, len(counts), [Rank(r, pid=100 + r, cuda_dev=r, counts=c)
+                                                  for r, c in enumerate(counts)])])
+
+
+def test_a_desync_names_the_odd_rank_not_everyone() -> None:
+    """Rank 1 launched an all_gather where ranks 0 and 2 launched a broadcast (helper-measured on the NCCL-like
+    stand-in job): each side is behind on one type. Only rank 1 is named, and the verdict says desync."""
+    from gpu_watchdog.evidence.nccl_ras import analyze_report, format_analysis
+    from gpu_watchdog.evidence.ras_poll import comm_progress
+
+    counts = [{"Broadcast": 2, "AllGather": 0, "AllReduce": 19}, {"Broadcast": 1, "AllGather": 1, "AllReduce": 19},
+              {"Broadcast": 2, "AllGather": 0, "AllReduce": 19}]
+    a = analyze_report(parse_report(_typed(counts)))
+    assert a.culprit_ranks == [1] and a.desync and not a.healthy
+    assert "desync" in format_analysis(a, "x")
+    p = comm_progress("j", parse_report(_typed(counts)), parse_report(_typed(counts)), 1.0)
+    assert p is not None and (p.state, p.behind, p.desync) == ("frozen_unequal", (1,), True)
+    ev = compare_polls("x", (poll_of(_typed(counts)), poll_of(_typed(counts))))
+    assert ev.desync and ev.culprit_ranks == [1] and "desync" in ev.summary
+
+
+def test_ranks_merely_behind_are_no_desync_and_a_tied_desync_names_nobody() -> None:
+    from gpu_watchdog.evidence.nccl_ras import analyze_report
+    from gpu_watchdog.evidence.ras_poll import comm_progress
+
+    behind = [{"AllReduce": 5, "Broadcast": 2}, {"AllReduce": 4, "Broadcast": 1}]
+    a = analyze_report(parse_report(_typed(behind)))
+    assert a.culprit_ranks == [1] and not a.desync
+    tied = [{"Broadcast": 1, "AllGather": 0}, {"Broadcast": 0, "AllGather": 1}]
+    a = analyze_report(parse_report(_typed(tied)))
+    assert a.culprit_ranks == [] and a.desync and not a.healthy
+    p = comm_progress("j", parse_report(_typed(tied)), parse_report(_typed(tied)), 1.0)
+    assert p is not None and (p.state, p.behind, p.desync) == ("frozen_unequal", (), True)
+
+
+def poll_of(report: str) -> Any:
+    from gpu_watchdog.evidence.nccl_ras import RasReply
+    from gpu_watchdog.evidence.ras_poll import RasPoll
+
+    reply = RasReply("x", 2, "json", report, 0.01)
+    return RasPoll(time.time(), time.monotonic(), reply, parse_report(report))
+
+
+def test_equal_counts_that_do_not_move_say_every_rank_is_inside_a_collective() -> None:
+    still = compare_polls("x", (poll_of(job([7, 7, 7, 7])), poll_of(job([7, 7, 7, 7]))))
+    assert still.frozen_equal and not still.hung and "no count moved" in still.summary
+    moved = compare_polls("x", (poll_of(job([7, 7, 7, 7])), poll_of(job([8, 8, 8, 8]))))
+    assert not moved.frozen_equal and "no communicator hung" in moved.summary
+    behind = compare_polls("x", (poll_of(job([8, 8, 7, 8])), poll_of(job([8, 8, 7, 8]))))
+    assert not behind.frozen_equal and behind.hung

@@ -158,7 +158,8 @@ class EvidenceGatherer:
             return diag
         stuck = [g for g in fr.groups if g.kind != "in_progress"] if fr and verdict.evidence == FLIGHT_RECORDER else []
         collective = stuck[0].op if stuck else (diag.collective if diag else None)
-        desync = bool(diag and diag.desync) or any(g.kind == "mismatch" for g in stuck)
+        desync = bool(diag and diag.desync) or any(g.kind == "mismatch" for g in stuck) or (
+            verdict.evidence == NCCL_RAS and ras is not None and ras.desync)
         inc.update(culprit_ranks=list(verdict.culprit_ranks), reason=verdict.reason, collective=collective,
                    desync=desync)
         self.ctx.say(f"culprit: {verdict.reason}")
@@ -249,7 +250,8 @@ class EvidenceGatherer:
         except Exception as e:  # diagnostics must never block recovery
             inc.end_action(entry, False, f"nccl ras: {e}")
             return None
-        return SourceVerdict(NCCL_RAS, tuple(evidence.culprit_ranks) if evidence.hung else (), evidence.summary)
+        return SourceVerdict(NCCL_RAS, tuple(evidence.culprit_ranks) if evidence.hung else (), evidence.summary,
+                             desync=evidence.desync, inside_collective=evidence.frozen_equal)
 
 def communication_sources(finding: Finding, diag: Diagnosis | None, stacks: tuple[RankStack, ...],
                           workers: list[dict[str, object]], fr: FrAnalysis | None,
@@ -265,7 +267,7 @@ def communication_sources(finding: Finding, diag: Diagnosis | None, stacks: tupl
     pending = [g for g in fr.groups if g.kind != "in_progress"] if fr is not None else []
     if fr is not None and pending:
         out.append(f"flight recorder: {len(pending)} process group(s) with pending collectives ({fr.reason})")
-    if ras is not None and ras.culprit_ranks:
+    if ras is not None and (ras.culprit_ranks or (ras.inside_collective and finding.signature == "spin")):
         out.append(f"NCCL RAS: {ras.reason}")
     if finding.signature == "spin":
         out.append("GPUs spin at idle power with no traffic (an NCCL kernel polling for its peers)")

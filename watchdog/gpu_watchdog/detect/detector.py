@@ -504,8 +504,9 @@ def _stall_finding(js: JobStatus, t: float, counts: CommProgress | None = None) 
             detail += f"; rank(s) {_fmt_ranks(js.stopped)} stopped (SIGSTOP or job control: state T)"
         if counts is not None and counts.state == "frozen_unequal" and counts.behind:
             culprits = culprits or counts.behind
-            detail += (f"; {counts.source or 'NCCL'}: rank(s) {_fmt_ranks(counts.behind)} behind the others' "
-                       "collective counts, frozen")
+            detail += (f"; {counts.source or 'NCCL'}: rank(s) {_fmt_ranks(counts.behind)} "
+                       + ("launched other collectives than the others (a desync)" if counts.desync
+                          else "behind the others' collective counts") + ", frozen")
         elif counts is not None and counts.state == "frozen_equal" and js.signature == "spin":
             detail += (f"; {counts.source or 'NCCL'}: every rank launched the same collectives and none "
                        "completes (a hang inside a launched collective)")

@@ -28,6 +28,8 @@ class SourceVerdict:
     source: str  # "stacks" | "flight_recorder" | "nccl_ras" | …
     culprit_ranks: tuple[int, ...]
     reason: str
+    desync: bool = False  # the source shows the ranks issued different collectives (the culprits are the odd ones)
+    inside_collective: bool = False  # every rank launched the same collectives and none completes (RAS, frozen)
 
 
 @dataclass(frozen=True)

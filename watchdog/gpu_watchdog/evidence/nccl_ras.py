@@ -325,7 +325,7 @@ class Suspect:
     global_rank: int | None  # in the job; None when (host, pid) maps to no known rank
     host: str
     pid: int
-    why: str  # "behind" | "missing"
+    why: str  # "behind" | "missing" | "desync" (it launched other collectives than the rest of its communicator)
     behind: Mapping[str, int] = field(default_factory=dict)  # collective type → launches behind the leaders
     unresponsive: bool = False
     considered_dead: bool = False
@@ -333,7 +333,7 @@ class Suspect:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"comm": self.comm, "rank": self.rank, "global_rank": self.global_rank,
                                "host": self.host, "pid": self.pid, "why": self.why}
-        if self.why == "behind":
+        if self.why in ("behind", "desync"):
             out["behind"] = dict(self.behind)
         else:
             out.update(unresponsive=self.unresponsive, considered_dead=self.considered_dead)
@@ -351,6 +351,29 @@ def behind_ranks(comm: RasCommunicator) -> dict[int, dict[str, int]]:
         if gaps:
             out[r.rank] = gaps
     return out
+
+
+def desync_ranks(comm: RasCommunicator) -> tuple[int, ...] | None:
+    """The odd ranks of a communicator whose ranks launched *different* collectives, or None when they did not.
+
+    Ranks that merely lag are behind on every type where they differ; a desync shows as each side ahead of the
+    other on some type (rank 1 launched an AllGather where ranks 0 and 2 launched a Broadcast: Broadcast 2/1/2,
+    AllGather 0/1/0). Then no group of ranks with equal counts has the highest count of every type, and the odd
+    ranks are the ones outside the largest such group; with no single largest group, nobody is named: ()."""
+    ops = sorted({op for r in comm.ranks for op in r.collective_counts})
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r in comm.ranks:
+        groups.setdefault(tuple(r.collective_counts.get(op, 0) for op in ops), []).append(r.rank)
+    if len(groups) < 2:
+        return None
+    top = tuple(max(v[i] for v in groups) for i in range(len(ops)))
+    if top in groups:
+        return None  # one group launched everything the others did: they are behind, not desynced
+    sizes = sorted((len(g) for g in groups.values()), reverse=True)
+    if sizes[0] == sizes[1]:
+        return ()
+    largest = max(groups.values(), key=len)
+    return tuple(sorted(r.rank for r in comm.ranks if r.rank not in largest))
 
 
 def rank_map_from_report(report: RasReport, world_size: int | None = None) -> dict[HostPid, int]:
@@ -375,6 +398,11 @@ class RasAnalysis:
     suspects: tuple[Suspect, ...]
     comms_behind: tuple[str, ...]  # communicators whose ranks' counts differ
     comms_missing: tuple[str, ...]  # communicators with missing ranks
+    comms_desync: tuple[str, ...] = ()  # communicators whose ranks launched different collectives
+
+    @property
+    def desync(self) -> bool:
+        return bool(self.comms_desync)
 
     @property
     def culprit_ranks(self) -> list[int]:
@@ -383,7 +411,7 @@ class RasAnalysis:
 
     @property
     def healthy(self) -> bool:
-        return not self.suspects and not self.report.text_only
+        return not self.suspects and not self.comms_desync and not self.report.text_only
 
     def to_json(self) -> dict[str, Any]:
         rep = self.report
@@ -393,6 +421,7 @@ class RasAnalysis:
             "timeouts_count": rep.timeouts_count,
             "communicators": [_comm_json(c, self) for c in rep.communicators],
             "culprit_ranks": self.culprit_ranks,
+            "desync": self.desync,
             "suspects": [s.to_json() for s in self.suspects],
             "unmapped_suspects": [s.to_json() for s in self.suspects if s.global_rank is None],
             "healthy": self.healthy,
@@ -406,7 +435,7 @@ def _comm_json(c: RasCommunicator, a: RasAnalysis) -> dict[str, Any]:
                    "max": max(r.collective_counts.get(op, 0) for r in c.ranks)} for op in ops}
     return {"hash": c.hash, "secondary_hash": c.secondary_hash, "size": c.size, "ranks_count": len(c.ranks),
             "missing_ranks_count": len(c.missing_ranks), "collective_counts": counts,
-            "behind": [s.to_json() for s in a.suspects if s.comm == c.id and s.why == "behind"],
+            "behind": [s.to_json() for s in a.suspects if s.comm == c.id and s.why in ("behind", "desync")],
             "missing_ranks": [s.to_json() for s in a.suspects if s.comm == c.id and s.why == "missing"]}
 
 
@@ -419,7 +448,7 @@ def analyze_report(report: RasReport, rank_map: Mapping[HostPid, int] | None = N
     size = world_size or max((c.size for c in report.communicators), default=0)
     only = set(comms) if comms is not None else None
     suspects: list[Suspect] = []
-    behind_ids, missing_ids = [], []
+    behind_ids, missing_ids, desync_ids = [], [], []
     for c in report.communicators:
         if only is not None and c.id not in only:
             continue
@@ -433,15 +462,21 @@ def analyze_report(report: RasReport, rank_map: Mapping[HostPid, int] | None = N
         behind = behind_ranks(c)
         if behind:
             behind_ids.append(c.id)
+        odd = desync_ranks(c)
+        if odd is not None:
+            desync_ids.append(c.id)
         for rank, gaps in sorted(behind.items()):
+            if odd is not None and rank not in odd:
+                continue  # a desync: only the odd ranks hold the others up
             r = by_rank[rank]
-            suspects.append(Suspect(c.id, rank, global_of(rank, r.key), r.host, r.pid, "behind", gaps))
+            suspects.append(Suspect(c.id, rank, global_of(rank, r.key), r.host, r.pid,
+                                    "behind" if odd is None else "desync", gaps))
         if c.missing_ranks:
             missing_ids.append(c.id)
         for m in c.missing_ranks:
             suspects.append(Suspect(c.id, m.rank, global_of(m.rank, m.key), m.host, m.pid, "missing",
                                     unresponsive=m.unresponsive, considered_dead=m.considered_dead))
-    return RasAnalysis(report, tuple(suspects), tuple(behind_ids), tuple(missing_ids))
+    return RasAnalysis(report, tuple(suspects), tuple(behind_ids), tuple(missing_ids), tuple(desync_ids))
 
 
 _SHOWN_PER_COMM = 16  # a lost node of a large job is missing from every communicator: keep the text readable
@@ -466,9 +501,10 @@ def format_analysis(a: RasAnalysis, addr: str) -> str:
         for s in mine[:_SHOWN_PER_COMM]:
             who = f"rank {s.rank}" + (f" (global {s.global_rank})" if s.global_rank is not None else "")
             where = f"pid {s.pid} on {s.host}" if s.pid >= 0 else "process unknown"
-            if s.why == "behind":
+            if s.why in ("behind", "desync"):
                 gaps = ", ".join(f"{op} -{n}" for op, n in sorted(s.behind.items()))
-                lines.append(f"    {who} behind: {gaps} ({where})")
+                odd = " - launched other collectives than the rest (desync)" if s.why == "desync" else ""
+                lines.append(f"    {who} behind: {gaps}{odd} ({where})")
             else:
                 flags = [f for f, on in (("unresponsive", s.unresponsive), ("dead", s.considered_dead)) if on]
                 lines.append(f"    {who} missing{' (' + ', '.join(flags) + ')' if flags else ''} ({where})")

@@ -45,6 +45,7 @@ log = logging.getLogger("gpu_watchdog.ras")
 # 0.7 ms of agent CPU per query for 2 nodes, 39 ms for 128, 309 ms for 1,000 — benchmarks/bench_ras_watch.py), so
 # a large job is watched less often than ``ras.watch_interval_s``; a suspect job is asked at ``poll_interval_s``.
 WATCH_CPU_SHARE = 0.0025
+MAX_LOOKUP_BACKOFF_S = 300.0  # a watched job without a RAS socket is looked at again at least this often
 
 Query = Callable[[str, float], RasReply]
 
@@ -90,10 +91,18 @@ class RasEvidence:
     polls: tuple[RasPoll, ...]
     hung: tuple[str, ...] = ()  # communicator ids hung by the two-poll rule
     analysis: RasAnalysis | None = None  # the last poll's suspects, restricted to the hung communicators
+    # No communicator hung, and every rank of every communicator launched the same collectives with no count moving
+    # between the polls: between two collectives, or every rank inside one that never completes.
+    frozen_equal: bool = False
 
     @property
     def culprit_ranks(self) -> list[int]:
         return self.analysis.culprit_ranks if self.analysis is not None else []
+
+    @property
+    def desync(self) -> bool:
+        """A hung communicator whose ranks launched different collectives (``nccl_ras.desync_ranks``)."""
+        return self.analysis is not None and self.analysis.desync
 
     @property
     def summary(self) -> str:
@@ -104,10 +113,14 @@ class RasEvidence:
             return f"NCCL RAS at {self.addr}: RAS text only, no per-rank counts"
         if len(ok) < 2:
             return f"NCCL RAS at {self.addr}: one report only, the two-poll rule cannot tell"
+        if not self.hung and self.frozen_equal:
+            return (f"NCCL RAS at {self.addr}: every rank launched the same collectives and no count moved across "
+                    "two polls (with spinning GPUs: a hang inside a launched collective)")
         if not self.hung:
             return f"NCCL RAS at {self.addr}: no communicator hung across two polls"
         ranks = ",".join(map(str, self.culprit_ranks)) or "none mapped to a global rank"
-        return f"NCCL RAS at {self.addr}: {len(self.hung)} hung communicator(s); culprit ranks {ranks}"
+        what = " whose ranks launched different collectives (a desync)" if self.desync else ""
+        return f"NCCL RAS at {self.addr}: {len(self.hung)} hung communicator(s){what}; culprit ranks {ranks}"
 
     def to_json(self) -> dict[str, Any]:
         last = next((p.report for p in reversed(self.polls) if p.report is not None), None)
@@ -121,8 +134,9 @@ def comm_progress(job_id: str, prev: RasReport, cur: RasReport, t: float,
                   rank_map: Mapping[HostPid, int] | None = None, world_size: int | None = None,
                   source: str = "") -> CommProgress | None:
     """What two reports say about the job's progress: ``moving`` when some rank's count of some collective rose
-    (or a communicator appeared), else ``frozen_unequal`` with the global ranks behind the others or missing,
-    else ``frozen_equal``. None when they carry no counts (an old server's text report)."""
+    (or a communicator appeared), else ``frozen_unequal`` with the global ranks behind the others or missing (in
+    a desync, the odd ranks that launched other collectives), else ``frozen_equal``. None when they carry no
+    counts (an old server's text report)."""
     if prev.text_only or cur.text_only:
         return None
     before = {c.id: _counts(c) for c in prev.communicators}
@@ -131,11 +145,10 @@ def comm_progress(job_id: str, prev: RasReport, cur: RasReport, t: float,
         if old is None or any(n > old.get(rank, {}).get(op, 0) for rank, counts in _counts(c).items()
                               for op, n in counts.items()):
             return CommProgress(job_id, t, "moving", source=source)
-    suspects = analyze_report(cur, rank_map, world_size).suspects
-    if not suspects:
+    a = analyze_report(cur, rank_map, world_size)
+    if not (a.comms_behind or a.comms_missing):
         return CommProgress(job_id, t, "frozen_equal", source=source)
-    behind = tuple(sorted({s.global_rank for s in suspects if s.global_rank is not None}))
-    return CommProgress(job_id, t, "frozen_unequal", behind, source)
+    return CommProgress(job_id, t, "frozen_unequal", tuple(a.culprit_ranks), source, a.desync)
 
 
 def compare_polls(addr: str, polls: tuple[RasPoll, ...], rank_map: Mapping[HostPid, int] | None = None,
@@ -147,7 +160,9 @@ def compare_polls(addr: str, polls: tuple[RasPoll, ...], rank_map: Mapping[HostP
     prev, cur = good[-2], good[-1]
     hung = hung_communicators(prev, cur)
     analysis = analyze_report(cur, rank_map, world_size, comms=hung) if hung else None
-    return RasEvidence(addr, polls, tuple(hung), analysis)
+    frozen_equal = not hung and bool(cur.communicators) and comm_progress("", prev, cur, 0.0) == CommProgress(
+        "", 0.0, "frozen_equal")
+    return RasEvidence(addr, polls, tuple(hung), analysis, frozen_equal)
 
 
 def poll_once(addr: str, timeout_s: float, query_fn: Query = query) -> RasPoll:
@@ -181,6 +196,26 @@ def _environ(pid: int) -> dict[str, str]:
         return {}
 
 
+def port_listening(port: int, tables: tuple[str, ...] = ("/proc/net/tcp", "/proc/net/tcp6")) -> bool | None:
+    """Whether any socket of this network namespace listens on TCP ``port`` (None: the tables cannot be read). One
+    read of the kernel's socket tables: far cheaper than a process's descriptors, and on a node without NCCL RAS
+    (a gloo job, RAS off) it answers for every job at once."""
+    want = f":{port:04X}"
+    readable = False
+    for table in tables:
+        try:
+            with open(table) as f:
+                readable = True
+                next(f, None)  # the header
+                for line in f:
+                    fields = line.split(None, 4)
+                    if len(fields) > 3 and fields[3] == "0A" and fields[1].endswith(want):  # 0A: TCP_LISTEN
+                        return True
+        except OSError:
+            continue
+    return False if readable else None
+
+
 def _listens_on(pid: int, port: int) -> bool:
     """Whether the process has a listening TCP socket on ``port``: every NCCL process with RAS running binds the
     RAS client port (SO_REUSEPORT), so this is "RAS answers for this job" without connecting anywhere."""
@@ -205,7 +240,7 @@ def ras_target(cfg: RasConfig, pids: list[int]) -> str | None:
             port = parse_addr(addr)[1]
         except WatchdogError:
             return None  # a job's own NCCL_RAS_ADDR that NCCL would refuse too
-        if not any(_listens_on(p, port) for p in pids):
+        if port_listening(port) is False or not any(_listens_on(p, port) for p in pids):
             return None
     return addr
 
@@ -229,7 +264,9 @@ class _JobRas:
     pids: tuple[int, ...]
     addr: str | None  # None: the job is not asked
     polls: tuple[RasPoll, ...] = ()
-    next_at: float = 0.0
+    next_at: float = 0.0  # monotonic: not before this (while the job is not asked)
+    misses: int = 0  # lookups in a row that found no RAS socket in the job
+    looked_at: float = 0.0  # monotonic: the last such lookup
     rank_map: Mapping[HostPid, int] | None = None  # this node's (address, pid) → global rank
     cost_s: float = 0.0  # the agent's CPU for the last query (connection, report, comparison)
 
@@ -272,23 +309,34 @@ class RasPoller:
         now = time.monotonic()
         with self._lock:
             js = self._jobs.get(job_id)
-            interval = self._cfg().poll_interval_s if watch_s is None else max(
+            poll_s = self._cfg().poll_interval_s
+            interval = poll_s if watch_s is None else max(
                 watch_s, (js.cost_s if js is not None else 0.0) / WATCH_CPU_SHARE)
+            # A suspect job without a RAS socket is looked at again after poll_interval_s, whatever the backoff.
+            not_before = 0.0 if js is None else (js.next_at if watch_s is not None else
+                                                 min(js.next_at, js.looked_at + poll_s))
             if job_id in self._inflight or (js is not None and js.polls and now < js.polls[-1].mono + interval) \
-                    or (js is not None and now < js.next_at):
+                    or now < not_before:
                 return
             self._inflight.add(job_id)
         # A daemon thread per query in flight (at most one per job): a query outliving the agent's exit is
         # dropped, never waited for.
-        threading.Thread(target=self._background, args=(job_id, dict(rank_pids), world_size),
+        threading.Thread(target=self._background, args=(job_id, dict(rank_pids), world_size, watch_s is not None),
                          name=f"ras-{job_id}", daemon=True).start()
 
-    def _background(self, job_id: str, rank_pids: dict[int, int], world_size: int | None = None) -> None:
+    def _background(self, job_id: str, rank_pids: dict[int, int], world_size: int | None = None,
+                    watching: bool = False) -> None:
         try:
             js = self._job(job_id, rank_pids)
             cfg = self._cfg()
-            if js.addr is None:  # not asked (no RAS socket in the job): look again after poll_interval_s
-                js.next_at = time.monotonic() + cfg.poll_interval_s
+            if js.addr is None:
+                # Not asked (no RAS socket in the job: gloo, RAS off, NCCL not up yet). A suspect job is looked at
+                # again after poll_interval_s; a watched one ever less often (NCCL starts RAS with its first
+                # communicator, early in a run): the lookup reads the kernel's socket tables, ~10 ms here.
+                js.misses += 1
+                js.looked_at = time.monotonic()
+                backoff = cfg.poll_interval_s * (2 ** min(js.misses - 1, 6) if watching else 1)
+                js.next_at = time.monotonic() + min(backoff, MAX_LOOKUP_BACKOFF_S)
                 return
             cpu0 = time.thread_time()
             poll = poll_once(js.addr, cfg.timeout_s, self._query)

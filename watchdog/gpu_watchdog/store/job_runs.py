@@ -168,7 +168,8 @@ class JobRuns:
     def publish_comm(self, progress: CommProgress) -> None:
         """What NCCL's counts showed this node's watcher last (the job's progress as NCCL RAS sees it)."""
         self._publish(progress.job_id, "comm", {"t": progress.t, "state": progress.state,
-                                                "behind": list(progress.behind), "source": progress.source})
+                                                "behind": list(progress.behind), "source": progress.source,
+                                                "desync": progress.desync})
 
     def peer_comm(self, job_id: str, since: float) -> list[CommProgress]:
         """The other nodes' published observations of the job newer than ``since`` (unix seconds), oldest first;
@@ -181,5 +182,6 @@ class JobRuns:
             except (KeyError, TypeError, ValueError, AttributeError):
                 continue
             if state in COMM_STATES and t > since:
-                out.append(CommProgress(job_id, t, state, behind, f"{doc.get('source') or 'NCCL RAS'} via {host}"))
+                out.append(CommProgress(job_id, t, state, behind, f"{doc.get('source') or 'NCCL RAS'} via {host}",
+                                        bool(doc.get("desync"))))
         return sorted(out, key=lambda p: p.t)
