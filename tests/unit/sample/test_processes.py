@@ -714,3 +714,36 @@ def test_read_task_state_of_real_threads(tmp_path: Path) -> None:
         child.kill()
         child.wait()
     assert read_task_state(child.pid, child.pid) == ""  # gone: unreadable, no exception
+
+
+def test_an_srun_task_that_execs_torchrun_is_no_rank_once_it_has(procs: Procs, tmp_path: Path) -> None:
+    """``srun bash -c '… exec torchrun …'`` (the 2-node Slurm test's own job; a Python wrapper here): first seen as the
+    wrapper, the task
+    is provisionally rank 1; once it has exec'd torchrun it is its agent — before any worker exists — and no
+    longer a rank (it was kept as rank 1 and compared with the other node's workers: a false config_mismatch)."""
+    task = {"SLURM_JOB_ID": "505", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
+    fake = tmp_path / "torchrun"
+    fake.write_text("import time\ntime.sleep(120)\n")
+    go = tmp_path / "go"
+    wrapper = procs.start(f"import os, sys, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+                          f"os.execv(sys.executable, [sys.executable, {str(fake)!r}])", **task)
+    scanner = ProcessScanner()
+    wait_for(lambda: _ranks(scanner.sample()[0], [wrapper.pid]) == {wrapper.pid: 1}, 10, "the wrapper as a task")
+    go.touch()
+    wait_for(lambda: psutil.Process(wrapper.pid).cmdline()[1:] == [str(fake)], 10, "the exec")
+    assert _ranks(scanner.sample()[0], [wrapper.pid]) == {}
+
+
+def test_an_srun_task_whose_child_is_torchrun_is_no_rank_before_the_workers_start(procs: Procs,
+                                                                                 tmp_path: Path) -> None:
+    """``srun bash -c 'torchrun …'`` without exec: the shell stays torchrun's parent; with the agent below it the
+    shell is a launcher too, while the agent is still in its rendezvous (no worker yet)."""
+    task = {"SLURM_JOB_ID": "506", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
+    fake = tmp_path / "torchrun"
+    fake.write_text("import time\ntime.sleep(120)\n")
+    shell = procs.start(f"import subprocess, sys\nsubprocess.run([sys.executable, {str(fake)!r}])", **task)
+    wait_for(lambda: psutil.Process(shell.pid).children(), 10, "torchrun's agent")
+    scanner = ProcessScanner()
+    samples, _ = scanner.sample()
+    assert [s for s in samples if s.is_rank and s.job is not None and s.job.job_id == "506"] == []
+    assert _ranks(samples, [shell.pid, *[c.pid for c in psutil.Process(shell.pid).children()]]) == {}

@@ -155,6 +155,7 @@ class _Known:
     launcher_scoped: bool = False  # a torchrun rank without run id or endpoint: named after its agent
     launcher_id: str | None = None  # that name, fixed when first made (the agent may exit, the rank reparent)
     slurm_rank: bool = False  # its rank is an srun task's SLURM_PROCID (no RANK of its own)
+    launcher: bool = False  # torchrun's agent (or another launcher) in an srun task: it starts the ranks
 
 
 _LINUX = sys.platform.startswith("linux")
@@ -234,12 +235,14 @@ class ProcessScanner:
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             return known  # one that exited young keeps what it showed alive (a zombie rank is still a rank)
         ident = identity_from_env(env)
-        if ident is not None and ident.rank is not None and env.get("RANK") is None and _is_launcher(proc):
+        launcher = ident is not None and ident.rank is not None and env.get("RANK") is None and _is_launcher(proc)
+        if launcher and ident is not None:
             ident = replace(ident, rank=None)  # an srun task running torchrun: its agent, never a rank
         kept = {k: v for k, v in env.items() if k.startswith(self._keep_env)} if self._keep_env else {}
         known = _Known(proc, ctime, ident, kept, start if start is not None else 0.0,
                        launcher_scoped=_wants_launcher_id(env, ident),
-                       slurm_rank=ident is not None and ident.rank is not None and env.get("RANK") is None)
+                       slurm_rank=ident is not None and ident.rank is not None and env.get("RANK") is None,
+                       launcher=launcher)
         self._known[pid] = known
         return known
 
@@ -249,7 +252,9 @@ class ProcessScanner:
         or the parent's very identity (torchrun under Slurm: the srun task's SLURM_PROCID). Until it shows
         a rank of its own, a young process is read again every tick."""
         ident = known.identity
-        if ident is None or ident.rank is None:
+        if ident is None or ident.rank is None or known.slurm_rank:
+            # An srun task's rank is only its SLURM_PROCID: a wrapper (``bash -c '… exec torchrun …'``) is read
+            # again while young, so that once it execs a launcher it is known as one, before any worker starts.
             return False
         parent = self._known.get(ppid)
         return parent is None or parent.identity != ident
@@ -447,13 +452,14 @@ class ProcessScanner:
 
 
 def _rank_launchers(idents: Mapping[int, _Known], ppids: Mapping[int, int]) -> set[int]:
-    """srun tasks (a rank from SLURM_PROCID) with a descendant claiming another rank of the same job: launchers
-    (``srun torchrun``: torchrun's agent against its workers' RANK), never ranks themselves. A rank from RANK
-    stays a rank whatever its children claim (a rank may start workers of its own with other ranks)."""
+    """srun tasks (a rank from SLURM_PROCID) with a descendant claiming another rank of the same job, or with a
+    launcher among their descendants (``srun bash -c 'torchrun …'`` while torchrun's agent waits in its rendezvous,
+    before any worker exists): launchers, never ranks themselves. A rank from RANK stays a rank whatever its
+    children claim (a rank may start workers of its own with other ranks)."""
     out: set[int] = set()
     for pid, known in idents.items():
         ident = known.identity
-        if ident is None or ident.rank is None:
+        if ident is None or (ident.rank is None and not known.launcher):
             continue
         up, hops = ppids.get(pid, 0), 0
         while up > 1 and hops < 64:
