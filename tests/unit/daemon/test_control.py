@@ -297,7 +297,8 @@ def test_a_run_merges_its_tasks_and_a_new_run_gets_a_clean_control_dir(daemon: D
     r1 = handle_request(daemon, {"op": "job-start", "job_id": "77", "pids": [rerun], "run": 1}, ROOT)
     assert [p["pid"] for p in daemon.registrations()["77"]["pids"]] == [rerun]
     new = Path(r1["control_dir"])
-    assert new != old and new.is_dir() and list(new.iterdir()) == []
+    assert new != old and new.is_dir() and [p.name for p in new.iterdir()] == ["flight-recorder"]
+    assert list((new / "flight-recorder").iterdir()) == []  # [flight_recorder]: the run's own, empty
     assert daemon.control_dir("77").path == new
     for bad in (-1, "1", True, 1.5):
         with pytest.raises(UsageError, match="run must be"):

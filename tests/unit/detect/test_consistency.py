@@ -336,6 +336,23 @@ def test_a_cross_node_mismatch_is_one_finding_and_only_while_the_run_is_young() 
     assert not watch.cross_due(2.0 + CROSS_NODE_S)
     report = check_nodes({"a": {0: {"NCCL_PROTO": "Simple"}}, "b": {1: {}}})
     js = JobStatus("job-7", ranks=(0,))
-    first = watch.cross_finding(report, js, 3.0)
+    assert watch.cross_finding(report, js, 3.0) is None  # once may be another node's record a moment old
+    first = watch.cross_finding(report, js, 3.0 + CROSS_NODE_EVERY_S)
     assert first is not None and first.kind == "config_mismatch" and "a (rank 0)=Simple" in first.detail
-    assert watch.cross_finding(report, js, 4.0) is None  # the same disagreement is not news
+    assert watch.cross_finding(report, js, 4.0 + CROSS_NODE_EVERY_S) is None  # the same disagreement is not news
+
+
+
+def test_an_srun_task_that_has_not_started_its_ranks_is_not_compared() -> None:
+    """The 2-node Slurm race: gwn2's srun task (SLURM_PROCID=1, none of torchrun's variables, no RANK) was published
+    as rank 1 while its torchrun agent waited in the rendezvous, and gwn1 found LOCAL_WORLD_SIZE, MASTER_ADDR, … unset
+    there. Once any process of the job is one of torch's ranks, only those are compared; a job launched with srun
+    alone (no RANK anywhere) is compared as before."""
+    worker = {"RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "gwn1", "WORLD_SIZE": "4"}
+    task: dict[str, str] = {}
+    assert check_nodes({"gwn1": {0: worker, 1: {**worker, "RANK": "1"}}, "gwn2": {1: task}}).consistent
+    assert check_ranks({0: worker, 1: task}).consistent
+    skewed = {**worker, "RANK": "2", "LOCAL_WORLD_SIZE": "4"}
+    assert not check_nodes({"gwn1": {0: worker}, "gwn2": {1: task, 2: skewed}}).consistent
+    srun_only = check_nodes({"a": {0: {"NCCL_PROTO": "Simple"}}, "b": {1: {}}})
+    assert not srun_only.consistent and "NCCL_PROTO" in srun_only.summary

@@ -102,7 +102,7 @@ class EvidenceGatherer:
                 ctx.say(f"culprit rank {culprit.rank} stack: {culprit.signature}")
             behind = self._workers(inc, diag, stacks, rank_pids, job_id)
             out = Gathered(tuple(stacks), diag, behind or culprit, alive_elsewhere=_alive(diag, remote))
-        fr = self._flight_recorder(inc, rank_pids)
+        fr = self._flight_recorder(inc, rank_pids, job_id)
         ras = self._nccl_ras(inc, job_id, rank_pids, sample)
         merged = self._decide(inc, finding, diag, fr, ras)
         if merged is not None and merged is not diag:  # the recovery acts on the merged verdict
@@ -194,18 +194,22 @@ class EvidenceGatherer:
         self.ctx.say(f"culprit: {reason}")
         return first.stack
 
-    def _flight_recorder(self, inc: Incident, rank_pids: dict[int, int]) -> FrAnalysis | None:
+    def _flight_recorder(self, inc: Incident, rank_pids: dict[int, int], job_id: str = "") -> FrAnalysis | None:
         """Ask every rank for a Flight Recorder dump (NCCL's dump pipe, or the in-job helper serving the same FIFO
         for gloo), wait for the fresh dumps, copy them and the job's dump-on-timeout files into the incident's
-        ``flight-recorder/``, and analyze them. None when the job runs without FR or no dump came."""
+        ``flight-recorder/``, and analyze them. None when the job runs without FR or no dump came. Dumps the engine
+        asked for when the job turned suspect (``ctx.fr_dumps``) count as fresh: only ranks without one are asked."""
         env, started = _rank_env(rank_pids)
         settings = fr.fr_settings(env)
-        if settings is None:
+        if settings is None or fr.unserved(settings, rank_pids, started):
             return None
         entry = inc.begin_action("flight_recorder")
         try:
-            asked_at = time.time()
-            triggered = fr.trigger_dumps(settings, sorted(rank_pids))
+            suspect = self.ctx.fr_dumps.asked_at(job_id) if self.ctx.fr_dumps is not None and job_id else None
+            asked_at = suspect[0] if suspect else time.time()
+            ask = [r for r in sorted(rank_pids) if suspect is None or not _fresh(settings, {r: 0}, asked_at)]
+            triggered = list(dict.fromkeys([*(suspect[1] if suspect else ()), *fr.trigger_dumps(settings, ask)]))
+            when = f" (at suspect, {time.time() - suspect[0]:.0f}s earlier)" if suspect else ""
             deadline = time.monotonic() + (FR_WAIT_S if triggered else 0.0)
             while time.monotonic() < deadline and not _fresh(settings, rank_pids, asked_at):
                 time.sleep(0.2)
@@ -225,7 +229,8 @@ class EvidenceGatherer:
                 inc.end_action(entry, False, f"no dump collected, {len(triggered)} triggered")
             return None
         analysis = analyze_traces(traces, min_wait_s=0.0)  # the stall is confirmed: every wait counts
-        inc.end_action(entry, True, f"{len(files)} dump(s) collected, {len(triggered)} triggered; {analysis.reason}")
+        inc.end_action(entry, True, f"{len(files)} dump(s) collected, {len(triggered)} triggered{when}; "
+                                    f"{analysis.reason}")
         return analysis
 
     def _nccl_ras(self, inc: Incident, job_id: str, rank_pids: dict[int, int],

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from gpu_watchdog.act.stopper import JobProcess
 from gpu_watchdog.config.schema import Config
 from gpu_watchdog.detect.detector import Finding
+from gpu_watchdog.evidence.flight_recorder import SuspectDumps
 from gpu_watchdog.evidence.ras_poll import RasPoller
 from gpu_watchdog.job.protocol import ControlDir
 from gpu_watchdog.policy.budget import RestartBudget
@@ -59,6 +60,7 @@ class ActContext:
     ras: RasPoller | None = None  # the engine's NCCL RAS poller: an incident reuses its last poll
     recent: RecentSamples | None = None  # the engine's ring of recent samples: each incident's trace
     runs: JobRuns | None = None  # fallback.shared_dir: the job-wide run records (multi-node jobs)
+    fr_dumps: SuspectDumps | None = None  # the engine's Flight Recorder dumps asked for at suspect
 
     def metric(self, name: str, *args: Any) -> None:
         """Count an event; a broken metrics collector is logged, never a reason to stop acting on a job."""

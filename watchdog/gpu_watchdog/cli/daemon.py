@@ -128,11 +128,16 @@ def _readable(op: str, reply: dict[str, Any]) -> str:
 
 
 def _task_prolog_exports(reply: dict[str, Any]) -> str:
-    """The job-start reply as Slurm TaskProlog lines: the fallback overlay, the level and the run's control dir."""
+    """The job-start reply as Slurm TaskProlog lines: the fallback overlay, the level, the run's control dir and the
+    Flight Recorder settings the job's own environment (this process's: the TaskProlog runs with it) leaves unset."""
+    from gpu_watchdog.evidence.flight_recorder import recording_env
     from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV
     from gpu_watchdog.policy.fallback import task_prolog_lines
 
     env = {k: str(v) for k, v in dict(reply.get("env") or {}).items()}
+    frc = reply.get("flight_recorder")
+    if isinstance(frc, dict) and isinstance(frc.get("buffer_size"), int) and isinstance(frc.get("dir"), str):
+        env.update(recording_env({**os.environ, **env}, frc["buffer_size"], frc["dir"]))
     env[FALLBACK_LEVEL_ENV] = str(int(reply.get("level") or 0))
     if reply.get("control_dir"):
         env[CONTROL_DIR_ENV] = str(reply["control_dir"])

@@ -161,6 +161,18 @@ class RasConfig:
     confirm_gap_s: float = 2.0  # the two queries an incident compares are at least this far apart
 
 
+@dataclass(frozen=True)
+class FlightRecorderConfig:
+    """``[flight_recorder]``: PyTorch's Flight Recorder on every job ``launch`` starts or the TaskProlog registers, and
+    its dumps asked for when a job turns suspect (docs/evidence.md)."""
+
+    # Add TORCH_FR_BUFFER_SIZE (and TORCH_NCCL_TRACE_BUFFER_SIZE), the dump file prefix and NCCL's dump pipe, under
+    # the run's control directory, to every job's environment; a variable the job set itself is never changed.
+    enabled: bool = True
+    buffer_size: int = 2000  # entries per rank (about 1 KB each, measured)
+    dump_on_suspect: bool = True  # ask the ranks for their dumps once when a job turns suspect
+
+
 DEFAULT_SOCKET = "/run/gpu-watchdog/control.sock"
 
 
@@ -217,6 +229,7 @@ class Config:
     fallback: FallbackConfig = field(default_factory=FallbackConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     ras: RasConfig = field(default_factory=RasConfig)
+    flight_recorder: FlightRecorderConfig = field(default_factory=FlightRecorderConfig)
     daemon: DaemonSettings = field(default_factory=DaemonSettings)
     hooks: Mapping[str, HookSpec] = field(default_factory=dict)  # [hooks.NAME] by NAME
 
@@ -230,6 +243,7 @@ SECTIONS: dict[str, type] = {
     "fallback": FallbackConfig,
     "faults": FaultsConfig,
     "ras": RasConfig,
+    "flight_recorder": FlightRecorderConfig,
     "daemon": DaemonSettings,
 }
 

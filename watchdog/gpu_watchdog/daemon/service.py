@@ -43,6 +43,7 @@ from gpu_watchdog.detect.consistency import CONSISTENCY_ENV
 from gpu_watchdog.detect.detector import STALLED, DetectorState, Finding, JobStatus
 from gpu_watchdog.engine.loop import Engine, count_internal_error
 from gpu_watchdog.errors import ConfigError, NoInputError, UsageError
+from gpu_watchdog.evidence import flight_recorder as fr
 from gpu_watchdog.export.health import LoopHealth, Pinger
 from gpu_watchdog.export.sdnotify import Notifier
 from gpu_watchdog.job.protocol import ControlDir
@@ -136,6 +137,7 @@ class Daemon:
                                   attribute=self.registry.attribute, say=self._log_info)
             self.ctx.ras = self._engine.ras  # an incident reuses the RAS polls made while the job was suspect
             self.ctx.recent = self._engine.recent
+            self.ctx.fr_dumps = self._engine.fr_dumps  # dumps asked for at suspect: the incident takes them
         return self._engine
 
     @property
@@ -172,8 +174,13 @@ class Daemon:
         reg = self.registry.get(job_id)
         run = reg.get("run") if reg else None
         data = self.ctx.level_record(job_id, run)
-        return {"control_dir": str(self.control_dir(job_id).path), "level": int(data.get("level", 0)),
-                "env": dict(data.get("env") or {})}
+        reply = {"control_dir": str(self.control_dir(job_id).path), "level": int(data.get("level", 0)),
+                 "env": dict(data.get("env") or {})}
+        frc = self.cfg.flight_recorder
+        fr_dir = self.control_dir(job_id).path / fr.RUN_DIR_NAME
+        if frc.enabled and fr_dir.is_dir():  # the TaskProlog adds what the job leaves unset (recording_env)
+            reply["flight_recorder"] = {"buffer_size": frc.buffer_size, "dir": str(fr_dir)}
+        return reply
 
     def target(self, job_id: str, reg: dict[str, Any]) -> RegisteredJob:
         return RegisteredJob(self, job_id, reg)
@@ -202,6 +209,9 @@ class Daemon:
                 os.chown(control.path, uid, -1)
             except OSError as e:
                 log.warning("job %s: cannot hand %s to uid %d: %s", reg["job_id"], control.path, uid, e)
+        if self.cfg.flight_recorder.enabled and fr.prepare_run_dir(control.path, uid) is None:
+            log.warning("job %s: cannot prepare %s: its ranks get no Flight Recorder dump paths", reg["job_id"],
+                        control.path / fr.RUN_DIR_NAME)
 
     def unregister(self, job_id: str) -> bool:
         # The restart budget outlives the registration: a job requeued by its restart hook ends (epilog)

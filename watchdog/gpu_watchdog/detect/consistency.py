@@ -23,7 +23,10 @@ ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 ENV_KEYS = ("NPROC_PER_NODE", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Which run of the job the ranks belong to (kept, never compared): the nodes' settings are compared run by run.
 RUN_KEYS = ("SLURM_RESTART_COUNT", "GPU_WATCHDOG_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
-CONSISTENCY_ENV = ENV_PREFIXES + ENV_KEYS + RUN_KEYS  # what the process scanner keeps of each rank's environment
+# Whether a process is one of torch's ranks (RANK) or an srun task known only by its SLURM_PROCID (kept, never
+# compared): once any rank of a job has RANK, a task without it is a launcher that has not started its workers yet.
+RANK_KEY = "RANK"
+CONSISTENCY_ENV = ENV_PREFIXES + ENV_KEYS + RUN_KEYS + (RANK_KEY,)  # what the scanner keeps of each rank's environment
 # Named after each node's own hardware (its NIC / HCA names): they may differ between nodes by design.
 PER_NODE_KEYS = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA")
 CROSS_NODE_S = 120.0  # compare with the other nodes this long after this node's own ranks were first compared
@@ -32,8 +35,11 @@ CONFIG_CHECK_WAIT_S = 10.0  # compare the ranks seen so far when the rest of LOC
 # Keep comparing this long after the first comparison: a wrapper that sets variables and then execs
 # (``export NCCL_…; exec python …``) carries the old environment until it execs, however long that takes.
 CONFIG_SETTLE_S = 30.0
-# Set per restart by gpu-watchdog itself: they differ by design, not by mistake.
-_IGNORED = ("NCCL_DEBUG_FILE",)
+# Set per restart by gpu-watchdog itself: they differ by design, not by mistake. The Flight Recorder's buffer, dump
+# file and dump pipe (``[flight_recorder]``: paths under each node's own state directory) only record what the
+# collectives do, never change it.
+_IGNORED = ("NCCL_DEBUG_FILE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+            "TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
 
 
 def relevant(env: Mapping[str, str]) -> dict[str, str]:
@@ -68,9 +74,19 @@ def local_world_size(envs: Iterable[Mapping[str, str]]) -> int | None:
     return None
 
 
+def torch_ranks(by_host: Mapping[str, Mapping[int, Mapping[str, str]]]) -> dict[str, dict[int, Mapping[str, str]]]:
+    """The ranks to compare: when any process of the job carries torch's RANK, only those that do. An srun task
+    whose rank is its SLURM_PROCID (``srun bash -c 'torchrun …'``) is the launcher of ranks not started yet, and
+    has none of torchrun's variables: compared with the workers it would be a false mismatch."""
+    if not any(RANK_KEY in env for ranks in by_host.values() for env in ranks.values()):
+        return {host: dict(ranks) for host, ranks in by_host.items()}
+    out = {host: {r: e for r, e in ranks.items() if RANK_KEY in e} for host, ranks in by_host.items()}
+    return {host: ranks for host, ranks in out.items() if ranks}
+
+
 def check_ranks(envs: Mapping[int, Mapping[str, str]]) -> ConfigReport:
     """Compare the launch environment of the ranks seen on this node."""
-    per_rank = {r: relevant(e) for r, e in envs.items()}
+    per_rank = {r: relevant(e) for r, e in torch_ranks({"": envs}).get("", {}).items()}
     keys = sorted({k for e in per_rank.values() for k in e})
     differences, mismatch = [], []
     for k in keys:
@@ -101,7 +117,8 @@ def run_key(envs: Iterable[Mapping[str, str]]) -> str:
 def check_nodes(by_host: Mapping[str, Mapping[int, Mapping[str, str]]]) -> ConfigReport:
     """Compare the launch settings of one job's ranks across nodes ({host: {rank: env}}); differences name the
     nodes and their ranks ("NPROC_PER_NODE: n1 (ranks 0,1)=2, n2 (ranks 2-5)=4"). Keys named after a node's own
-    hardware (PER_NODE_KEYS) are left out."""
+    hardware (PER_NODE_KEYS) are left out, and so are srun tasks that have not started their ranks (torch_ranks)."""
+    by_host = torch_ranks(by_host)
     keys = sorted({k for ranks in by_host.values() for env in ranks.values() for k in relevant(env)
                    if k not in PER_NODE_KEYS})
     differences, mismatch = [], []
@@ -147,6 +164,7 @@ class ConfigWatch:
         self._reported: tuple[tuple[str, tuple[str, ...]], ...] = ()
         self._cross_at = float("-inf")  # the last comparison with the other nodes
         self._cross_reported: tuple[tuple[str, tuple[str, ...]], ...] = ()
+        self._cross_last: tuple[tuple[str, tuple[str, ...]], ...] = ()  # what the previous cross comparison showed
 
     def new_run(self) -> None:
         """The job was restarted: its new ranks are checked again (a known mismatch stays known)."""
@@ -185,8 +203,10 @@ class ConfigWatch:
         return True
 
     def cross_finding(self, report: ConfigReport, status: JobStatus, t: float) -> Finding | None:
-        """A config_mismatch finding naming the nodes, once per disagreement."""
-        if report.consistent or report.mismatch == self._cross_reported:
+        """A config_mismatch finding naming the nodes, once per disagreement, and only when two comparisons in a
+        row show it: another node's record may be a moment old (its ranks exec'd, or started, since)."""
+        previous, self._cross_last = self._cross_last, report.mismatch
+        if report.consistent or report.mismatch != previous or report.mismatch == self._cross_reported:
             return None
         self._cross_reported = report.mismatch
         return Finding("config_mismatch", "env_mismatch_nodes", status.job_id, status.ranks, (), t, t,

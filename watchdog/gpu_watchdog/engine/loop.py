@@ -2,7 +2,8 @@
 
 ``Engine.tick()`` samples the node (a failure marks the agent down and skips the tick; it never raises),
 attributes processes to jobs, attaches the in-job client's step heartbeats, collects finished stack dumps,
-runs the pure detector, schedules new dumps off the sampling path, compares each job's launch settings,
+runs the pure detector, schedules new dumps off the sampling path (and, once per suspect streak, the ranks' Flight
+Recorder dumps), compares each job's launch settings,
 drops a job that stayed healthy long enough back to fallback level 0, and updates metrics and the loop's
 health. It returns what the tick saw; what to do about the findings is ``policy.respond``'s and the caller's.
 """
@@ -30,6 +31,7 @@ from gpu_watchdog.detect.detector import (
     step,
 )
 from gpu_watchdog.evidence.collect import collect_stack_evidence, pids_on_gpu
+from gpu_watchdog.evidence.flight_recorder import SuspectDumps
 from gpu_watchdog.evidence.ras_poll import RasPoller
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.model import CommProgress, NodeSample, StackEvidence
@@ -93,6 +95,7 @@ class Engine:
         self._watches: dict[str, ConfigWatch] = {}
         self._healthy_since: dict[str, float] = {}
         self.ras = RasPoller(lambda: self.cfg.ras)  # NCCL RAS: watched jobs, and every suspect or stalled one
+        self.fr_dumps = SuspectDumps()  # Flight Recorder dumps asked for at suspect: an incident takes them
         self._holds: list[tuple[str, float, str, tuple[int, ...], str]] = []  # hold() requests for the next tick
         self._shared: ThreadPoolExecutor | None = None  # fallback.shared_dir work (cross-node settings)
         self._cross: dict[str, tuple[JobStatus, Future[ConfigReport | None]]] = {}
@@ -123,6 +126,7 @@ class Engine:
             watch.new_run()
         self._healthy_since.pop(job_id, None)
         self.ras.forget(job_id)
+        self.fr_dumps.end(job_id)
         self.state = replace(self.state, jobs={j: s for j, s in self.state.jobs.items() if j != job_id},
                              ranks={k: o for k, o in self.state.ranks.items() if k[0] != job_id})
 
@@ -143,6 +147,7 @@ class Engine:
             comm = own + self._shared_comm()
             state, findings = step(self.state, sample, self.cfg.detect, dumps, comm)
             self.state, self.last_sample = state, sample
+            self._ask_flight_recorder(state.jobs)
             self._schedule_dumps(sample.t)
             self._poll_ras(state.jobs)
             self._share_comm(own, state.jobs)
@@ -232,6 +237,17 @@ class Engine:
                 except OSError as e:
                     log.warning("cannot publish the stacks of job %s to %s: %s", job_id, runs.root, e)
         return evidence
+
+    def _ask_flight_recorder(self, jobs: Mapping[str, JobStatus]) -> None:
+        """A job that turns suspect: ask its ranks for Flight Recorder dumps once per streak, on the worker pool (a
+        rank's environment read and a byte per dump FIFO; nothing for a job without a trigger), so the incident
+        finds them written at confirmation. A job running again starts a new streak."""
+        for js in jobs.values():
+            if js.state == RUNNING:
+                self.fr_dumps.end(js.job_id)
+            elif (js.state == SUSPECT and js.onset is not None and js.rank_pids
+                  and self.cfg.flight_recorder.dump_on_suspect and self.fr_dumps.claim(js.job_id, js.onset)):
+                self._pool.submit(self.fr_dumps.ask, js.job_id, js.onset, dict(js.rank_pids))
 
     def _poll_ras(self, jobs: Mapping[str, JobStatus]) -> None:
         """Ask NCCL RAS on the poller's own thread (it never blocks the tick): about every job that looks hung, and
@@ -369,6 +385,8 @@ class Engine:
             del self._healthy_since[job_id]
         for job_id in self.ras.jobs() - set(jobs):
             self.ras.forget(job_id)
+        for job_id in self.fr_dumps.jobs() - set(jobs):
+            self.fr_dumps.end(job_id)
         for job_id in set(self._comm_seen) - set(jobs):
             del self._comm_seen[job_id]
         for job_id in set(self._comm_read_at) - set(jobs):

@@ -15,6 +15,10 @@ torch 2.13 (CPU build, gloo):
     last_completed_collective}}), ``entries`` (each with ``collective_seq_id``, ``profiling_name``
     such as ``gloo:all_reduce``, ``process_group`` = (pg name, desc), ``frames``, ``input_sizes``…).
 We unpickle with an unpickler that refuses every class, so a planted file in /tmp runs no code.
+
+``recording_env`` is what ``launch`` and the TaskProlog add to every job (``[flight_recorder]``, docs/evidence.md
+"Flight Recorder on every job": the cost measured); ``SuspectDumps`` asks a job's ranks for their dumps once per
+suspect streak, so that the incident finds them written when the stall is confirmed.
 The shipped ``torchfrtrace`` analyzer crashes on gloo dumps; nothing here uses it: ``fr_analysis`` reads the dumps
 of every process group and names the culprit.
 """
@@ -29,12 +33,18 @@ import pickle
 import re
 import shutil
 import stat
+import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 DEFAULT_DUMP_PREFIX = "/tmp/nccl_trace_rank_"
+BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # torch >= 2.8 reads the first, older the second
+DUMP_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+PIPE_VAR = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
+RUN_DIR_NAME = "flight-recorder"  # inside a run's control directory: where the agent's FR settings point the ranks
 
 
 class FlightRecorderError(Exception):
@@ -79,6 +89,119 @@ def fr_settings(env: Mapping[str, str]) -> FrSettings | None:
     return FrSettings(size, prefix, pipe, on_timeout)
 
 
+def recording_env(job_env: Mapping[str, str], buffer_size: int, directory: str | os.PathLike[str]) -> dict[str, str]:
+    """The Flight Recorder settings to add to a job whose environment is ``job_env``: recording
+    (``buffer_size`` entries, under both of torch's names), dumps to ``<directory>/rank-<r>`` and NCCL's dump FIFO
+    ``<directory>/pipe-<r>.pipe``. Only variables the job leaves unset (or empty) are added: what the user set
+    always wins, and a job that turned recording off (a buffer of 0) gets nothing.
+
+    The paths are added only when ``directory`` is a directory this process (the job's user: ``launch``, or the
+    TaskProlog) may write: ProcessGroupNCCL's heartbeat thread creates the FIFO with a TORCH_CHECK, and a failure
+    there terminates the rank, so a pipe path that cannot be created must never reach a job."""
+    if buffer_size <= 0:
+        return {}
+    set_buffer = _first(job_env, *BUFFER_VARS)
+    if set_buffer is not None:
+        try:
+            if int(set_buffer) <= 0:
+                return {}  # the job turned recording off
+        except ValueError:
+            return {}  # torch would read it as off too
+    env = {} if set_buffer is not None else {name: str(buffer_size) for name in BUFFER_VARS}
+    d = Path(directory)
+    if not (d.is_dir() and os.access(d, os.W_OK | os.X_OK)):
+        return env
+    if _first(job_env, *DUMP_VARS) is None:
+        env.update({name: str(d / "rank-") for name in DUMP_VARS})
+    if _first(job_env, PIPE_VAR) is None:
+        env[PIPE_VAR] = str(d / "pipe-")
+    return env
+
+
+def prepare_run_dir(control_dir: str | os.PathLike[str], uid: int | None = None) -> Path | None:
+    """``<control_dir>/flight-recorder`` for a new run: created, emptied of the last run's dumps and FIFOs, and
+    handed to ``uid`` (the job's user, who writes there) when given. None when it cannot be made: the job then
+    gets no dump paths (``recording_env``)."""
+    d = Path(control_dir) / RUN_DIR_NAME
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        for entry in os.scandir(d):
+            if not entry.is_dir(follow_symlinks=False):
+                os.unlink(entry.path)
+        if uid:
+            os.chown(d, uid, -1)
+    except OSError:
+        return None
+    return d
+
+
+class SuspectDumps:
+    """Ask a job's ranks for Flight Recorder dumps once per suspect streak (keyed by the streak's onset), off the
+    sampling path; the incident then accepts the dumps written since (``asked_at``) instead of asking and waiting
+    at confirmation. Only jobs whose ranks expose a dump trigger (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``) are asked.
+    Thread-safe: ``claim`` runs on the tick, ``ask`` on a worker, ``asked_at`` in an incident."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._streak: dict[str, float] = {}  # job → onset of the streak already claimed
+        self._asked: dict[str, tuple[float, float, tuple[str, ...]]] = {}  # job → (onset, asked at, FIFOs that took it)
+
+    def claim(self, job_id: str, onset: float) -> bool:
+        """True once per (job, onset): the caller then runs ``ask`` for this streak."""
+        with self._lock:
+            if self._streak.get(job_id) == onset:
+                return False
+            self._streak[job_id] = onset
+            self._asked.pop(job_id, None)
+            return True
+
+    def ask(self, job_id: str, onset: float, rank_pids: Mapping[int, int],
+            environ: Any = None) -> tuple[str, ...]:
+        """Read the job's FR settings from one rank's environment and write a byte to each rank's dump FIFO.
+        Returns the FIFOs that took it (none: no FR, no trigger, or the ranks do not serve the FIFO)."""
+        env = (environ or _rank_environ)(rank_pids)
+        settings = fr_settings(env)
+        if settings is None or settings.pipe_prefix is None:
+            return ()
+        asked_at = time.time()
+        done = tuple(trigger_dumps(settings, sorted(rank_pids)))
+        if done:
+            with self._lock:
+                if self._streak.get(job_id) == onset:  # not a streak that ended meanwhile
+                    self._asked[job_id] = (onset, asked_at, done)
+        return done
+
+    def asked_at(self, job_id: str, onset: float | None = None) -> tuple[float, tuple[str, ...]] | None:
+        """(when, which FIFOs) the dumps of the job's current streak (or of ``onset``'s) were asked for."""
+        with self._lock:
+            rec = self._asked.get(job_id)
+        if rec is None or (onset is not None and rec[0] != onset):
+            return None
+        return rec[1], rec[2]
+
+    def end(self, job_id: str) -> None:
+        """The job runs again, was restarted or ended: its next streak asks again."""
+        with self._lock:
+            self._streak.pop(job_id, None)
+            self._asked.pop(job_id, None)
+
+    def jobs(self) -> set[str]:
+        with self._lock:
+            return set(self._streak)
+
+
+def _rank_environ(rank_pids: Mapping[int, int]) -> dict[str, str]:
+    """The environment of the first of the job's ranks that can be read (FR settings are job-wide)."""
+    import psutil
+
+    for _, pid in sorted(rank_pids.items()):
+        try:
+            return dict(psutil.Process(pid).environ())
+        except Exception:
+            continue
+    return {}
+
+
 def trigger_dumps(settings: FrSettings, ranks: Iterable[int]) -> list[str]:
     """Write one byte to each rank's dump FIFO; return the FIFO paths that took it.
 
@@ -105,6 +228,26 @@ def trigger_dumps(settings: FrSettings, ranks: Iterable[int]) -> list[str]:
         finally:
             os.close(fd)
     return done
+
+
+def unserved(settings: FrSettings, ranks: Iterable[int], since: float | None) -> bool:
+    """A dump pipe is set (``[flight_recorder]`` sets one for every job) but no rank created its FIFO, none dumps on a
+    timeout and none left a dump since ``since``: nothing can give a dump (a gloo job without an in-job helper, or
+    ranks that never created a process group), so there is nothing to ask and nothing to report."""
+    if not settings.pipe_prefix or settings.dump_on_timeout:
+        return False
+    for rank in ranks:
+        try:
+            if stat.S_ISFIFO(os.stat(f"{settings.pipe_prefix}{rank}.pipe").st_mode):
+                return False
+        except OSError:
+            pass
+        try:
+            if since is None or settings.dump_path(rank).stat().st_mtime >= since:
+                return False
+        except OSError:
+            pass
+    return True
 
 
 def _dump_files(settings: FrSettings) -> dict[int, Path]:

@@ -33,6 +33,7 @@ from gpu_watchdog.detect.consistency import CONSISTENCY_ENV
 from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.engine.loop import Engine, Tick, count_internal_error
 from gpu_watchdog.errors import EXIT_BUDGET_SPENT, EXIT_GPU_FAULT, EXIT_SOFTWARE, UsageError
+from gpu_watchdog.evidence import flight_recorder as fr
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV, RESTART_COUNT_ENV, ControlDir
 from gpu_watchdog.launch.exits import ExitWatch, first_to_exit
@@ -157,6 +158,7 @@ class Launcher:
         env.update(extra_env)
         env.update({**self._run_marker(attempt), FALLBACK_LEVEL_ENV: str(self.fallback.level(self.job_id))})
         self.control.create()
+        env.update(self._flight_recorder_env(env))
         try:
             child = subprocess.Popen(self.cmd, env=env, start_new_session=True, **self.output.popen_kwargs())
         except OSError as e:
@@ -164,6 +166,15 @@ class Launcher:
             raise UsageError(f"cannot start {self.cmd[0]!r}: {e.strerror}{hint}") from None
         self.output.attach(child)
         return child
+
+    def _flight_recorder_env(self, env: dict[str, str]) -> dict[str, str]:
+        """``[flight_recorder]``: recording, dumps and NCCL's dump pipe in this run's own directory, for every job;
+        what the job's environment already sets wins (flight_recorder.recording_env)."""
+        cfg = self.cfg.flight_recorder
+        if not cfg.enabled:
+            return {}
+        d = fr.prepare_run_dir(self.control.path)
+        return fr.recording_env(env, cfg.buffer_size, d if d is not None else self.control.path / fr.RUN_DIR_NAME)
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -183,6 +194,7 @@ class Launcher:
                                       on_dump_done=self._wake.set, say=self.say)
         self.ctx.ras = engine.ras  # an incident reuses the RAS polls made while the job was suspect
         self.ctx.recent = engine.recent
+        self.ctx.fr_dumps = engine.fr_dumps  # dumps asked for at suspect: the incident takes them
         restart_env: dict[str, str] = dict(self.fallback.load(self.job_id).get("env") or {})
         attempt = 0
         try:
