@@ -200,6 +200,10 @@ class ProcessScanner:
     def __init__(self, root_pid: int | None = None, env_filter: Iterable[str] = ()) -> None:
         self.root_pid = root_pid
         self._known: dict[int, _Known | None] = {}  # pid → cached process, None = not ours / unreadable
+        # pid → start token of processes whose environment reads as gone while the process table still lists them
+        # (kernel threads on some kernels): not ours, and not worth a psutil.Process every tick (it was most of the
+        # daemon's steady-state CPU on such a box).
+        self._gone_env: dict[int, float | None] = {}
         self._children: dict[int, tuple[float | None, psutil.Process]] = {}  # rank descendants: (start, handle)
         self._keep_env = tuple(env_filter)  # env keys kept for consistency checks
         # (claimed job id, launcher pid, launcher start) → the id its ranks were split off under; kept while the
@@ -220,7 +224,7 @@ class ProcessScanner:
                 known = None
             elif self._settled(known, ppid) or time.time() - known.create_time > _REREAD_YOUNG_S:
                 return known
-        elif pid in self._known:
+        elif pid in self._known or (pid in self._gone_env and self._gone_env[pid] == start):
             return None
         try:
             proc = known.proc if known is not None else psutil.Process(pid)
@@ -233,6 +237,8 @@ class ProcessScanner:
             self._known[pid] = None
             return None
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            if known is None:
+                self._gone_env[pid] = start  # gone, or a kernel thread: its next table entry decides
             return known  # one that exited young keeps what it showed alive (a zombie rank is still a rank)
         ident = identity_from_env(env)
         launcher = ident is not None and ident.rank is not None and env.get("RANK") is None and _is_launcher(proc)
@@ -289,7 +295,7 @@ class ProcessScanner:
         ppids = {pid: v[0] for pid, v in table.items()}
         starts = {pid: v[1] for pid, v in table.items()}
         # Forget vanished pids so the cache stays bounded.
-        for cache in (self._known, self._children):
+        for cache in (self._known, self._children, self._gone_env):
             for pid in [p for p in cache if p not in ppids]:
                 del cache[pid]
         scope = self._in_scope(ppids)
