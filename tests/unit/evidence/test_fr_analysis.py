@@ -12,6 +12,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -391,3 +392,184 @@ def test_a_hung_batch_is_a_p2p_hang_not_a_coalesced_collective() -> None:
     d1 = _tp_entries(1, 2)
     a = _analyze({0: _dump(d0, groups, {"1": (2, 2)}), 1: _dump(d1, groups, {"1": (2, 2)})})
     assert a.culprit_ranks == (1,) and [(g.kind, g.op) for g in a.groups] == [("p2p", "send")], a.groups
+
+
+# ---- structure first: real fleet dumps that tell no time ------------------------------------------------------
+#
+# tests/data/fr-nvrx/<case>/: NVIDIA's four 16-rank fault-injected Megatron NCCL runs (nvidia-resiliency-ext,
+# Apache-2.0; README there), every rank's dump of active entries only and fault_injection.log, the ground truth.
+# tests/data/real-gpu/nccl-hang/flight-recorder/: the two dumps PyTorch wrote at its 30 s timeout of a real hang on
+# an H200 (rank 1 blocked in its own code, rank 0 waiting in DDP's all_reduce #125).
+
+NVRX = REPO / "tests" / "data" / "fr-nvrx"
+NVRX_CASES = ["gpu_error_1st", "gpu_error_2nd", "lock_gil_1st", "lock_gil_2nd"]
+H200_FR = REPO / "tests" / "data" / "real-gpu" / "nccl-hang" / "flight-recorder"
+YEAR = 365 * 86400.0
+
+
+def _newest_stamp(path: Path) -> float | None:
+    from gpu_watchdog.evidence.flight_recorder import load_dump
+
+    return max((v / 1e9 for e in load_dump(path)["entries"] for k in ("time_created_ns", "time_discovered_started_ns",
+                                                                       "time_discovered_completed_ns")
+                if isinstance(v := e.get(k), int) and v > 0), default=None)
+
+
+def _copy_dumps(src: Path, dest: Path, after_s: float = YEAR) -> Path:
+    """A copy of a dump directory whose files' mtimes are ``after_s`` past each dump's newest stamp (a dump with no
+    entry: the job's newest): a year (the default) is a copy or a checkout, whose mtime is not the dump's time;
+    seconds are the dump's own time."""
+    shutil.copytree(src, dest)
+    dumps = [p for p in dest.iterdir() if p.name[-1].isdigit()]
+    newest = {p: _newest_stamp(p) for p in dumps}
+    t_all = max(t for t in newest.values() if t is not None)
+    for p in dumps:
+        t = (newest[p] or t_all) + after_s
+        os.utime(p, (t, t))
+    return dest
+
+
+def _fault_ranks(d: Path) -> list[int]:
+    first = (d / "fault_injection.log").read_text().splitlines()[0]  # "Fault ranks: [12, 14]"
+    assert first.startswith("Fault ranks: ")
+    return json.loads(first.split(":", 1)[1])
+
+
+@pytest.mark.parametrize("case", NVRX_CASES)
+def test_nvidia_fault_injected_runs_name_the_faulted_ranks_by_structure(tmp_path: Path, case: str) -> None:
+    """The dumps tell no time (new mtimes; their newest stamp is the collective a rank waits in): no wait is
+    reported — not "0.0 s, still in progress" — and who completed / enqueued what names the faulted ranks."""
+    d = _copy_dumps(NVRX / case, tmp_path / case)
+    want = _fault_ranks(d)
+    doc = analyze_json(d)
+    assert doc["culprit_ranks"] == want and doc["culprit_evidence"] == "flight_recorder", doc["reason"]
+    assert doc["flight_recorder"]["ranks"] == list(range(16)) and doc["flight_recorder"]["versions"] == ["2.9"]
+    groups = doc["process_groups"]
+    assert groups and all(g["kind"] != "in_progress" and g["waited_s"] is None for g in groups)
+    assert "waiting 0.0 s" not in doc["reason"] and "still in progress" not in doc["reason"]
+    assert any("do not tell when they were taken" in n for n in doc["flight_recorder"]["notes"])
+    kind = "behind" if case.startswith("gpu_error") else "missing"  # a failed GPU / a held GIL
+    named = {r for g in groups if g["kind"] == kind for r in g["culprit_ranks"]}
+    assert named == set(want), groups
+    out = io.StringIO()
+    assert main_analyze([str(d)], as_json=False, out=out) == 0
+    text = out.getvalue()
+    assert text.startswith(f"culprit: ranks {want[0]},{want[1]}\n") and not re.search(r"waited [0-9]", text)
+
+
+def test_a_rank_blocked_behind_a_failed_gpu_is_not_named_by_its_pipeline_peers() -> None:
+    """gpu_error_1st: ranks 13 and 15 wait in their TP groups behind ranks 12 and 14 (behind in completion); their
+    pipeline peers' sends to them have no matching recv, but the chains go on to the failed GPUs."""
+    from gpu_watchdog.evidence.analyze import load_evidence
+
+    a = analyze_traces(load_evidence([NVRX / "gpu_error_1st"]).traces)
+    assert a.culprit_ranks == (12, 14)
+    assert {13, 15} <= {r for g in a.groups if g.kind == "p2p" for r in g.missing}  # unmatched sends to them
+    (tp,) = [g for g in a.groups if g.name == "41"]
+    assert (tp.kind, tp.culprits, tp.waiting) == ("behind", (12,), (12, 13))
+    assert "rank 12 enqueued #42817 but completed only #42805 while the others completed #42817" in tp.detail
+
+
+@pytest.mark.parametrize("case", NVRX_CASES)
+def test_where_the_dumps_tell_their_time_the_waits_are_reported_and_the_verdict_is_the_same(tmp_path: Path,
+                                                                                             case: str) -> None:
+    """The same dumps with the mtimes they would have had (written at the 180 s timeout): waits are told."""
+    d = _copy_dumps(NVRX / case, tmp_path / case, after_s=181.0)
+    doc = analyze_json(d)
+    assert doc["culprit_ranks"] == _fault_ranks(d), doc["reason"]
+    waits = [g["waited_s"] for g in doc["process_groups"] if g["waiting_ranks"]]
+    assert waits and all(w is not None and w >= 180 for w in waits)
+    assert not any("do not tell" in n for n in doc["flight_recorder"]["notes"])
+
+
+def test_the_h200_hang_dumped_at_pytorchs_timeout_names_rank_1(tmp_path: Path) -> None:
+    d = _copy_dumps(H200_FR, tmp_path / "h200")  # checked out: the files' mtimes are not the dumps' time
+    doc = analyze_json(d)
+    assert doc["culprit_ranks"] == [1] and doc["culprit_evidence"] == "flight_recorder", doc["reason"]
+    (g,) = doc["process_groups"]
+    assert (g["kind"], g["op"], g["seq"], g["waiting_ranks"], g["missing_ranks"]) == ("missing", "all_reduce", 125,
+                                                                                      [0], [1])
+    assert "rank 1 never enqueued it" in g["detail"] and g["waited_s"] is None
+    told = _copy_dumps(H200_FR, tmp_path / "told", after_s=31.0)  # as PyTorch wrote them, 30 s timeout
+    doc = analyze_json(told)
+    assert doc["culprit_ranks"] == [1] and 30 <= doc["process_groups"][0]["waited_s"] <= 32, doc["reason"]
+
+
+def _inside_same_collective(tmp_path: Path, after_s: float) -> Path:
+    """The healthy twin of the H200 hang: both ranks inside all_reduce #125 (and #126 queued) — rank 0's real dump,
+    given to rank 1 too: each enqueued #126 and completed #124 — dumped ``after_s`` after the newest stamp."""
+    from gpu_watchdog.evidence.flight_recorder import load_dump
+
+    d = tmp_path / f"inside-{after_s:g}"
+    d.mkdir()
+    doc = load_dump(H200_FR / "nccl_trace_rank_0")
+    for r in (0, 1):
+        (d / f"nccl_trace_rank_{r}").write_bytes(pickle.dumps(doc))
+    newest = _newest_stamp(d / "nccl_trace_rank_0")
+    assert newest is not None
+    t = newest + after_s
+    for p in d.iterdir():
+        os.utime(p, (t, t))
+    return d
+
+
+def test_every_member_inside_the_same_collective_for_a_short_time_names_nobody(tmp_path: Path) -> None:
+    """The time gate is for this picture: every member inside the same collective. 3 s (the dumps tell it) is a
+    collective in progress; without a time it is blocked with no culprit — named nobody either way."""
+    doc = analyze_json(_inside_same_collective(tmp_path, 3.0))
+    assert doc["culprit_ranks"] == [] and doc["culprit_evidence"] is None
+    (g,) = doc["process_groups"]
+    assert (g["kind"], g["waiting_ranks"], g["missing_ranks"]) == ("in_progress", [0, 1], [])
+    assert 2.5 <= g["waited_s"] <= 3.5 and "still in progress" in g["detail"]
+    doc = analyze_json(_inside_same_collective(tmp_path, YEAR))
+    assert doc["culprit_ranks"] == [] and doc["culprit_evidence"] is None
+    (g,) = doc["process_groups"]
+    assert (g["kind"], g["waited_s"]) == ("blocked", None) and "no member is missing" in g["detail"]
+    doc = analyze_json(_inside_same_collective(tmp_path, 40.0))  # long: a transport hang FR cannot attribute
+    assert doc["culprit_ranks"] == [] and doc["process_groups"][0]["kind"] == "blocked"
+
+
+def test_behind_in_completion_is_a_hang_however_young_the_waits() -> None:
+    """Rank 2's device stopped: the others completed what it enqueued. The dumps tell a 3 s wait: the others'
+    pending collective alone would be in progress, rank 2 is named anyway."""
+    groups = {"0": ("default_pg", [0, 1, 2, 3])}
+
+    def active(first: int, last: int) -> dict[str, Any]:
+        entries = [_e(100 + seq, DEF, seq, state="scheduled" if seq > first else "started")
+                   for seq in range(first, last + 1)]
+        return _dump(entries, groups, {"0": (last, first - 1)})
+
+    dumps = {r: active(10, 10) for r in (0, 1, 3)} | {2: active(7, 12)}
+    a = analyze_traces([read_trace(d, r, T0 + 113) for r, d in dumps.items()])
+    assert a.culprit_ranks == (2,), a.reason
+    (g,) = a.groups
+    assert g.kind == "behind" and g.waiting == (0, 1, 2, 3) and g.waited_s is not None and g.waited_s < 10
+
+
+def test_a_rank_with_no_entries_pairs_its_pg_status_with_pg_config_by_creation_order() -> None:
+    """A held GIL leaves a dump with no entry (NVIDIA's lock_gil runs): its pg ids are paired with pg_config's
+    names in creation order. Ids are per rank and skip (a gloo group took id 1 elsewhere), names are job-wide: pg id
+    2 is group "5" (tp), not group "2" (dp)."""
+    groups = {"0": ("default_pg", [0, 1]), "2": ("dp", [0, 1]), "5": ("tp", [0, 1])}
+    tp, dp = ("5", "tp"), ("2", "dp")
+    d0 = _dump([_e(1, dp, 9, pg_id=1), _e(2, tp, 5, state="started", pg_id=2)], groups,
+               {"0": (3, 3), "1": (9, 9), "2": (5, 4)})
+    d1 = _dump([], groups, {"0": (3, 3), "1": (9, 9), "2": (4, 4)})
+    t1 = read_trace(d1, 1)
+    assert (t1.groups["5"].last_enqueued, t1.groups["2"].last_enqueued) == (4, 9)
+    a = _analyze({0: d0, 1: d1})
+    assert a.culprit_ranks == (1,) and [(g.kind, g.name, g.seq) for g in a.groups] == [("missing", "5", 5)]
+    # names that are not creation counters, or entries that disagree: no pairing by order
+    odd = {**groups, "x": ("pp", [0, 1])}
+    assert "5" not in {n for n, gv in read_trace(_dump([], odd, {"0": (3, 3), "1": (9, 9), "2": (4, 4), "3": (1, 1)}),
+                                                 1).groups.items() if gv.last_enqueued >= 0}
+
+
+def test_only_a_dump_whose_file_time_agrees_with_its_clock_tells_when_it_was_taken() -> None:
+    from gpu_watchdog.evidence.fr_analysis import told_dump_time
+
+    t0 = 1_750_000_000.0
+    entries = [{"time_created_ns": int(t0 * 1e9)}, {"time_created_ns": int((t0 + 40) * 1e9)}]
+    assert told_dump_time(entries, t0 + 45) == t0 + 45
+    assert told_dump_time(entries, t0 + YEAR) is None and told_dump_time(entries, t0 - 100) is None
+    assert told_dump_time(entries, None) is None

@@ -238,7 +238,9 @@ def _collective(jv: JobVerdict) -> str | None:
     if jv.diagnosis is not None and jv.diagnosis.collective:
         return jv.diagnosis.collective
     stuck = [g for g in (jv.flight_recorder.groups if jv.flight_recorder else ()) if g.kind != "in_progress"]
-    return stuck[0].op if stuck else None
+    # the collective of a group that blames a culprit (a 16-rank job has many groups merely blocked behind it)
+    blaming = [g for g in stuck if set(g.culprits) & set(jv.verdict.culprit_ranks)]
+    return (blaming or stuck)[0].op if stuck else None
 
 
 def _as_json(jv: JobVerdict) -> dict[str, Any]:

@@ -6,24 +6,34 @@ last enqueued collective sequence ids and the entries at the frontier tell who w
 * **missing**: members that never enqueued the collective their peers wait in;
 * **mismatch**: members in a different op, or with different sizes / dtypes, at the same sequence id (the side
   that differs from the job's other ranks at that sequence id in groups of the same description is named);
-* **p2p**: a send or recv whose partner has no matching recv / send.
+* **p2p**: a send or recv whose partner has no matching recv / send;
+* **behind**: members that enqueued collectives the others completed, and never completed them (``pg_status``).
 
 A missing rank is not the culprit when it is itself blocked in another group waiting on someone else: the ranks
 waiting form a graph (waiter → the ranks it waits for) and the culprits are where the chains end: ranks blocked
 on nobody (or with no dump at all). A chain that closes on itself (a send posted while the partner runs a
-collective that waits for the sender) names the rank whose send/recv nobody matches. A group whose waiters had
-waited less than ``min_wait_s`` at dump time is "in progress" (a slow rank, not a hang) and names nobody.
+collective that waits for the sender) names the rank whose send/recv nobody matches.
+
+Structure decides, the clock only where the dumps tell it. A member **behind in completion** (``pg_status``: the
+others completed collectives it enqueued and did not complete — its device stopped) and a **mismatch** are hangs
+whatever the clock says. What a merely slow job shows as well — a member that has not enqueued the collective yet
+(``missing``, an unmatched ``p2p``), or every member inside the same collective (``blocked``) — is "in progress" (a
+slow rank, not a hang; it names nobody) when the dumps tell when they were taken and every wait of the job is
+shorter than ``min_wait_s``. A dump holds no time of its own: its file's mtime is its time while the dump's own
+clock agrees (``told_dump_time``); a dump copied or checked out elsewhere tells no wait at all (its newest stamp is
+only a lower bound: measured against it, a rank waiting in its newest collective "waited 0.0 s"), and there the
+structure alone decides.
 
 Dump format (``torch/csrc/distributed/c10d/FlightRecorder.hpp``, read the same for gloo and NCCL, versions 2.x):
 ``pg_config`` {group name: {name, desc, ranks: "[0, 1]"}} (NCCL fills it; gloo leaves one empty entry, so group
 members are then the ranks whose entries name the group), ``pg_status`` {pg_id: {last_enqueued_collective,
 last_started_collective, last_completed_collective}} where pg_id is the rank-local id the entries carry in
-``pg_id``, and ``entries`` with ``process_group`` = (name, desc), ``collective_seq_id``, ``p2p_seq_id``,
-``is_p2p``, ``profiling_name`` ("nccl:all_reduce", "nccl:send 0->1", "gloo:recv 1<-0"), ``input_sizes``,
-``input_dtypes``, ``state`` (scheduled / started / completed: NCCL tracks it; gloo always says scheduled and marks a
-finished entry ``retired``; a batch — ``batch_isend_irecv``, a coalesced collective — is closed by a
-``coalesced`` entry whose state is the batch's), ``time_created_ns``. Everything is read defensively: a field of
-the wrong type is treated as absent.
+``pg_id`` (a group without entries is paired with its id by creation order: ``_status_names``), and ``entries``
+with ``process_group`` = (name, desc), ``collective_seq_id``, ``p2p_seq_id``, ``is_p2p``, ``profiling_name``
+("nccl:all_reduce", "nccl:send 0->1", "gloo:recv 1<-0"), ``input_sizes``, ``input_dtypes``, ``state`` (scheduled /
+started / completed: NCCL tracks it; gloo always says scheduled and marks a finished entry ``retired``; a batch —
+``batch_isend_irecv``, a coalesced collective — is closed by a ``coalesced`` entry whose state is the batch's),
+``time_created_ns``. Everything is read defensively: a field of the wrong type is treated as absent.
 """
 
 from __future__ import annotations
@@ -37,6 +47,9 @@ from typing import Any
 from gpu_watchdog.evidence.diagnosis import format_ranks
 
 DEFAULT_MIN_WAIT_S = 10.0  # a wait shorter than this at dump time is a slow rank, not a hang
+# The findings a merely slow job also shows, which only the clock (where the dumps tell it) tells from a hang: every
+# member inside the collective, or a member not there yet. "behind" and "mismatch" are hangs by structure alone.
+CLOCKED = ("missing", "p2p", "blocked")
 DEFAULT_DESC = "default_pg"
 _P2P_NAME = re.compile(r"^(send|recv)\s+(\d+)\s*(->|<-)\s*(\d+)$")
 
@@ -80,7 +93,7 @@ class RankTrace:
     rank: int
     version: str
     groups: Mapping[str, GroupView]
-    dumped_at: float | None = None  # unix seconds the dump was taken (dump_time: its mtime or its own clock)
+    dumped_at: float | None = None  # unix seconds the dump was taken where the dump tells (told_dump_time), else None
     entries: int = 0
 
 
@@ -215,10 +228,9 @@ def read_trace(doc: Mapping[str, Any], rank: int, dumped_at: float | None = None
             pg_id_name[str(e["pg_id"])] = name
     status = doc.get("pg_status")
     if isinstance(status, Mapping):
+        pg_id_name = _status_names(status, config, pg_id_name, groups)
         for pg_id, st in status.items():
-            # A dump that holds only active entries may name no group of a status: a group named after its id
-            # (torch's default names) is still known from pg_config.
-            known = pg_id_name.get(str(pg_id)) or (str(pg_id) if str(pg_id) in groups else None)
+            known = pg_id_name.get(str(pg_id))
             if known is None or not isinstance(st, Mapping):
                 continue  # a group whose entries left the ring buffer: its name is unknown
             gv = groups[known]
@@ -241,7 +253,29 @@ def read_trace(doc: Mapping[str, Any], rank: int, dumped_at: float | None = None
             created_s=created / 1e9 if isinstance(created, (int, float)) and created > 0 else None))
         if not (peer is not None or e.get("is_p2p")):
             gv.last_enqueued = max(gv.last_enqueued, seq)
-    return RankTrace(rank, version, groups, dump_time(entries, dumped_at), len(entries))
+    return RankTrace(rank, version, groups, told_dump_time(entries, dumped_at), len(entries))
+
+
+def _status_names(status: Mapping[Any, Any], config: Any, from_entries: Mapping[str, str],
+                  groups: Mapping[str, GroupView]) -> dict[str, str]:
+    """pg_status keys (rank-local pg ids) → group names. The entries name the groups of their ids; a dump of active
+    entries only (NCCL's dump on timeout) may hold none for a group — or none at all, on a rank that stopped issuing
+    work, the very rank to find. Then the order tells: ProcessGroupNCCL numbers its groups as the rank creates them
+    and torch names groups by a job-wide creation counter, so the i-th pg id (numerically) is the i-th group name of
+    ``pg_config`` when both lists are as long, every name is a number and the pairs the entries show agree (other
+    backends' groups take ids too: ids skip, names do not). Else a group named after its id (a job with one backend
+    and torch's default names), when the entries show no other pairing."""
+    out = dict(from_entries)
+    ids = sorted((str(k) for k in status if str(k).isdigit()), key=int)
+    names = [str(info.get("name", key)) for key, info in config.items() if isinstance(info, Mapping)] \
+        if isinstance(config, Mapping) else []
+    if ids and len(ids) == len(names) and all(n.isdigit() for n in names):
+        ordinal = dict(zip(ids, sorted(names, key=int), strict=True))
+        if all(ordinal.get(k) == v for k, v in from_entries.items()) and all(n in groups for n in names):
+            return {**ordinal, **out}
+    if all(k == v for k, v in from_entries.items()):
+        out.update({k: k for k in ids if k in groups and k not in out})
+    return out
 
 
 # ProcessGroupNCCL records a batch (batch_isend_irecv, a coalesced collective) as one entry per op, all with the
@@ -265,7 +299,7 @@ def _close_batch(gv: GroupView, p2p: bool, seq: int, p2p_seq: int, state: str, d
 MTIME_TRUSTED_S = 3600.0
 
 
-def dump_time(entries: list[Mapping[str, Any]], mtime: float | None) -> float | None:
+def dump_time(entries: Sequence[Mapping[str, Any]], mtime: float | None) -> float | None:
     """When the dump was taken, in unix seconds: the file's mtime when it is at most MTIME_TRUSTED_S after the
     newest timestamp inside the dump, else that newest timestamp (the dump's own clock)."""
     stamps = [v / 1e9 for e in entries for k in ("time_created_ns", "time_discovered_started_ns",
@@ -277,6 +311,16 @@ def dump_time(entries: list[Mapping[str, Any]], mtime: float | None) -> float | 
     if mtime is not None and newest <= mtime <= newest + MTIME_TRUSTED_S:
         return mtime
     return newest
+
+
+def told_dump_time(entries: Sequence[Mapping[str, Any]], mtime: float | None) -> float | None:
+    """When the dump was taken, where the dump tells: its file's mtime while the dump's own clock agrees (dump_time
+    chose it); else None. A dump holds no time of its own: its newest timestamp is only a lower bound of when it
+    was taken — the creation of the very collective its rank waits in, on a dump of active entries — and a wait
+    measured against it reads "0.0 s" however long the rank had waited (NVIDIA's fault-injected dumps, checked out
+    from git with new mtimes). Such waits are unknown, not short."""
+    at = dump_time(entries, mtime)
+    return at if mtime is not None and at == mtime else None
 
 
 # ---- the analysis -------------------------------------------------------------------------------------------
@@ -392,12 +436,22 @@ def _collective_finding(name: str, desc: str, members: tuple[int, ...], views: M
     behind = _behind_in_completion(members, views)
     if behind:
         g.direct.update(behind)  # the cause wherever else they wait
+        # The others' work past what the behind ranks completed cannot finish without them: whoever has a
+        # collective pending here waits for them (a rank 13 blocked in its TP group behind rank 12's dead GPU is
+        # not the end of the chain its pipeline peers' sends lead to).
+        others = tuple(sorted(r for r in members if r not in behind and (v := views.get(r)) is not None
+                              and any(not o.is_p2p for o in v.pending())))
+        for r in others:
+            g.waits[r] |= set(behind)
+        g.blocked.update(others)
+        base["waiting"] = tuple(sorted(set(waiting) | set(others)))
         done = max(v.last_completed for v in views.values() if v is not None)
         what = ", ".join(f"{format_ranks([r])} enqueued #{views[r].last_enqueued} but completed only "  # type: ignore[union-attr]
                          f"#{views[r].last_completed}" for r in behind)  # type: ignore[union-attr]
         return GroupFinding(kind="behind", culprits=behind, **base,
-                            detail=f"{_where(name, desc)}: {what} while the others completed #{done} (its device "
-                                   "stopped completing work: a failed GPU, a stuck kernel)")
+                            detail=f"{_where(name, desc)}: {what} while the others completed #{done} "
+                                   f"({'their devices' if len(behind) > 1 else 'its device'} stopped completing work: "
+                                   "a failed GPU, a stuck kernel)")
     return GroupFinding(kind="blocked", **base, detail=f"{where}: {_waits(waiting)}, no member is missing")
 
 
@@ -494,12 +548,16 @@ def analyze_traces(traces: Sequence[RankTrace], *, world_size: int | None = None
         desc = next((gv.desc for gv in views.values() if gv is not None and gv.desc), "")
         f = _collective_finding(name, desc, members, views, by_rank, g)
         findings += ([f] if f else []) + _p2p_findings(name, desc, members, views, by_rank, g)
-    # Young waits: the job may just be slow. Judged over the whole job, not group by group: one chain of waits
-    # started by one slow rank spans several groups. A mismatch is wrong however young.
-    ages = [f.waited_s for f in findings if f.kind != "mismatch" and f.waited_s is not None]
+    # Structure first: a mismatch, and a member behind in completion (the others completed what it enqueued: its
+    # device stopped), are hangs however young. The clock is asked only where the dumps tell it (told_dump_time)
+    # and only of what a slow job also shows: every member inside the same collective (blocked), or a member not
+    # there yet (missing, p2p) — where every wait is young, the job may just be slow (tests/data/fr/slow). Judged
+    # over the whole job, not group by group: one chain of waits started by one slow rank spans several groups.
+    # Where the dumps do not tell when they were taken, the structure alone decides.
+    ages = [f.waited_s for f in findings if f.kind in CLOCKED and f.waited_s is not None]
     young = bool(ages) and max(ages) < min_wait_s
     if young:
-        findings = [f if f.kind == "mismatch" else replace(
+        findings = [f if f.kind not in CLOCKED else replace(
             f, kind="in_progress", culprits=(), detail=f"{f.detail} (waiting {max(ages):.1f} s at most, < "
                                                        f"{min_wait_s:g} s: still in progress)") for f in findings]
         g = _Graph(direct=g.direct)
@@ -512,6 +570,13 @@ def analyze_traces(traces: Sequence[RankTrace], *, world_size: int | None = None
         notes.append(f"{format_ranks(empty)} recorded no entries (Flight Recorder off, or nothing run yet)")
     if no_dump:
         notes.append(f"{format_ranks(no_dump)} left no dump (suspect: exited, unreachable, or FR off)")
+    untimed = sorted({r for f in findings for r in f.waiting if r in by_rank and by_rank[r].dumped_at is None})
+    if untimed:
+        whose = ("dumps", "do", "they were", "their files'") if len(untimed) > 1 else ("dump", "does", "it was",
+                                                                                         "its file's")
+        notes.append(f"the {whose[0]} of {format_ranks(untimed)} {whose[1]} not tell when {whose[2]} taken ({whose[3]} "
+                     "mtime disagrees with the dump's own clock: copied or checked out): how long the ranks waited is "
+                     "unknown; the structure of the dumps decides")
     versions = tuple(sorted({t.version for t in traces}))
     if not stuck:
         if findings:
