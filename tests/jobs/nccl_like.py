@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from job_events import compute, log_event  # beside this script
+from job_events import compute, log_event, slow_save  # beside this script
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -181,21 +181,6 @@ def small_model() -> torch.nn.Module:
     step, as NCCL RAS counted on the H200 (a rank behind by 2)."""
     return torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256), torch.nn.ReLU(),
                                torch.nn.Linear(256, 64))
-
-
-def slow_save(path: str, seconds: float) -> int:
-    """A checkpoint crawling to slow storage: 64 KiB chunks, each fsync'd, 50 ms apart. Returns the bytes written."""
-    end = time.monotonic() + seconds
-    chunk = os.urandom(64 << 10)
-    written = 0
-    with open(path, "wb") as f:
-        while time.monotonic() < end:
-            f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-            written += len(chunk)
-            time.sleep(0.05)
-    return written
 
 
 def parse_args() -> argparse.Namespace:

@@ -55,6 +55,8 @@ import sys
 import threading
 import time
 
+from job_events import log_event, slow_save  # beside this script
+
 SCENARIOS = ("healthy", "own_code", "slow_save", "big_allreduce", "sigstop", "desync", "transport")
 CURED_BY = {"transport": "NCCL_P2P_DISABLE=1"}
 GIB, MIB = 1 << 30, 1 << 20
@@ -156,16 +158,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def log_event(path, **fields) -> None:
-    if not path:
-        return
-    fields.setdefault("t", time.time())
-    import json
-
-    with open(path, "a") as f:
-        f.write(json.dumps(fields) + "\n")
-
-
 def host_work(seconds: float) -> None:
     """A data loader's share of a step: the host busy for ``seconds`` (plain Python, no torch threads)."""
     end = time.monotonic() + seconds
@@ -208,21 +200,6 @@ def arm_fault_shim(args: argparse.Namespace, rank: int, step: int, gloo: bool) -
         log_event(args.events, rank=rank, step=step, event="fault_blocked", calls=int(lib.fault_refused()))
 
     threading.Thread(target=report, name="fault-report", daemon=True).start()
-
-
-def slow_save(path: str, seconds: float) -> int:
-    """A checkpoint crawling to slow storage: 64 KiB chunks, each fsync'd, 50 ms apart. Returns the bytes written."""
-    end = time.monotonic() + seconds
-    chunk = os.urandom(64 << 10)
-    written = 0
-    with open(path, "wb") as f:
-        while time.monotonic() < end:
-            f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-            written += len(chunk)
-            time.sleep(0.05)
-    return written
 
 
 class _NoClient:
