@@ -40,3 +40,29 @@ def slow_save(path: str, seconds: float) -> int:
             written += len(chunk)
             time.sleep(0.05)
     return written
+
+
+def checkpointing(workdir: str, model: object, opt: object, rank: int, events: str | None,
+                  map_location: object = None) -> tuple[int, object]:
+    """Resume a DDP ``model`` and ``opt`` from ``<workdir>/ckpt.pt`` when there is one; returns (the first step to
+    run, the in-job client's save callback: rank 0 writes atomically, no collectives — it may run after an abort)."""
+    import torch
+
+    ckpt = os.path.join(workdir, "ckpt.pt")
+    start = 1
+    if os.path.exists(ckpt):
+        saved = torch.load(ckpt, map_location=map_location, weights_only=True)
+        model.module.load_state_dict(saved["model"])  # type: ignore[attr-defined]
+        opt.load_state_dict(saved["opt"])  # type: ignore[attr-defined]
+        start = int(saved["step"]) + 1
+        log_event(events, rank=rank, step=start - 1, event="resume")
+
+    def save(step: int) -> None:
+        if rank == 0:
+            tmp = ckpt + ".tmp"
+            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step},  # type: ignore
+                       tmp)
+            os.replace(tmp, ckpt)
+            log_event(events, rank=rank, step=step, event="checkpoint")
+
+    return start, save

@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from job_events import compute, log_event, slow_save  # beside this script
+from job_events import checkpointing, compute, log_event, slow_save  # beside this script
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -237,21 +237,7 @@ def run(args: argparse.Namespace) -> int:
     model.register_comm_hook(None, nccl_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     big = torch.ones(int(args.big_mib * (1 << 20)) // 4) if args.scenario == "big_collectives" else None
-    ckpt = os.path.join(args.workdir, "ckpt.pt")
-    start = 1
-    if os.path.exists(ckpt):
-        saved = torch.load(ckpt, weights_only=True)
-        model.module.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        start = int(saved["step"]) + 1
-        log_event(args.events, rank=rank, step=start - 1, event="resume")
-
-    def save(step: int) -> None:  # the client's callback: no collectives (it may run after an abort)
-        if rank == 0:
-            tmp = ckpt + ".tmp"
-            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
-            os.replace(tmp, ckpt)
-            log_event(args.events, rank=rank, step=step, event="checkpoint")
+    start, save = checkpointing(args.workdir, model, opt, rank, args.events, map_location=None)
 
     client = Client.from_env()
     client.on_checkpoint(save)

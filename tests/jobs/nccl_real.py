@@ -55,7 +55,7 @@ import sys
 import threading
 import time
 
-from job_events import log_event, slow_save  # beside this script
+from job_events import checkpointing, log_event, slow_save  # beside this script
 
 SCENARIOS = ("healthy", "own_code", "slow_save", "big_allreduce", "sigstop", "desync", "transport")
 CURED_BY = {"transport": "NCCL_P2P_DISABLE=1"}
@@ -260,21 +260,7 @@ def run(args: argparse.Namespace) -> int:
     model = DDP(model) if gloo else DDP(model, device_ids=[dev.index])
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     big = (torch.ones(int(args.big_mib * MIB) // 4, device=dev) if args.scenario == "big_allreduce" else None)
-    ckpt = os.path.join(args.workdir, "ckpt.pt")
-    start = 1
-    if os.path.exists(ckpt):
-        saved = torch.load(ckpt, map_location=dev, weights_only=True)
-        model.module.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        start = int(saved["step"]) + 1
-        log_event(args.events, rank=rank, step=start - 1, event="resume")
-
-    def save(step: int) -> None:  # the client's callback: no collectives (it may run after an abort)
-        if rank == 0:
-            tmp = ckpt + ".tmp"
-            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
-            os.replace(tmp, ckpt)
-            log_event(args.events, rank=rank, step=step, event="checkpoint")
+    start, save = checkpointing(args.workdir, model, opt, rank, args.events, map_location=dev)
 
     client = make_client()
     client.on_checkpoint(save)
