@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
-from zoo_runs import CASES, COMM_HANG, HEALTHY, WAITING, Case, Row, run_case  # noqa: E402
+from zoo_runs import CASES, COMM_HANG, HEALTHY, SPAWNED, WAITING, Case, Row, run_case  # noqa: E402
 
 MORE = ("ddp_activation_checkpointing", "ddp_autocast", "fsdp2_dcp", "zero_optimizer", "ddp_comm_hook",
         "ddp_join", "dcp_checkpoint", "ddp_no_sync", "ddp_unused", "dtensor_tp", "pipeline")
@@ -48,7 +48,7 @@ def main() -> None:
     want = set(filter(None, a.only.split(",")))
     rows: list[tuple[Case, Row, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, case in enumerate((*CASES, *EXTRA)):
+        for i, case in enumerate((*CASES, *SPAWNED, *EXTRA)):
             if want and case.program not in want and case.name not in want:
                 continue
             t0 = time.monotonic()

@@ -8,6 +8,8 @@ would.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -15,7 +17,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gpu_watchdog.store.incidents import IncidentStore
 from launch_harness import REPO, base_env, read_events, start_launch, torchrun, write_config
+from waiting import wait_for
 
 ZOO = REPO / "tests" / "zoo"
 HEALTHY, COMM_HANG, WAITING = "healthy", "hang", "waiting"  # what a case expects
@@ -36,6 +40,7 @@ class Case:
     finishes: bool = True  # the restarted run completes
     desync: bool = False  # the incident must name a desync
     nproc: int = 3
+    spawns: bool = False  # the program starts its ranks itself (mp.spawn): run with python, not torchrun
 
     @property
     def name(self) -> str:
@@ -66,6 +71,13 @@ CASES: tuple[Case, ...] = (
     Case("ddp_plain", "busy", WAITING, (2,), waiting_timeout_s=20.0),
     Case("ddp_plain", "poll", WAITING, args=("--pause-s", "600", "--hang-runs", "9"), waiting_timeout_s=20.0,
          finishes=False),
+)
+# Programs that hand each rank its rank in code (no RANK anywhere): the tutorial's mp.spawn, Lightning ddp_spawn.
+SPAWNED: tuple[Case, ...] = (
+    Case("spawn_ddp", "lock", COMM_HANG, (2,), collective="ddp_all_reduce", spawns=True),
+    Case("spawn_ddp", "poll", HEALTHY, args=("--pause-s", "12"), spawns=True),
+    Case("lightning_ddp_spawn", "lock", COMM_HANG, (2,), spawns=True),
+    Case("lightning_ddp_spawn", "poll", HEALTHY, args=("--pause-s", "12"), spawns=True),
 )
 ACTIONS = ("checkpoint", "stop", "restart", "give_up")  # actions that interrupt the job
 
@@ -109,14 +121,14 @@ def run_case(tmp: Path, case: Case, timeout_s: float = 240.0) -> Row:
     if case.data_service:
         with data_service(2.0, 8) as addr:
             return run_variant(tmp, case.program, case.variant, nproc=case.nproc, args=args, config=config,
-                               data_addr=addr, timeout_s=timeout_s)
+                               data_addr=addr, timeout_s=timeout_s, spawns=case.spawns)
     return run_variant(tmp, case.program, case.variant, nproc=case.nproc, args=args, config=config,
-                       timeout_s=timeout_s)
+                       timeout_s=timeout_s, spawns=case.spawns)
 
 
 def run_variant(tmp: Path, program: str, variant: str, *, nproc: int = 3, args: tuple[str, ...] = (),
                 config: Mapping[str, Mapping[str, Any]] | None = None, timeout_s: float = 240.0,
-                data_addr: str = "") -> Row:
+                data_addr: str = "", spawns: bool = False) -> Row:
     """``launch`` the program's variant to its end (or ``timeout_s``) and summarise its incidents."""
     tmp.mkdir(parents=True, exist_ok=True)
     events, work = tmp / "events.jsonl", tmp / "work"
@@ -126,7 +138,8 @@ def run_variant(tmp: Path, program: str, variant: str, *, nproc: int = 3, args: 
     for section, keys in (config or {}).items():
         sections.setdefault(section, {}).update(keys)
     cfg = write_config(tmp / "config.toml", sections)
-    job = [torchrun(), "--standalone", "--nproc-per-node", str(nproc), str(ZOO / f"{program}.py"),
+    starter = [sys.executable] if spawns else [torchrun(), "--standalone", "--nproc-per-node", str(nproc)]
+    job = [*starter, str(ZOO / f"{program}.py"), *(["--nproc", str(nproc)] if spawns else []),
            "--variant", variant, "--workdir", str(work), "--events", str(events), *args,
            *(["--data-addr", data_addr] if data_addr else [])]
     run = start_launch(["--config", str(cfg)], job, env=base_env(), tmp_path=tmp, job_id=f"zoo-{program}-{variant}",
@@ -151,6 +164,76 @@ def run_variant(tmp: Path, program: str, variant: str, *, nproc: int = 3, args: 
                "acted" if acted else "observed" if incidents else "none", actions,
                any(any(k.startswith("NCCL_") for k in (f.get("env") or {})) for f in fallback),
                "; ".join(str(f.get("reason")) for f in fallback if f.get("reason")), len(incidents))
+
+
+def assert_row(case: Case, row: Row) -> None:
+    """What the zoo promises for ``case``, asserted on the row it produced."""
+    if case.expect == HEALTHY:
+        assert row.rc == 0 and row.finished, row
+        assert row.verdict != "acted" and not row.nccl_change, row  # an observed incident for a long wait is fine
+        return
+    assert row.detected_after_s is not None, row
+    assert not row.nccl_change, row  # every hang here is the culprit's own code (or a desync, or a waiting job)
+    if case.culprit:
+        assert row.culprit == case.culprit, row
+    if case.collective:
+        assert row.collective == case.collective, row
+    assert row.desync == case.desync, row
+    if case.expect == COMM_HANG:
+        assert row.detected_after_s <= 10.0, row
+        assert row.verdict == "acted", row
+        assert ("restart" in row.actions) or ("rank_exited" in row.fallback_reason), row
+    else:
+        timeout = case.waiting_timeout_s or 600.0
+        # The wait is counted from when the job went quiet: the peers may have waited in the collective before
+        # the culprit's onset event (one slow step of a loaded machine; measured 18.7 s for a 20 s timeout once).
+        assert timeout - 2.5 <= row.detected_after_s <= timeout + 10.0, row
+        assert "waited" in row.fallback_reason, row
+    if case.finishes:
+        assert row.rc == 0 and row.finished, row
+    else:
+        assert row.rc == 75 and row.actions[-1] == "give_up" and row.incidents == 2, row
+
+
+def run_under_daemon(program: str, variant: str, *args: str, spawns: bool = False, nproc: int = 3,
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int | None]:
+    """Run ``program``'s ``variant`` as a job registered with a `gpu-watchdog run` daemon by its main pid (shipped
+    detection defaults, the test hook as its restart hook); the job's incidents (as `incidents` returns them, with
+    actions), the restart hook's records and the job's exit (None: stopped by the daemon)."""
+    from daemon_helpers import DaemonProc, records, short_dir
+    from daemon_helpers import write_config as daemon_config
+
+    base = short_dir()
+    d = DaemonProc(base, daemon_config(base))
+    events = base / "events.jsonl"
+    job = None
+    try:
+        d.wait_socket()
+        starter = [sys.executable] if spawns else [torchrun(), "--standalone", "--nproc-per-node", str(nproc)]
+        job = subprocess.Popen([*starter, str(ZOO / f"{program}.py"), *(["--nproc", str(nproc)] if spawns else []),
+                                "--variant", variant, "--workdir", str(base), "--events", str(events), "--steps", "8",
+                                *args], env=base_env(), cwd=base, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_for(lambda: len([e for e in read_events(events) if e["event"] == "start"]) == nproc, 90, "ranks up")
+        reg = d.cli("hook", "job-start", "--socket", d.socket, "--job-id", f"zoo-{program}-{variant}", "--pid",
+                    str(job.pid), "--restart-hook", "requeue")
+        assert reg.returncode == 0, reg.stdout + reg.stderr
+        try:
+            rc: int | None = job.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            rc = None
+        store = IncidentStore(base / "state")
+
+        def own() -> list[dict[str, Any]]:  # the daemon watches the whole host: other tests' jobs too
+            return [i for i in store.list() if i.get("job_id") == f"zoo-{program}-{variant}"]
+
+        wait_for(lambda: all(i.get("outcome") for i in own()), 60, "incidents finished")
+        return own(), records(base), rc
+    finally:
+        if job is not None and job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        d.kill()
 
 
 def _skipped(inc: Mapping[str, Any], action: str) -> bool:

@@ -16,17 +16,11 @@ per session, and each test asserts its own row.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
-from gpu_watchdog.store.incidents import IncidentStore
-from waiting import wait_for
-from zoo_runs import CASES, COMM_HANG, HEALTHY, ZOO, Case, Row, run_case
+from zoo_runs import CASES, COMM_HANG, Case, Row, assert_row, run_case, run_under_daemon
 
 pytestmark = pytest.mark.slow
 PARALLEL = 2
@@ -56,31 +50,7 @@ def test_zoo_row(rows: dict[str, Row | BaseException], case: Case) -> None:
     row = rows[_key(case)]
     if isinstance(row, BaseException):
         raise row
-    if case.expect == HEALTHY:
-        assert row.rc == 0 and row.finished, row
-        assert row.verdict != "acted" and not row.nccl_change, row  # an observed incident for a long wait is fine
-        return
-    assert row.detected_after_s is not None, row
-    assert not row.nccl_change, row  # every hang here is the culprit's own code (or a desync, or a waiting job)
-    if case.culprit:
-        assert row.culprit == case.culprit, row
-    if case.collective:
-        assert row.collective == case.collective, row
-    assert row.desync == case.desync, row
-    if case.expect == COMM_HANG:
-        assert row.detected_after_s <= 10.0, row
-        assert row.verdict == "acted", row
-        assert ("restart" in row.actions) or ("rank_exited" in row.fallback_reason), row
-    else:
-        timeout = case.waiting_timeout_s or 600.0
-        # The wait is counted from when the job went quiet: the peers may have waited in the collective before
-        # the culprit's onset event (one slow step of a loaded machine; measured 18.7 s for a 20 s timeout once).
-        assert timeout - 2.5 <= row.detected_after_s <= timeout + 10.0, row
-        assert "waited" in row.fallback_reason, row
-    if case.finishes:
-        assert row.rc == 0 and row.finished, row
-    else:
-        assert row.rc == 75 and row.actions[-1] == "give_up" and row.incidents == 2, row
+    assert_row(case, row)
 
 
 def test_the_desync_in_ddps_backward_never_names_the_rank_in_backward(tmp_path: Path) -> None:
@@ -93,52 +63,13 @@ def test_the_desync_in_ddps_backward_never_names_the_rank_in_backward(tmp_path: 
     assert not row.nccl_change and row.rc == 75 and row.actions[-1] == "give_up" and row.incidents == 2, row
 
 
-def _under_daemon(variant: str, *args: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int | None]:
-    """Run ddp_plain's ``variant`` as a job registered with a `gpu-watchdog run` daemon (shipped detection
-    defaults, the test hook as its restart hook); the job's incidents (as `incidents` returns them, with actions),
-    the restart hook's records and the job's exit (None: stopped by the daemon)."""
-    from daemon_helpers import DaemonProc, records, short_dir, write_config
-    from launch_harness import base_env, read_events, torchrun
-
-    base = short_dir()
-    d = DaemonProc(base, write_config(base))
-    events = base / "events.jsonl"
-    job = None
-    try:
-        d.wait_socket()
-        job = subprocess.Popen([torchrun(), "--standalone", "--nproc-per-node", "3", str(ZOO / "ddp_plain.py"),
-                                "--variant", variant, "--workdir", str(base), "--events", str(events), "--steps", "8",
-                                *args], env=base_env(), cwd=base, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
-        wait_for(lambda: len([e for e in read_events(events) if e["event"] == "start"]) == 3, 90, "ranks up")
-        reg = d.cli("hook", "job-start", "--socket", d.socket, "--job-id", f"zoo-{variant}", "--pid", str(job.pid),
-                    "--restart-hook", "requeue")
-        assert reg.returncode == 0, reg.stdout + reg.stderr
-        try:
-            rc: int | None = job.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            rc = None
-        store = IncidentStore(base / "state")
-
-        def own() -> list[dict[str, Any]]:  # the daemon watches the whole host: other tests' jobs too
-            return [i for i in store.list() if i.get("job_id") == f"zoo-{variant}"]
-
-        wait_for(lambda: all(i.get("outcome") for i in own()), 60, "incidents finished")
-        return own(), records(base), rc
-    finally:
-        if job is not None and job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-        d.kill()
-
-
 def test_under_the_daemon_a_slow_poll_runs_untouched_and_a_ddp_hang_is_named_without_the_ladder() -> None:
     """The same rules under `gpu-watchdog run`: every rank polling every 2 s for 16 s finishes with no incident
     that acts; rank 2 blocked in Event.wait() with its peers in DDP's backward is named, stopped and handed to the
     restart hook at level 0 (no NCCL change)."""
-    incs, hooks, rc = _under_daemon("poll", "--pause-s", "16")
+    incs, hooks, rc = run_under_daemon("ddp_plain", "poll", "--pause-s", "16")
     assert rc == 0 and hooks == [] and not [i for i in incs if i.get("verdict") != "waiting"], incs
-    incs, hooks, rc = _under_daemon("event_wait")
+    incs, hooks, rc = run_under_daemon("ddp_plain", "event_wait")
     assert len(incs) == 1, incs
     inc = incs[0]
     assert inc["culprit_ranks"] == [2] and inc["collective"] == "ddp_all_reduce", inc

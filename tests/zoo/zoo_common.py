@@ -26,8 +26,11 @@ FAULTS = ("event_wait", "lock", "recv", "subprocess_wait", "busy", "desync", "cr
           "dstate")
 
 
-def parse_args(doc: str | None) -> argparse.Namespace:
+def parse_args(doc: str | None, nproc: bool = False) -> argparse.Namespace:
+    """The variant's arguments; ``nproc``: the program starts its ranks itself (``mp.spawn``), ``--nproc`` many."""
     p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    if nproc:
+        p.add_argument("--nproc", type=int, default=3, help="ranks to spawn")
     p.add_argument("--variant", default="healthy")
     p.add_argument("--rank", type=int, default=2, help="the rank a fault hits")
     p.add_argument("--steps", type=int, default=12)
@@ -43,6 +46,11 @@ def parse_args(doc: str | None) -> argparse.Namespace:
 
 
 def rank() -> int:
+    """The process group's rank once it is up (a spawned rank has no RANK), torchrun's RANK before."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 
 

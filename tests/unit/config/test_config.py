@@ -299,7 +299,8 @@ WEIRD = 'we"ird\\ \'q\' \u00e9\U0001f600\x7f\t\n\x01'  # quotes, backslash, unic
 # Every key of every section set to a value other than its default (test_every_key_is_set_in_FULL checks).
 FULL = Config(
     agent=AgentConfig(interval_s=0.25, backend="proc", state_dir="/var/tmp/gw \"state\"", hostname=WEIRD,
-                      metrics_addr="[::1]:9999", incident_trace_s=30.0),
+                      metrics_addr="[::1]:9999", incident_trace_s=30.0,
+                      no_rank_warning_s=12.5),
     detect=DetectConfig(util_idle_max_percent=0.0, mem_held_min_bytes=0, proc_rss_held_min_bytes=1,
                         spin_util_min_percent=99.5, spin_power_max_ratio=1.0, spin_power_max_w=61.5,
                         spin_traffic_max_bytes_per_s=0.0, spin_mem_util_max_percent=3.0,

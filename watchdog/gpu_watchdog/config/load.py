@@ -39,6 +39,7 @@ _MAY_BE_ZERO = {"detect.spin_power_max_w", "detect.util_idle_max_percent", "dete
                 "detect.mem_held_min_bytes", "recovery.max_restarts", "detect.progress_io_min_bytes_per_s",
                 "recovery.checkpoint_grace_s", "detect.spin_traffic_max_bytes_per_s",
                 "detect.spin_mem_util_max_percent", "detect.spin_traffic_max_link_ratio", "agent.incident_trace_s",
+                "agent.no_rank_warning_s",
                 "recovery.restart_backoff_s", "fallback.actor_grace_s", "ras.watch_interval_s"}
 _RATIOS = {"detect.spin_power_max_ratio", "detect.spin_traffic_max_link_ratio"}
 _PERCENTS = {"detect.util_idle_max_percent", "detect.spin_util_min_percent", "detect.spin_mem_util_max_percent"}

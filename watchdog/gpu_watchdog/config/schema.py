@@ -23,6 +23,7 @@ class AgentConfig:
     hostname: str = ""  # empty: socket.gethostname()
     metrics_addr: str = ""  # HOST:PORT for /metrics and /healthz (conventional port 9408); empty: off
     incident_trace_s: float = 120.0  # every incident keeps this much of the node's recent samples; 0: none
+    no_rank_warning_s: float = 60.0  # a started or registered job with no rank found this long after: one warning
 
 
 @dataclass(frozen=True)

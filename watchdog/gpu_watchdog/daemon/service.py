@@ -44,6 +44,7 @@ from gpu_watchdog.detect.detector import STALLED, DetectorState, Finding, JobSta
 from gpu_watchdog.engine.loop import Engine, count_internal_error
 from gpu_watchdog.errors import ConfigError, NoInputError, UsageError
 from gpu_watchdog.evidence import flight_recorder as fr
+from gpu_watchdog.evidence.spawned_ranks import SpawnedRanks
 from gpu_watchdog.export.health import LoopHealth, Pinger
 from gpu_watchdog.export.sdnotify import Notifier
 from gpu_watchdog.job.protocol import ControlDir
@@ -107,6 +108,8 @@ class Daemon:
                               runs=JobRuns.from_config(cfg, self.host))
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="watchdog-work")
         self._engine: Engine | None = None
+        self._ranks_in_code = SpawnedRanks(cfg.stacks.py_spy, cfg.stacks.timeout_s)
+        self._owned: tuple[int, ...] = ()  # registered processes and their descendants, as of this tick
         self._signals: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._lock = threading.RLock()  # busy set, budgets, observed
         self._busy: set[str] = set()  # jobs being acted on
@@ -129,8 +132,12 @@ class Daemon:
             if self.backend is None:
                 self.backend, self.backend_why = choose_backend(
                     self.cfg.agent.backend, root_pid=None, hostname=self.host,
-                    extra_pids=lambda: tuple(self.registry.owned_pids()), env_filter=CONSISTENCY_ENV,
+                    extra_pids=self._registered_pids, env_filter=CONSISTENCY_ENV,
                     faults=self.cfg.faults, min_window_s=self.cfg.detect.progress_min_window_s)
+            scanner = getattr(self.backend, "scanner", None)
+            if scanner is not None:  # a registered job whose ranks set their rank in code (mp.spawn)
+                scanner.member_pool = lambda: self._owned
+                scanner.rank_finder = self._ranks_in_code
             self.ctx.gpu_pids = gpu_memory_holders(self.backend)
             self._engine = Engine(self.cfg, self.backend, self.fallback, self._pool, health=self.health,
                                   metrics=self.metrics, heartbeats=self._heartbeats,
@@ -139,6 +146,10 @@ class Daemon:
             self.ctx.recent = self._engine.recent
             self.ctx.fr_dumps = self._engine.fr_dumps  # dumps asked for at suspect: the incident takes them
         return self._engine
+
+    def _registered_pids(self) -> tuple[int, ...]:
+        self._owned = tuple(self.registry.owned_pids())
+        return self._owned
 
     @property
     def state(self) -> DetectorState:
@@ -553,6 +564,7 @@ class Daemon:
             self._pool.shutdown(wait=False, cancel_futures=True)
             engine.backend.close()
             engine.close()
+            self._ranks_in_code.close()
             self.store.close()
         return 0
 

@@ -197,7 +197,8 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
             pass
 
 
-def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking: bool = False) -> DumpResult:
+def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking: bool = False,
+              with_locals: bool = False) -> DumpResult:
     t0 = time.monotonic()
 
     wakeups: list[int | None] = [None, None]
@@ -220,7 +221,8 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
         return done("error", f"invalid pid {pid!r}")
     if _is_stopped(pid):  # py-spy would wait for a stopped process until its timeout: its state says enough
         return done("stopped", f"process {pid} is stopped (SIGSTOP or job control, state T): not dumped")
-    argv = [py_spy, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else [])
+    argv = [py_spy, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else []) + \
+        (["--locals"] if with_locals else [])
     if nonblocking and not native:  # py-spy can only unwind native frames of a paused process
         argv.append("--nonblocking")
     waits_before = _read_kernel_waits(pid)
@@ -280,10 +282,11 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
     return done("error", f"py-spy exited {proc.returncode}: {_first_error_line(err)}", raw)
 
 
-def _dump_guarded(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking: bool = False) -> DumpResult:
+def _dump_guarded(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking: bool = False,
+                  with_locals: bool = False) -> DumpResult:
     # The agent must keep running whatever one dump does: a bug here becomes an "error" outcome.
     try:
-        return _dump_one(pid, py_spy, timeout_s, native, nonblocking)
+        return _dump_one(pid, py_spy, timeout_s, native, nonblocking, with_locals)
     except Exception as e:
         return DumpResult(pid, "error", f"dump failed: {type(e).__name__}: {e}")
 
@@ -296,6 +299,7 @@ def dump_stacks(
     native: bool = False,
     py_spy: str | None = None,
     nonblocking: bool = False,
+    with_locals: bool = False,
 ) -> list[DumpResult]:
     """Dump every pid's threads in parallel (at most ``concurrency`` py-spy children at once), each
     bounded by ``timeout_s``. Results come back in input order; failures are outcomes, not exceptions.
@@ -310,7 +314,8 @@ def dump_stacks(
         return []
     workers = max(1, min(concurrency, len(pid_list)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="py-spy") as pool:
-        return list(pool.map(lambda p: _dump_guarded(p, exe, timeout_s, native, nonblocking), pid_list))
+        return list(pool.map(lambda p: _dump_guarded(p, exe, timeout_s, native, nonblocking, with_locals),
+                              pid_list))
 
 
 def _frame_text(fr: dict[str, Any]) -> str:

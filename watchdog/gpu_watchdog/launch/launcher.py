@@ -34,6 +34,7 @@ from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.engine.loop import Engine, Tick, count_internal_error
 from gpu_watchdog.errors import EXIT_BUDGET_SPENT, EXIT_GPU_FAULT, EXIT_SOFTWARE, UsageError
 from gpu_watchdog.evidence import flight_recorder as fr
+from gpu_watchdog.evidence.spawned_ranks import SpawnedRanks, no_rank_warning
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV, RESTART_COUNT_ENV, ControlDir
 from gpu_watchdog.launch.exits import ExitWatch, first_to_exit
@@ -131,6 +132,8 @@ class Launcher:
         self.control = ControlDir(self.state_dir / "run" / self.job_id)
         self._wake = threading.Event()  # set when a stack dump finishes: feed it to the detector at once
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stacks")
+        self._ranks_in_code = SpawnedRanks(cfg.stacks.py_spy, cfg.stacks.timeout_s)
+        self._warned_no_rank = False
         self.backend = backend
         self.engine: Engine | None = None  # built by run(), on the backend it chooses
         # launch.output's modes; "console" (the default): the job writes to launch's own stdout and stderr
@@ -186,6 +189,9 @@ class Launcher:
         else:
             why = f"{getattr(self.backend, 'name', 'given')} backend"
         backend = self.backend
+        scanner = getattr(backend, "scanner", None)
+        if scanner is not None:  # ranks given their rank in code (mp.spawn): read from their stacks
+            scanner.rank_finder = self._ranks_in_code
         self.ctx.gpu_pids = gpu_memory_holders(backend)
         logged = f"; job log {self.output.log_path}" if self.output.log_path else ""
         self.say(f"job {self.job_id}: sampling with the {why}; state in {self.state_dir}{logged}")
@@ -228,11 +234,12 @@ class Launcher:
             backend.close()
             engine.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self._ranks_in_code.close()
 
     def _watch(self, engine: Engine, target: LaunchTarget, exits: ExitWatch) -> _Outcome:
         seen: dict[int, JobProcess] = {}  # every job process sampled in this run (pid + create time)
         last_seen: JobStatus | None = None  # the job as last seen with ranks (they are gone after a crash)
-        next_tick = time.monotonic()
+        next_tick = started = time.monotonic()
         while True:
             rc = target.poll()
             if rc is not None:
@@ -250,6 +257,8 @@ class Launcher:
                 last_seen = ours or last_seen
                 if ours is not None:
                     exits.watch(dict(ours.rank_pids))
+                elif last_seen is None:
+                    self._warn_if_no_rank(time.monotonic() - started)
                 outcome = self._act(tick, target, ours)
                 if outcome is not None:
                     self._stop_leftovers(seen.values())
@@ -274,6 +283,15 @@ class Launcher:
             elif f.job_id == self.job_id:
                 self.say(f"{f.kind} found ({f.detail}); {response.why}")
         return None
+
+    def _warn_if_no_rank(self, waited_s: float) -> None:
+        """Once per launch: the job has shown no rank ``agent.no_rank_warning_s`` after its run started."""
+        limit = self.cfg.agent.no_rank_warning_s
+        scanner = getattr(self.backend, "scanner", None)
+        if self._warned_no_rank or limit <= 0 or waited_s < limit or scanner is None:
+            return
+        self._warned_no_rank = True
+        self.say(no_rank_warning(self.job_id, waited_s, scanner.unranked, scanner.rankless, self._ranks_in_code.why))
 
     def _internal_error(self, e: Exception, target: LaunchTarget) -> _Outcome:
         """The agent cannot tell what state its job is in: stop it with the usual ladder, then exit 70. The

@@ -20,12 +20,13 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import psutil
 
 from gpu_watchdog.model import JobIdentity, ProcessSample, SampleError
+from gpu_watchdog.sample import group_members
 
 log = logging.getLogger("gpu_watchdog.sample.processes")
 
@@ -156,6 +157,11 @@ class _Known:
     launcher_id: str | None = None  # that name, fixed when first made (the agent may exit, the rank reparent)
     slurm_rank: bool = False  # its rank is an srun task's SLURM_PROCID (no RANK of its own)
     launcher: bool = False  # torchrun's agent (or another launcher) in an srun task: it starts the ranks
+    launcher_cmd: bool | None = None  # its command line is a known launcher's (read once, on first use)
+    member: bool = False  # joined its job's process group without a rank in its environment (group_members)
+    member_rank: int | None = None  # that member's rank, once learned
+    pipe_stem: str = ""  # TORCH_NCCL_DEBUG_INFO_PIPE_FILE: an NCCL rank's dump pipe names its rank
+    master_port: str = ""  # MASTER_PORT from its starting environment
 
 
 _LINUX = sys.platform.startswith("linux")
@@ -189,12 +195,25 @@ def process_table() -> dict[int, tuple[int, float]]:
     return out
 
 
+RankFinder = Callable[[int, float], "int | None"]  # (pid, create time) → its rank once learned (never blocks)
+PIPE_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
+
+
+def _no_rank_finder(pid: int, create_time: float) -> int | None:
+    return None
+
+
 class ProcessScanner:
     """Finds rank processes and reads their state once per tick.
 
     Scope: with ``root_pid`` only that process and its descendants are considered (the launcher's job);
     otherwise every process on the node whose environment names a rank (the daemon). ``extra_pids`` adds
     processes named by someone else (NVML's compute processes, scheduler registrations).
+
+    Ranks whose rank lives only in code (``mp.spawn``): where no process of the launched tree (or of the
+    registered processes) carries a rank in its environment, the ones that joined the process group
+    (group_members) are ranks; the number comes from an NCCL rank's dump pipe, else from ``rank_finder`` (the
+    stacks' locals, evidence.spawned_ranks). Until it is known the process is listed in ``unranked``.
     """
 
     def __init__(self, root_pid: int | None = None, env_filter: Iterable[str] = ()) -> None:
@@ -210,6 +229,11 @@ class ProcessScanner:
         # launcher has ranks, so that a split job keeps one id after the other claimant ends.
         self._split: dict[tuple[str, int, float | None], str] = {}
         self._dup_warned: set[tuple[str, int, tuple[int, ...]]] = set()  # (job, rank, pids) logged once
+        self.rank_finder: RankFinder = _no_rank_finder
+        # Without a root (the daemon): the processes whose group membership is looked at (registered jobs).
+        self.member_pool: Callable[[], Iterable[int]] = tuple
+        self.unranked: tuple[int, ...] = ()  # group members whose rank is not known yet (last tick)
+        self.rankless: tuple[int, ...] = ()  # processes in scope with no rank and not in a group (last tick)
 
     def env_of(self, pid: int) -> Mapping[str, str]:
         k = self._known.get(pid)
@@ -248,7 +272,11 @@ class ProcessScanner:
         known = _Known(proc, ctime, ident, kept, start if start is not None else 0.0,
                        launcher_scoped=_wants_launcher_id(env, ident),
                        slurm_rank=ident is not None and ident.rank is not None and env.get("RANK") is None,
-                       launcher=launcher)
+                       launcher=launcher, pipe_stem=env.get(PIPE_FILE_ENV, ""),
+                       master_port=env.get("MASTER_PORT", ""))
+        old = self._known.get(pid)
+        if old is not None and old.start == known.start:  # a re-read of the same process keeps what was learned
+            known.launcher_cmd, known.member, known.member_rank = old.launcher_cmd, old.member, old.member_rank
         self._known[pid] = known
         return known
 
@@ -305,6 +333,8 @@ class ProcessScanner:
             known = self._lookup(pid, starts.get(pid), ppids.get(pid, 0), errors)
             if known is not None and (known.identity is not None or pid in extra):
                 idents[pid] = known
+        pool = scope if self.root_pid is not None else {p for p in self.member_pool() if p in ppids}
+        self._spawned_ranks(pool, idents, ppids)
         children = self._tree(ppids)
         launched = self._launcher_ids(idents, ppids, starts)
         launchers = _rank_launchers(idents, ppids)
@@ -327,6 +357,46 @@ class ProcessScanner:
         samples.sort(key=lambda s: (s.job.job_id if s.job else "", s.job.rank if s.job and s.job.rank is not None
                                     else -1, s.pid))
         return tuple(samples), errors
+
+    def _is_launcher_cmd(self, known: _Known) -> bool:
+        if known.launcher_cmd is None:
+            known.launcher_cmd = _is_launcher(known.proc)
+        return known.launcher_cmd
+
+    def _spawned_ranks(self, pool: set[int], idents: dict[int, _Known], ppids: Mapping[int, int]) -> None:
+        """Ranks of a job that sets them in code: where nothing in ``pool`` has a rank of its own, the topmost
+        processes that joined a process group become ranks once their number is known (in ``idents``, in place)."""
+        self.unranked, self.rankless = (), ()
+        procs = {pid: idents[pid] for pid in pool if pid in idents}
+        if any(k.identity is not None and k.identity.rank is not None and not (k.launcher or k.member)
+               for k in procs.values()):
+            return  # torchrun, Slurm, a job that exports RANK: the environment says it all
+        candidates = [pid for pid, k in procs.items() if not k.member and not self._is_launcher_cmd(k)]
+        envs = {pid: {"MASTER_PORT": procs[pid].master_port} for pid in candidates}
+        for pid in group_members.joined(candidates, procs, envs) if candidates else ():
+            procs[pid].member = True
+        members = {pid for pid, k in procs.items() if k.member}
+        unranked, rankless = [], []
+        for pid, known in procs.items():
+            up, hops, inherited = ppids.get(pid, 0), 0, False
+            while up > 1 and hops < 64 and not inherited:  # a member's fork (DataLoader worker) is its work
+                inherited = up in members
+                up, hops = ppids.get(up, 0), hops + 1
+            if inherited:
+                continue
+            if pid not in members:
+                rankless.append(pid)
+                continue
+            if known.member_rank is None:
+                known.member_rank = group_members.pipe_rank(pid, known.pipe_stem)
+            if known.member_rank is None:
+                known.member_rank = self.rank_finder(pid, known.create_time)
+            if known.member_rank is None:
+                unranked.append(pid)
+                continue
+            ident = known.identity or JobIdentity("unknown")
+            known.identity = replace(ident, rank=known.member_rank)
+        self.unranked, self.rankless = tuple(sorted(unranked)), tuple(sorted(rankless))
 
     def _launcher_ids(self, idents: Mapping[int, _Known], ppids: Mapping[int, int],
                       starts: Mapping[int, float]) -> dict[int, str]:

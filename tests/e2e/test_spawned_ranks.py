@@ -1,0 +1,75 @@
+"""Jobs that hand each rank its rank in code — the DDP tutorial's ``mp.spawn`` and Lightning's ``ddp_spawn``, no
+RANK in any environment — are watched like torchrun jobs: under ``launch`` (the zoo's rows, asserted the zoo's way)
+and registered with the daemon by their main pid. A job in which ``launch`` finds no rank gets one warning line."""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from launch_harness import base_env, start_launch, write_config
+from zoo_runs import SPAWNED, ZOO, Case, Row, assert_row, run_case, run_under_daemon
+
+pytestmark = pytest.mark.slow
+WARNING = "no rank found"
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Row | BaseException]:
+    base = tmp_path_factory.mktemp("spawned")
+    with ThreadPoolExecutor(2) as pool:
+        futures = {c.name: pool.submit(run_case, base / c.name, c) for c in SPAWNED}
+        return {name: fut.exception() or fut.result() for name, fut in futures.items()}
+
+
+@pytest.mark.parametrize("case", SPAWNED, ids=lambda c: c.name)
+def test_spawned_row(rows: dict[str, Row | BaseException], case: Case) -> None:
+    """The rank blocked on a lock is confirmed ≤10 s after the onset, named, restarted once without an NCCL change
+    and the job finishes; every rank polling for its shard for 12 s runs to the end untouched."""
+    row = rows[case.name]
+    if isinstance(row, BaseException):
+        raise row
+    assert_row(case, row)
+
+
+def _launch(tmp_path: Path, job: list[str], after_s: float, **sections: object) -> str:
+    cfg = write_config(tmp_path / "config.toml", {"agent": {"backend": "proc", "no_rank_warning_s": after_s},
+                                                  **sections})
+    run = start_launch(["--config", str(cfg)], job, env=base_env(), tmp_path=tmp_path, job_id="no-rank",
+                       max_lifetime_s=120)
+    try:
+        assert run.wait(90) == 0, run.output()
+        return run.output()
+    finally:
+        run.kill()
+
+
+def test_a_job_with_no_rank_gets_one_warning_naming_what_launch_saw(tmp_path: Path) -> None:
+    out = _launch(tmp_path, [sys.executable, "-c", "import time; time.sleep(8)"], 3.0)
+    lines = [ln for ln in out.splitlines() if WARNING in ln]
+    assert len(lines) == 1, out
+    assert "1 process(es) with no RANK that joined no process group: pid " in lines[0], lines
+    assert "python" in lines[0] and "-c import time" in lines[0] and "joined a process group but" not in lines[0]
+
+
+def test_ranks_whose_rank_cannot_be_read_are_said_so_with_the_reason(tmp_path: Path) -> None:
+    """mp.spawn ranks that joined the group while py-spy cannot be run: the warning names them and why."""
+    job = [sys.executable, str(ZOO / "spawn_ddp.py"), "--nproc", "2", "--steps", "100", "--step-s", "0.2",
+           "--workdir", str(tmp_path)]
+    # The ranks are up and connected well within 15 s (torch's import and init_process_group take ~5 s here).
+    out = _launch(tmp_path, job, 15.0, stacks={"py_spy": str(tmp_path / "no-py-spy")})
+    lines = [ln for ln in out.splitlines() if WARNING in ln]
+    assert len(lines) == 1, out
+    assert "2 process(es) joined a process group but their rank could not be read (pid " in lines[0], lines
+    assert "py-spy not found" in lines[0], lines
+
+
+def test_a_registered_spawn_job_is_watched_by_the_daemon() -> None:
+    """`hook job-start --pid MAIN` is all the daemon needs: the ranks under the main process that joined the
+    group are ranks; rank 2 blocked on a lock is named and handed to the restart hook at level 0."""
+    incs, hooks, _rc = run_under_daemon("spawn_ddp", "lock", spawns=True)
+    assert len(incs) == 1, incs
+    assert incs[0]["culprit_ranks"] == [2] and incs[0]["collective"] == "ddp_all_reduce", incs
+    assert [h["argv"][2] for h in hooks if "argv" in h] == ["--level=0"], hooks

@@ -1,0 +1,181 @@
+"""Ranks handed their rank in code: which processes of a job joined its process group (real sockets, a real
+FIFO), and the scanner turning them into ranks — the topmost only, never where the environment names ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from gpu_watchdog.sample import group_members
+from gpu_watchdog.sample.processes import ProcessScanner
+from waiting import wait_for
+
+# A job shaped like mp.spawn without torch: the main process starts "ranks" that hand their rank around in code.
+# The first hosts the store (listens, connects to itself), the next connect to it, "loner" connects nowhere, and
+# "forker" connects, then forks a child that inherits the socket (a DataLoader worker).
+JOB = r"""
+import os, socket, subprocess, sys, time
+role = sys.argv[1] if len(sys.argv) > 1 else "main"
+if role == "main":
+    port_file = sys.argv[2]
+    kids = [subprocess.Popen([sys.executable, __file__, r, port_file]) for r in ("store",)]
+    while not os.path.exists(port_file):
+        time.sleep(0.05)
+    kids += [subprocess.Popen([sys.executable, __file__, r, port_file]) for r in ("client", "loner", "forker")]
+    time.sleep(120)
+elif role == "store":
+    srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(8)
+    me = socket.create_connection(srv.getsockname()); peer, _ = srv.accept()
+    open(sys.argv[2] + ".tmp", "w").write(str(srv.getsockname()[1])); os.replace(sys.argv[2] + ".tmp", sys.argv[2])
+    conns = []
+    while True:
+        conns.append(srv.accept())
+elif role in ("client", "forker"):
+    c = socket.create_connection(("127.0.0.1", int(open(sys.argv[2]).read())))
+    if role == "forker" and os.fork() == 0:
+        time.sleep(120)
+    time.sleep(120)
+else:
+    time.sleep(120)
+"""
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, int]]]:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_PORT", "SLURM_PROCID")}
+    env["GPU_WATCHDOG_JOB_ID"] = "spawned"  # as `launch` sets it
+    proc = subprocess.Popen([sys.executable, str(script), "main", str(tmp_path / "port")], env=env,
+                            start_new_session=True)
+    try:
+        def roles() -> dict[str, int] | None:
+            out = {}
+            for c in psutil.Process(proc.pid).children(recursive=True):
+                argv = c.cmdline()
+                role = argv[2] if len(argv) > 2 and argv[1] == str(script) else ""
+                out[role if role not in out else role + "-child"] = c.pid
+            return out if len(out) == 5 and all(group_members.socket_inodes(out[r]) for r in ("client", "forker",
+                                                                                             "forker-child")) else None
+        yield proc, wait_for(roles, 30, "the job's processes and their connections")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_the_processes_connected_to_a_port_of_the_job_joined_and_the_others_did_not(job) -> None:
+    proc, pids = job
+    pool = [proc.pid, *pids.values()]
+    members = group_members.joined(pool, pool, {})
+    assert members == {pids["store"], pids["client"], pids["forker"], pids["forker-child"]}
+    assert proc.pid not in members and pids["loner"] not in members
+
+
+def test_a_connection_to_the_master_port_counts_where_the_store_is_elsewhere(tmp_path: Path) -> None:
+    """One rank per node: the store listens on another node (here: this test process, outside the pool)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    client = subprocess.Popen([sys.executable, "-c", f"import socket, time; c = socket.create_connection(("
+                               f"'127.0.0.1', {port})); time.sleep(60)"])
+    try:
+        peer, _ = srv.accept()
+        wait_for(lambda: group_members.socket_inodes(client.pid) or None, 10, "the client's socket")
+        assert group_members.joined([client.pid], [client.pid], {}) == set()
+        assert group_members.joined([client.pid], [client.pid], {client.pid: {"MASTER_PORT": str(port)}}) == \
+            {client.pid}
+        assert group_members.joined([client.pid], [client.pid], {client.pid: {"MASTER_PORT": "x"}}) == set()
+        peer.close()
+    finally:
+        client.kill()
+        client.wait()
+        srv.close()
+
+
+def test_an_nccl_rank_names_its_rank_in_its_dump_pipe(tmp_path: Path) -> None:
+    stem = str(tmp_path / "fr-pipe-")
+    os.mkfifo(stem + "3.pipe")
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; os.open(sys.argv[1], os.O_RDONLY | "
+                               "os.O_NONBLOCK); print(1, flush=True); time.sleep(60)", stem + "3.pipe"],
+                              stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline()
+        assert group_members.pipe_rank(holder.pid, stem) == 3
+        assert group_members.pipe_rank(holder.pid, str(tmp_path / "other-")) is None
+        assert group_members.pipe_rank(holder.pid, "") is None
+        assert group_members.pipe_rank(os.getpid(), stem) is None
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _ranks(scanner: ProcessScanner) -> dict[int, int]:
+    samples, _ = scanner.sample()
+    return {s.pid: s.job.rank for s in samples if s.is_rank and s.job is not None and s.job.rank is not None}
+
+
+def test_the_scanner_makes_the_topmost_members_ranks_once_their_rank_is_known(job) -> None:
+    proc, pids = job
+    known = {pids["store"]: 0, pids["client"]: 1}  # "forker"'s rank is not learned (yet)
+    asked: list[int] = []
+
+    def finder(pid: int, create_time: float) -> int | None:
+        asked.append(pid)
+        return known.get(pid)
+
+    scanner = ProcessScanner(root_pid=proc.pid)
+    scanner.rank_finder = finder
+    ranks = wait_for(lambda: _ranks(scanner) or None, 10, "ranks")
+    assert ranks == {pids["store"]: 0, pids["client"]: 1}
+    assert {s.job.job_id for s in scanner.sample()[0] if s.is_rank} == {"spawned"}
+    assert scanner.unranked == (pids["forker"],)  # its fork is its work, never a member of its own
+    assert scanner.rankless == tuple(sorted((proc.pid, pids["loner"])))
+    assert pids["forker-child"] not in asked and proc.pid not in asked
+    known[pids["forker"]] = 2
+    assert _ranks(scanner) == {pids["store"]: 0, pids["client"]: 1, pids["forker"]: 2}
+    assert scanner.unranked == ()
+    asked.clear()
+    _ranks(scanner)
+    assert asked == []  # a learned rank is kept; nobody is asked again
+
+
+def test_where_the_environment_names_a_rank_nobody_is_made_a_member(tmp_path: Path) -> None:
+    """torchrun's agent hosts the store its ranks connect to: with RANK in the ranks' environment, only they are
+    ranks, and the finder is never asked."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    port = srv.getsockname()[1]
+    code = (f"import socket, subprocess, sys, os, time\nc = socket.create_connection(('127.0.0.1', {port}))\n"
+            "if len(sys.argv) < 2:\n"
+            "    subprocess.Popen([sys.executable, __file__, 'w'], env=dict(os.environ, RANK='0', WORLD_SIZE='1'))\n"
+            "time.sleep(60)\n")
+    script = tmp_path / "agent.py"
+    script.write_text(code)
+    agent = subprocess.Popen([sys.executable, str(script)], start_new_session=True,
+                             env=dict(os.environ, GPU_WATCHDOG_JOB_ID="agent"))
+    conns = [srv.accept()[0], srv.accept()[0]]
+    try:
+        scanner = ProcessScanner(root_pid=agent.pid)
+        scanner.rank_finder = lambda pid, ct: pytest.fail(f"asked for pid {pid}")
+        deadline = time.monotonic() + 5
+        ranks: dict[int, int] = {}
+        while time.monotonic() < deadline and not ranks:
+            ranks = _ranks(scanner)
+        assert list(ranks.values()) == [0] and agent.pid not in ranks
+        assert scanner.unranked == () and scanner.rankless == ()
+    finally:
+        for c in conns:
+            c.close()
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+        srv.close()

@@ -1,0 +1,121 @@
+"""Which processes of a job joined its process group when no environment says so.
+
+``mp.spawn``, Lightning's ``ddp_spawn``, Accelerate's ``notebook_launcher`` and hand-written ``mp.Process`` loops
+pass the rank to ``init_process_group`` in code: no process carries ``RANK``. What every rank of every c10d backend
+does carry is TCP: it connects to the job's store (hosted by rank 0, or by the job's own launcher), and gloo and
+NCCL's bootstrap connect the ranks to one another. So a process of the job that holds an established TCP connection
+to a port another process of the same job listens on — or to ``MASTER_ADDR:MASTER_PORT`` from its environment,
+where the store is on another node — has joined the group. A process the ranks fork (a DataLoader worker) inherits
+those sockets: only the topmost one counts, as for ``RANK``.
+
+NCCL ranks name their own rank: with the Flight Recorder's dump pipe on (``launch`` turns it on), each rank opens
+``<TORCH_NCCL_DEBUG_INFO_PIPE_FILE><rank>.pipe``. Other ranks' numbers are learned from their stacks
+(evidence.spawned_ranks).
+
+Everything here reads /proc of the processes in question only (their network namespace's TCP table, their fds).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+
+_ESTABLISHED, _LISTEN = "01", "0A"  # /proc/net/tcp state codes
+_SOCKET_LINK = re.compile(r"socket:\[(\d+)\]")
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets ``pid`` holds open; empty when its fds cannot be read (gone, not ours)."""
+    out: set[int] = set()
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            m = _SOCKET_LINK.fullmatch(os.readlink(f"/proc/{pid}/fd/{name}"))
+        except OSError:
+            continue
+        if m:
+            out.add(int(m.group(1)))
+    return out
+
+
+def _port(hex_endpoint: str) -> int:
+    return int(hex_endpoint.rsplit(":", 1)[1], 16)
+
+
+def tcp_sockets(pid: int) -> dict[int, tuple[str, int, int]]:
+    """inode → (state, local port, remote port) for every TCP socket (IPv4 and IPv6) of ``pid``'s network
+    namespace; empty when unreadable."""
+    out: dict[int, tuple[str, int, int]] = {}
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if len(parts) < 10:
+                continue
+            try:
+                out[int(parts[9])] = (parts[3], _port(parts[1]), _port(parts[2]))
+            except ValueError:
+                continue
+    return out
+
+
+def _master_port(env: Mapping[str, str]) -> int | None:
+    try:
+        port = int(env.get("MASTER_PORT", ""))
+    except ValueError:
+        return None
+    return port if 0 < port < 65536 else None
+
+
+def joined(candidates: Iterable[int], pool: Iterable[int], envs: Mapping[int, Mapping[str, str]]) -> set[int]:
+    """The ``candidates`` that hold an established TCP connection to a port some process of ``pool`` (the job's
+    processes, candidates included) listens on, or to the ``MASTER_PORT`` of their own starting environment."""
+    candidates = list(candidates)
+    if not candidates:
+        return set()
+    held = {pid: socket_inodes(pid) for pid in set(pool) | set(candidates)}
+    if not any(held[c] for c in candidates):
+        return set()
+    table: dict[int, tuple[str, int, int]] = {}
+    for pid in candidates:  # one read per network namespace in practice: the first candidate with sockets
+        if held[pid]:
+            table = tcp_sockets(pid)
+            break
+    listening = {table[i][1] for inodes in held.values() for i in inodes
+                 if i in table and table[i][0] == _LISTEN}
+    out = set()
+    for pid in candidates:
+        ports = listening | ({p} if (p := _master_port(envs.get(pid, {}))) is not None else set())
+        if any(table.get(i, ("", 0, 0))[0] == _ESTABLISHED and table[i][2] in ports for i in held[pid]):
+            out.add(pid)
+    return out
+
+
+def pipe_rank(pid: int, stem: str) -> int | None:
+    """The rank in the name of the Flight Recorder dump pipe ``pid`` holds open (``<stem><rank>.pipe``), or None."""
+    if not stem:
+        return None
+    pattern = re.compile(re.escape(stem) + r"(\d+)\.pipe")
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for name in names:
+        try:
+            m = pattern.fullmatch(os.readlink(f"/proc/{pid}/fd/{name}"))
+        except OSError:
+            continue
+        if m:
+            return int(m.group(1))
+    return None
+
+
+__all__ = ["joined", "pipe_rank", "socket_inodes", "tcp_sockets"]
