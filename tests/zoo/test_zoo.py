@@ -63,6 +63,14 @@ def test_the_desync_in_ddps_backward_never_names_the_rank_in_backward(tmp_path: 
     assert not row.nccl_change and row.rc == 75 and row.actions[-1] == "give_up" and row.incidents == 2, row
 
 
+def test_the_odd_rank_of_a_desync_is_named_when_the_others_passed_its_counterpart(tmp_path: Path) -> None:
+    """Rank 1 calls all_gather where ranks 0 and 2 broadcast (first run only): rank 2 gets its bytes and goes on
+    into DDP's backward, root 0 stays in broadcast. Rank 1 is named (it was not before: an "equal groups" tie),
+    the restart is plain and the job finishes."""
+    case = Case("ddp_plain", "desync", COMM_HANG, (1,), args=("--rank", "1"), desync=True)
+    assert_row(case, run_case(tmp_path, case))
+
+
 def test_under_the_daemon_a_slow_poll_runs_untouched_and_a_ddp_hang_is_named_without_the_ladder() -> None:
     """The same rules under `gpu-watchdog run`: every rank polling every 2 s for 16 s finishes with no incident
     that acts; rank 2 blocked in Event.wait() with its peers in DDP's backward is named, stopped and handed to the

@@ -93,6 +93,28 @@ def test_two_rank_tie_between_collectives_names_nobody() -> None:
     assert d.reason.startswith("desync: rank 0 in all_reduce, rank 1 in barrier")
 
 
+def test_a_desync_whose_other_side_was_passed_names_the_rank_in_the_collective_nobody_else_reached() -> None:
+    """The zoo's 3-rank desync with rank 1 the odd one (seen live: no culprit named before): rank 1 calls all_gather
+    where 0 and 2 broadcast; gloo's broadcast root hands rank 2 its bytes, so rank 2 goes on into DDP's backward and
+    only root 0 still sits in broadcast. Rank 2 cannot have passed an all_gather (it needs rank 0's part): it passed
+    the broadcast, which makes broadcast the common path and rank 1 the rank in the collective the others never
+    reach."""
+    ddp = coll(2, "ddp_all_reduce", "DistributedDataParallel._engine_run_backward")
+    d = diagnose([coll(0, "broadcast", "broadcast (c10d.py:1)"), coll(1, "all_gather", "all_gather (c10d.py:2)"), ddp])
+    assert d.culprit_ranks == (1,) and d.desync and d.collective == "broadcast"
+    assert "past the broadcast, which lets some members go before all arrive" in d.reason
+    # Without a rank past the point, or with two sides that either could have been passed, nothing tells them
+    # apart: no culprit, as before.
+    d = diagnose([coll(0, "broadcast", "broadcast (c10d.py:1)"), coll(1, "all_gather", "all_gather (c10d.py:2)")])
+    assert d.culprit_ranks == () and d.desync
+    d = diagnose([coll(0, "broadcast", "broadcast (c10d.py:1)"), coll(1, "gather", "gather (c10d.py:2)"), ddp])
+    assert d.culprit_ranks == () and d.desync
+    # The healthy side of the rule: ranks past a barrier while one rank sits in a broadcast do not make the
+    # broadcast anybody's common path — the ranks in DDP's backward are the majority and the odd rank is named.
+    d = diagnose([coll(0, "ddp_all_reduce", "x"), ddp, coll(1, "broadcast", "broadcast (c10d.py:1)")])
+    assert d.culprit_ranks == (1,) and d.collective == "ddp_all_reduce"
+
+
 def test_everyone_waits_culprit_elsewhere() -> None:
     d = diagnose([coll(r) for r in range(4)], world_size=4)
     assert d.culprit_ranks == () and d.collective == "all_reduce" and not d.desync

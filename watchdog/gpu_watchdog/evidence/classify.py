@@ -65,6 +65,10 @@ _FAMILY_ALIASES = {"allgather": "all_gather", "reducescatter": "reduce_scatter",
                    "irecv": "recv", "monitored_barrier": "barrier",
                    "store_based_barrier": "barrier", "init_process_group": "init", "unshard": "all_gather"}
 P2P_FAMILIES = frozenset({"send", "recv", "p2p"})
+# Collectives some members can leave before every member arrived (gloo's broadcast root hands each peer its bytes;
+# a gather's or reduce's non-root only sends): a rank seen past the point may have passed one of these. Every other
+# collective (all_reduce, all_gather, reduce_scatter, all_to_all, barrier) needs every member's part first.
+PASSABLE_FAMILIES = frozenset({"broadcast", "scatter", "gather", "reduce"})
 WAIT_FAMILY = "wait"  # Work.wait()/wait_tensor: which collective it waits for is not in the frame
 
 

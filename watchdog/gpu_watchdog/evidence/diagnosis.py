@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from gpu_watchdog.evidence.classify import (
     COMMUNICATION_STATES,
     P2P_FAMILIES,
+    PASSABLE_FAMILIES,
     WAIT_FAMILY,
     collective_family,
     is_ddp_op,
@@ -112,11 +113,20 @@ def diagnose(
     top = Counter(in_coll.values()).most_common()
     in_ddp = sorted(r for r in in_coll if is_ddp_op(by_rank[r].op))
     ddp_aside: list[int] = []
+    passed: str | None = None  # the collective the ranks in DDP's regular flow passed, where it can be told
     if in_ddp and len(top) >= 2 and not (top[0][0] == in_coll[in_ddp[0]] and top[0][1] > top[1][1]):
         in_coll = {r: fam for r, fam in in_coll.items() if r not in in_ddp}
         ddp_aside = in_ddp
         names = {fam: n for fam, n in names.items() if fam in set(in_coll.values())}
-        top = Counter(in_coll.values()).most_common()
+        counts = Counter(in_coll.values())
+        # The ranks past the point passed the collective the others sit in at that point — and could only have
+        # passed one some members leave before all arrive: where one side is such a collective and another is not,
+        # the ranks past it are on that side (3 ranks: 0 in broadcast, 2 past it, 1 in all_gather: 1 is the odd one).
+        passable = [fam for fam in counts if fam in PASSABLE_FAMILIES]
+        if len(passable) == 1 and len(counts) >= 2:
+            passed = passable[0]
+            counts[passed] += len(ddp_aside)
+        top = counts.most_common()
     split = len(top) >= 2
     # Different collectives are a desync (the ranks issued different sequences); a rank in a point-to-point
     # send/recv while the others sit in a collective is waiting for its partner's bytes: a transport hang.
@@ -166,7 +176,9 @@ def diagnose(
         parts.append(f"{_waits(in_wait)} in a collective's wait()")
     if parts and ddp_aside:
         ops = "/".join(sorted({by_rank[r].op or "?" for r in ddp_aside}))
-        parts.append(f"{_waits(ddp_aside)} in {ops} (DDP's regular flow: past what the others are stuck in)")
+        past = f"past the {names[passed]}, which lets some members go before all arrive" if passed else \
+            "past what the others are stuck in"
+        parts.append(f"{_waits(ddp_aside)} in {ops} (DDP's regular flow: {past})")
 
     if not waiters:
         states = ", ".join(f"{format_ranks(m)} {by_rank[m[0]].state}" for _, m in ordered) or "no stacks"
