@@ -115,6 +115,24 @@ def test_a_desync_whose_other_side_was_passed_names_the_rank_in_the_collective_n
     assert d.culprit_ranks == (1,) and d.collective == "ddp_all_reduce"
 
 
+def test_a_rank_in_recv_beside_a_local_peer_in_a_collective_is_named_from_its_own_node() -> None:
+    """A 4-rank job on two nodes whose other agent published nothing: this node sees rank 2 in recv, rank 3 in
+    all_reduce. The collective is the common path, the rank in recv waits for its partner's bytes: rank 2 is named
+    (was: an "equal groups" tie), and ranks 0 and 1 are said to be unseen, never culprits for it."""
+    recv = coll(2, "recv", "recv (torch/distributed/distributed_c10d.py:2600)")
+    d = diagnose([recv, coll(3)], unseen=[0, 1])
+    assert d.culprit_ranks == (2,) and not d.desync and d.collective == "all_reduce"
+    assert d.reason == ("rank 2 in recv while rank 3 waits in all_reduce; ranks 0,1 are not seen (on other nodes "
+                        "whose stacks are not here)")
+    # Every local rank in the collective: nobody named here, the unseen ranks said so.
+    d = diagnose([coll(2), coll(3)], unseen=[0, 1])
+    assert d.culprit_ranks == () and d.reason.endswith("ranks 0,1 are not seen (on other nodes whose stacks are "
+                                                       "not here)")
+    # Two collectives against each other stay a tie (a desync with nobody to break it); p2p on both sides too.
+    assert diagnose([coll(2, "barrier", BAR), coll(3)], unseen=[0, 1]).culprit_ranks == ()
+    assert diagnose([recv, coll(3, "send", "send (c10d.py:1)")]).culprit_ranks == ()
+
+
 def test_everyone_waits_culprit_elsewhere() -> None:
     d = diagnose([coll(r) for r in range(4)], world_size=4)
     assert d.culprit_ranks == () and d.collective == "all_reduce" and not d.desync

@@ -89,10 +89,11 @@ class EvidenceGatherer:
             inc.end_action(entry, ok > 0, f"{ok}/{len(results)} ranks dumped in {time.monotonic() - t0:.2f}s"
                            + "".join(f"; rank {r}: {res.detail}" for r, res in results.items() if not res.ok))
             missing = set(finding.ranks) - set(rank_pids)
-            diag = diagnose(stacks, None, missing)
+            elsewhere = set(range(world or 0)) - set(rank_pids) - missing  # other nodes' ranks
+            diag = diagnose(stacks, None, missing, elsewhere)
             remote = self._remote_stacks(inc, finding, diag, stacks, job_id)
             if remote:  # the other nodes' ranks, from their agents' dumps: the culprit named from any node
-                diag = diagnose([*stacks, *remote], None, missing)
+                diag = diagnose([*stacks, *remote], None, missing, elsewhere)
             inc.update(culprit_ranks=list(diag.culprit_ranks) or list(finding.culprit_ranks),
                        collective=diag.collective, reason=diag.reason, desync=diag.desync,
                        groups=[[k, list(v)] for k, v in diag.groups])

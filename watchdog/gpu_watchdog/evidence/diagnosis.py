@@ -83,9 +83,11 @@ def _waits(ranks: Sequence[int]) -> str:
 
 
 def diagnose(
-    ranks: Sequence[RankStack], world_size: int | None = None, missing_ranks: Iterable[int] = ()
+    ranks: Sequence[RankStack], world_size: int | None = None, missing_ranks: Iterable[int] = (),
+    unseen: Iterable[int] = (),
 ) -> Diagnosis:
-    """Diagnose one job from one stack dump of its ranks (see the module docstring for the rules)."""
+    """Diagnose one job from one stack dump of its ranks (see the module docstring for the rules). ``unseen``: ranks
+    of the job on other nodes whose stacks are not at hand — said so, never culprits for that."""
     by_rank = {r.rank: r for r in ranks}
     missing = set(missing_ranks) - set(by_rank)
     if world_size is not None:
@@ -132,6 +134,15 @@ def diagnose(
     # send/recv while the others sit in a collective is waiting for its partner's bytes: a transport hang.
     desync = len([fam for fam, _ in top if fam not in P2P_FAMILIES]) >= 2
     tie = split and top[0][1] == top[1][1]
+    if tie:
+        # One collective against point-to-point ops only: the collective is the common path and the ranks in
+        # send/recv wait for their partners' bytes (a node that sees one rank in recv and its local peer in
+        # all_reduce names the one in recv, whatever the unseen nodes hold).
+        tied = [fam for fam, n in top if n == top[0][1]]
+        colls = [fam for fam in tied if fam not in P2P_FAMILIES]
+        if len(colls) == 1:
+            top = sorted(top, key=lambda kv: (-kv[1], kv[0] != colls[0]))
+            tie = False
     majority = top[0][0] if top and not tie else None
     majority_op = names[majority] if majority else None
     waiting = sorted(r for r, fam in in_coll.items() if fam == majority)
@@ -189,6 +200,9 @@ def diagnose(
         who = f"all {len(everyone)} ranks wait" if len(everyone) > 1 else _waits(everyone)
         parts.append(f"{who} in {what}; culprit unknown, possibly on another "
                      "node (merge the nodes' stacks with `gpu-watchdog analyze`)")
+    away = sorted(set(unseen) - set(by_rank) - missing)
+    if away:
+        parts.append(f"{format_ranks(away)} {_verb(away)} not seen (on other nodes whose stacks are not here)")
     return Diagnosis(tuple(sorted(culprits)), majority_op, "; ".join(parts), desync, group_t)
 
 
