@@ -133,11 +133,12 @@ def test_ddp_ranks_are_never_desync_culprits_unless_they_are_the_majority() -> N
 
 
 def test_the_evidence_line_names_each_op_the_ranks_wait_in() -> None:
-    """Half a job seen from one node: rank 2 in all_reduce, rank 3 in recv, no culprit among them — the line says
-    so, not a device sync nobody is in."""
+    """Half a job seen from one node: rank 2 in all_reduce, rank 3 in recv — rank 3 is named from this node's own
+    evidence (issue 29; it was no culprit before), and the line says where each waits, not a device sync nobody
+    is in."""
     half = [_rs(2, "collective", "all_reduce"), _rs(3, "collective", "recv")]
     d = diagnose(half)
-    assert d.culprit_ranks == ()
+    assert d.culprit_ranks == (3,)
     assert communication_evidence(d, half) == "stacks: rank 2 waits in all_reduce, rank 3 in recv"
     synced = [_rs(0, "device_sync"), _rs(1, "device_sync")]
     assert communication_evidence(diagnose(synced), synced) == "stacks: ranks 0,1 wait in device_sync"

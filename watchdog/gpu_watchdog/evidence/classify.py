@@ -96,6 +96,10 @@ IO_NAMES = frozenset({
 })
 IO_FILES = ("torch/serialization.py", "safetensors/", "torch/distributed/checkpoint/", "shutil.py")
 DATA_FILES = ("multiprocessing/queues.py", "multiprocessing/connection.py")
+# A read or write on a socket through Python's socket/ssl layers (urllib, http.client, requests, a hand-written
+# client): bytes from or to another process, not storage. Its op is SOCKET_OP.
+SOCKET_FILES = ("socket.py", "ssl.py")
+SOCKET_OP = "socket"
 DATALOADER_WAITS = frozenset({"_next_data", "_get_data", "_try_get_data"})
 SLEEP_NAMES = frozenset({"sleep", "time_sleep", "pysleep", "clock_nanosleep", "nanosleep", "usleep"})
 # Native symbols of a host↔device sync (CUDA runtime/driver, and the item()/tolist() bindings).
@@ -196,6 +200,8 @@ def _data_wait(fr: Frame) -> str | None:
         return "" if kernel_wait(_name(fr)) == "data_wait" else None
     if (f == "queue.py" or f.endswith("/queue.py")) and _last(fr) == "get":
         return ""
+    if any(f == s or f.endswith("/" + s) for s in SOCKET_FILES):
+        return SOCKET_OP
     if _in(fr, *DATA_FILES):
         return ""
     if _in(fr, "torch/utils/data/") and _last(fr) in DATALOADER_WAITS:
@@ -315,7 +321,7 @@ def classify_thread(thread: Mapping[str, Any], rank: int, pid: int) -> RankStack
     timed = state in WAITS_IN_USER_CODE and polls(thread, state)
     return RankStack(
         rank=rank, pid=pid, state=state, signature=signature(thread), active=bool(thread.get("active")),
-        op=op if state == "collective" else None, where=where, timed=timed,
+        op=op if state == "collective" or op == SOCKET_OP else None, where=where, timed=timed,
     )
 
 

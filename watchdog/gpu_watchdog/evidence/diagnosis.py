@@ -30,6 +30,7 @@ from gpu_watchdog.evidence.classify import (
     COMMUNICATION_STATES,
     P2P_FAMILIES,
     PASSABLE_FAMILIES,
+    SOCKET_OP,
     WAIT_FAMILY,
     collective_family,
     is_ddp_op,
@@ -243,6 +244,8 @@ def rank_moved(a: RankStack, b: RankStack, ctx: RankContext = RankContext()) -> 
     - io (a write, a flush, a file-system wait), or bytes its tree read or wrote meanwhile: slow is not stuck: it
       is being waited on, however slowly its bytes move (an NFS flush can sit a minute in one write() with
       nothing counted; a checkpoint written in chunks sits in a short sleep between them at every dump);
+    - a socket read or write with a timeout (its peer is outside the job: it ends by itself), unless its GPU
+      spins; without a timeout it is a data wait like any other (alive while its bytes come, i.e. it wakes);
     - unless its GPU spins (the host then only waits on the device, and NCCL's proxy thread polls): a data wait
       whose producer (dataloader workers, a reader thread: the rest of its tree) used CPU or I/O or whose main
       thread read or wrote a byte (a slow reader; never its wakeups alone: a consumer polling a dead producer
@@ -258,6 +261,8 @@ def rank_moved(a: RankStack, b: RankStack, ctx: RankContext = RankContext()) -> 
     if ctx.device == "spin" or b.state == "stopped":
         return False  # a spinning GPU's host counters are the busy-wait and NCCL's proxy thread polling
     if b.state == "data_wait":
+        if b.op == SOCKET_OP and (a.timed or b.timed):
+            return True  # a socket read or write with a timeout, its peer outside the job: it ends by itself
         # A consumer is judged by its data: its producer (workers, a reader thread) worked, its own bytes moved, or
         # it woke from a read without a timeout (a socket or pipe read returns only when bytes came). Not by the
         # wakeups of a wait with a timeout: a DataLoader polls its queue every 5 s while its worker is wedged.

@@ -122,7 +122,9 @@ class SpawnedRanks:
             return lk.why
 
     def _look(self, pid: int) -> tuple[int | None, str]:
-        res = dump_stacks([pid], timeout_s=self._timeout_s, py_spy=self._py_spy, with_locals=True)[0]
+        # Not paused (as the engine's dumps): a paused thread's timed wait reads as restart_syscall from then on.
+        res = dump_stacks([pid], timeout_s=self._timeout_s, py_spy=self._py_spy, with_locals=True,
+                          nonblocking=True)[0]
         if not res.ok:
             return None, f"py-spy: {res.detail}"
         return rank_from_stack(res.threads, pid)
