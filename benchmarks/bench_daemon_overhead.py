@@ -1,6 +1,6 @@
 """The node daemon's own CPU while it watches one healthy 4-rank job, with and without NCCL RAS watching.
 
-    .venv/bin/python benchmarks/bench_daemon_overhead.py [--window S] [--rounds N]
+    .venv/bin/python benchmarks/bench_daemon_overhead.py [--window S] [--rounds N] [--baseline DIR]
 
 P3's goal: the agent costs at most 0.5 % of a core with one job on the node. A real ``gpu-watchdog run`` daemon
 (default config: 1 s ticks, proc backend since this box has no GPU) watches a real 4-rank torchrun job
@@ -10,6 +10,8 @@ window by window: ``ras.watch_interval_s = 0`` (no RAS watching) and the default
 every query, so every poll pair is a "moving" observation the detector consumes. CPU is the daemon process's
 user + system time (psutil) over each window, after a warm-up; the job keeps running across all windows, and
 only one daemon runs at a time. Prints each window, then the median of each configuration and their ratio.
+``--baseline DIR``: a source tree of another release (``git worktree add DIR REV``) measured the same way in the
+same run, as a third configuration (its daemon with no RAS section: run from DIR/watchdog with this Python).
 """
 
 from __future__ import annotations
@@ -54,10 +56,31 @@ watch_interval_s = {watch_s}
     return cfg
 
 
-def measure(cfg: Path, warmup_s: float, window_s: float) -> float:
-    """The daemon's CPU over one window, as a percentage of one core."""
-    proc = subprocess.Popen([GW, "run", "--config", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+def baseline_config(base: Path) -> Path:
+    """The same daemon settings without the [ras] keys an older release may not know."""
+    cfg = base / "baseline.toml"
+    cfg.write_text(f"""
+[agent]
+backend = "proc"
+state_dir = "{base / 'baseline' / 'state'}"
+
+[daemon]
+control_socket = "{base / 'baseline' / 'control.sock'}"
+socket_group = ""
+""")
+    (base / "baseline").mkdir(exist_ok=True)
+    return cfg
+
+
+def measure(cfg: Path, warmup_s: float, window_s: float, source: Path | None = None) -> float:
+    """The daemon's CPU over one window, as a percentage of one core (``source``: another release's tree)."""
+    argv = [GW, "run", "--config", str(cfg)]
+    env = None
+    if source is not None:
+        argv = [sys.executable, "-m", "gpu_watchdog", "run", "--config", str(cfg)]
+        env = {**os.environ, "PYTHONPATH": str(source / "watchdog")}
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     try:
         time.sleep(warmup_s)
         p = psutil.Process(proc.pid)
@@ -81,7 +104,10 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=60.0, help="seconds measured per window")
     ap.add_argument("--warmup", type=float, default=8.0, help="seconds after a daemon starts before measuring")
     ap.add_argument("--rounds", type=int, default=3, help="windows per configuration")
+    ap.add_argument("--baseline", type=Path, help="another release's source tree, measured side by side")
     args = ap.parse_args()
+    if args.baseline is not None and not (args.baseline / "watchdog" / "gpu_watchdog").is_dir():
+        ap.error(f"--baseline {args.baseline}: no watchdog/gpu_watchdog there (make one with git worktree add)")
 
     counter = itertools.count(100)
 
@@ -98,10 +124,15 @@ def main() -> int:
                             "--step-s", "0.3", "--workdir", str(base)], env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, start_new_session=True)
     results: dict[str, list[float]] = {"no RAS watch": [], "RAS watch every 2 s": []}
+    baseline = f"baseline {args.baseline.name}" if args.baseline is not None else None
+    if baseline:
+        results[baseline] = []
     try:
         with RasStandIn(source=moving_report) as ras:
             configs = {"no RAS watch": daemon_config(base, "off", ras.addr, 0.0),
                        "RAS watch every 2 s": daemon_config(base, "on", ras.addr, 2.0)}
+            if baseline:
+                configs[baseline] = baseline_config(base)
             time.sleep(10)  # the job's ranks are up and training
             print(f"daemon CPU, % of one core, {args.window:g} s windows ({os.cpu_count()} cores; a healthy 4-rank "
                   "torchrun job, 0.3 s steps)")
@@ -110,15 +141,18 @@ def main() -> int:
                     if job.poll() is not None:
                         raise RuntimeError(f"the job exited {job.returncode} early")
                     before = ras.connections
-                    pct = measure(cfg, args.warmup, args.window)
+                    pct = measure(cfg, args.warmup, args.window, args.baseline if name == baseline else None)
                     results[name].append(pct)
-                    print(f"  round {rnd + 1}  {name:<20} {pct:6.3f} %   RAS queries: {ras.connections - before}")
+                    print(f"  round {rnd + 1}  {name:<24} {pct:6.3f} %   RAS queries: {ras.connections - before}")
     finally:
         os.killpg(job.pid, 15)
         job.wait(30)
-    off, on = (statistics.median(v) for v in results.values())
+    off, on = statistics.median(results["no RAS watch"]), statistics.median(results["RAS watch every 2 s"])
     print(f"median: no RAS watch {off:.3f} %, RAS watch every 2 s {on:.3f} % (ratio {on / off:.2f}, "
           f"+{on - off:.3f} % of a core); goal ≤ 0.5 %")
+    if baseline:
+        old = statistics.median(results[baseline])
+        print(f"median: {baseline} {old:.3f} %; this tree without RAS watch / {baseline}: {off / old:.2f}")
     return 0
 
 
