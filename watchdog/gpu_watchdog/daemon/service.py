@@ -40,7 +40,8 @@ from gpu_watchdog.daemon.housekeeping import prune_incidents
 from gpu_watchdog.daemon.registry import Registry
 from gpu_watchdog.daemon.resume import resume_incidents
 from gpu_watchdog.detect.consistency import CONSISTENCY_ENV
-from gpu_watchdog.detect.detector import STALLED, DetectorState, Finding, JobStatus
+from gpu_watchdog.detect.detector import DetectorState, Finding, JobStatus
+from gpu_watchdog.detect.states import STALLED
 from gpu_watchdog.engine.loop import Engine, count_internal_error
 from gpu_watchdog.errors import ConfigError, NoInputError, UsageError
 from gpu_watchdog.evidence import flight_recorder as fr

@@ -33,12 +33,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpu_watchdog.config.schema import DetectConfig
+from gpu_watchdog.detect.states import RUNNING, STALLED, SUSPECT, WAITING, Event, JobState, transition
 from gpu_watchdog.evidence.classify import kernel_wait
 from gpu_watchdog.evidence.diagnosis import RankContext, stacks_progressed
 from gpu_watchdog.model import CommProgress, DeviceSample, NodeSample, ProcessSample, StackEvidence
-
-RUNNING, SUSPECT, STALLED, WAITING = "running", "suspect", "stalled", "waiting"
-JOB_STATES = (RUNNING, SUSPECT, STALLED, WAITING)
 
 
 @dataclass(frozen=True)
@@ -86,7 +84,7 @@ class JobStatus:
     """What the detector believes about one job right now (also what metrics export)."""
 
     job_id: str
-    state: str = RUNNING
+    state: JobState = RUNNING
     since: float = 0.0  # when ``state`` began
     onset: float | None = None  # start of the current no-progress streak
     waiting_since: float | None = None
@@ -289,22 +287,8 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
     """Advance the detector by one sample. Pure: same inputs, same outputs. ``stacks`` and ``comm`` are the stack
     dumps and NCCL count observations that finished since the last call."""
     t = sample.t
-    findings: list[Finding] = []
     prev_t = state.t if state.t is not None else t
-
-    # GPU faults: each reported once while it lasts. Keyed by GPU, kind and Xid, so a lost GPU seen every
-    # tick is one finding, while a new Xid right after another (an application Xid, then Xid 79) is news.
-    faulted, fault_keys = set(), set()
-    for d in sample.devices:
-        if d.fault is None:
-            continue
-        key = f"{d.uuid}/{d.fault.kind}/{d.fault.xid}"
-        faulted.add(d.uuid)
-        fault_keys.add(key)
-        if key not in state.fault_keys:
-            hit = sorted({p.job.job_id for p in sample.processes if p.job and p.pid in d.pids})
-            findings.append(Finding("gpu_fault", d.fault.kind, hit[0] if hit else None, (), (), t, t,
-                                    (d.uuid,), f"{d.fault.detail}; jobs: {', '.join(hit) or 'none'}", "fault"))
+    faulted, fault_keys, findings = _gpu_faults(state, sample)
 
     # Traffic rates from cumulative counters.
     traffic: dict[str, tuple[float, Counters]] = {}
@@ -349,6 +333,25 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
     return DetectorState(t, ranks_obs, traffic, jobs, frozenset(faulted), frozenset(fault_keys)), findings
 
 
+def _gpu_faults(state: DetectorState, sample: NodeSample) -> tuple[set[str], set[str], list[Finding]]:
+    """GPU faults: each reported once while it lasts. Keyed by GPU, kind and Xid, so a lost GPU seen every tick is
+    one finding, while a new Xid right after another (an application Xid, then Xid 79) is news. Returns (faulted
+    GPUs, fault keys, findings)."""
+    t = sample.t
+    faulted, fault_keys, findings = set(), set(), []
+    for d in sample.devices:
+        if d.fault is None:
+            continue
+        key = f"{d.uuid}/{d.fault.kind}/{d.fault.xid}"
+        faulted.add(d.uuid)
+        fault_keys.add(key)
+        if key not in state.fault_keys:
+            hit = sorted({p.job.job_id for p in sample.processes if p.job and p.pid in d.pids})
+            findings.append(Finding("gpu_fault", d.fault.kind, hit[0] if hit else None, (), (), t, t,
+                                    (d.uuid,), f"{d.fault.detail}; jobs: {', '.join(hit) or 'none'}", "fault"))
+    return faulted, fault_keys, findings
+
+
 def _comm_now(old: CommProgress | None, new: CommProgress | None, t: float,
               cfg: DetectConfig) -> CommProgress | None:
     """The job's NCCL counts as they stand now: the newest observation while it is under
@@ -367,10 +370,37 @@ def _inside_collective(counts: CommProgress | None, rank: int, spinning: bool) -
     return counts.state == "frozen_equal" and spinning
 
 
+@dataclass(frozen=True)
+class _JobFacts:
+    """What one tick shows of a job, before any state is decided (``_observe_job``)."""
+
+    base: JobStatus  # the previous status with this tick's ranks, pids, devices and stopped ranks
+    evidence: tuple[StackEvidence, ...]  # the streak's last two stack dumps
+    quiet: bool  # nothing moved (counters, NCCL counts, stacks)
+    onset: float  # when the quiet streak began
+    signature: str  # what a stall now would be called: rank_exited | spin | idle_held
+    stack_quiet: bool  # two dumps stack_confirm_gap_s apart show no rank moving
+    devices_busy: bool  # a GPU the job waits on works
+    partial: bool = False  # not quiet, but some ranks wait on others (or moved only in their stacks)
+    waiting_since: float | None = None  # partial: since when
+    waiting_on: tuple[int, ...] = ()  # partial: the ranks the others wait on
+    waiting_doing: str = ""  # partial: what those do
+
+
 def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tuple[int, ProcessSample]],
                  obs: Mapping[int, _RankObs], devs: Sequence[DeviceSample], sigs: Sequence[str | None],
                  evidence_in: Sequence[StackEvidence], cfg: DetectConfig,
                  counts: CommProgress | None = None, counts_new: CommProgress | None = None) -> JobStatus:
+    """Observe the job's facts, reduce them to one event, move by the table (detect.states), enter the state."""
+    facts = _observe_job(prev, t, prev_t, ranked, obs, devs, sigs, evidence_in, cfg, counts, counts_new)
+    event = _event(prev, facts, t, cfg)
+    return _enter(transition(prev.state, event), event, prev, facts, t, cfg)
+
+
+def _observe_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tuple[int, ProcessSample]],
+                 obs: Mapping[int, _RankObs], devs: Sequence[DeviceSample], sigs: Sequence[str | None],
+                 evidence_in: Sequence[StackEvidence], cfg: DetectConfig, counts: CommProgress | None,
+                 counts_new: CommProgress | None) -> _JobFacts:
     ranks = tuple(sorted(rank for rank, _ in ranked))
     progressing = [r for r in ranks if obs[r].progressing]
     if counts_new is not None and counts_new.state == "moving":
@@ -388,18 +418,7 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
                    rank_pids={rank: p.pid for rank, p in ranked},
                    stopped=tuple(r for r in ranks if obs[r].stopped))
 
-    streak_start = prev.onset if prev.onset is not None else prev.waiting_since
-    evidence = tuple(e for e in (*prev.evidence, *evidence_in) if streak_start is not None and
-                     e.t >= streak_start)[-2:]
-    moving: dict[int, str] = {}
-    stack_quiet = False
-    if len(evidence) == 2 and _lasted(evidence[1].t - evidence[0].t, cfg.stack_confirm_gap_s) and evidence[1].ranks:
-        since = evidence[0].t
-        context = {r: RankContext(o.device, o.host_busy_t is not None and o.host_busy_t > since,
-                                  o.step_t is not None and o.step_t > since, o.io_t is not None and o.io_t > since)
-                   for r, o in obs.items()}
-        moving = stacks_show_progress(evidence[0], evidence[1], context)
-        stack_quiet = not moving
+    evidence, moving, stack_quiet = _stack_progress(prev, evidence_in, obs, cfg)
 
     # Every rank's heartbeat went still for several of its own step times: the job is suspect whatever its GPUs
     # show; a GPU that looks busy then needs stack proof, never time alone (a long evaluation keeps it busy).
@@ -415,57 +434,102 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
         # counters to show (a slow read, a sleep-poll loop). The job waits on them; it is not stalled.
         # (A confirmed stall clears only on counter progress, never on old dumps.)
         quiet, progressing = False, sorted(moving)
-
-    if quiet and prev.held and prev.waiting_since is not None:
-        if _lasted(t - prev.waiting_since, cfg.waiting_timeout_s):
-            return replace(base, state=STALLED, since=t, onset=prev.waiting_since, signature="waiting_timeout",
-                           evidence=evidence, progress_since=None, needs_stacks=False)
-        return replace(base, state=WAITING, onset=None, evidence=evidence, needs_stacks=False)
-    if quiet:
-        signature = "rank_exited" if missing else device_sig
-        if prev.state == STALLED:
-            return replace(base, onset=onset, evidence=evidence, progress_since=None, needs_stacks=False)
-        by_time = _lasted(t - onset, cfg.confirm_after_s) and not devices_busy
-        stalled = _lasted(t - onset, cfg.suspect_after_s) and (stack_quiet or by_time)
-        if stalled:
-            return replace(base, state=STALLED, since=t, onset=onset, signature=signature, evidence=evidence,
-                           progress_since=None, needs_stacks=False)
-        if _lasted(t - onset, cfg.suspect_after_s):
-            since = prev.since if prev.state == SUSPECT else t
-            needs = not evidence or _lasted(t - evidence[-1].t, cfg.stack_confirm_gap_s)
-            return replace(base, state=SUSPECT, since=since, onset=onset, signature=signature,
-                           evidence=evidence, needs_stacks=needs)
-        return replace(base, onset=onset, evidence=evidence, signature=signature, needs_stacks=False,
-                       state=prev.state if prev.state in (WAITING, RUNNING) else RUNNING)
-
-    # Some progress somewhere.
-    if prev.state == STALLED:
-        since = prev.progress_since if prev.progress_since is not None else t
-        if not _lasted(t - since, cfg.clear_after_s):
-            return replace(base, progress_since=since, needs_stacks=False)
+    facts = _JobFacts(base, evidence, quiet, onset, "rank_exited" if missing else device_sig, stack_quiet,
+                      devices_busy)
     idle = [r for r in ranks if r not in progressing]
     # Ranks that only moved slowly (stacks, not counters) keep the job waiting even when every rank did: a job that
     # polls or reads slowly everywhere waits (until waiting_timeout_s), it is not running.
-    if (idle and progressing and len(ranks) > 1) or slow_movers or (devices_busy and any(s != "busy" for s in sigs)):
-        waiting_since = prev.waiting_since if prev.waiting_since is not None else (
-            onset if slow_movers else prev_t)
-        kernel = {r: obs[r].doing for r in progressing if obs[r].doing}
-        doing = ", ".join(f"rank {r}: {moving[r]}" for r in sorted(moving)) if moving else (
-            ", ".join(f"rank {r}: {d}" for r, d in sorted(kernel.items())) or prev.waiting_doing)
-        # No rank's process progresses but some GPUs work: the job waits on the ranks on those GPUs.
-        busy_pids = {pid for d, s in zip(devs, sigs, strict=True) if s == "busy" for pid in d.pids}
-        gpu_busy = tuple(r for r, pid in sorted(base.rank_pids.items()) if pid in busy_pids)
-        on = tuple(sorted(moving)) if moving else tuple(progressing) or gpu_busy
-        if _lasted(t - waiting_since, cfg.waiting_timeout_s):
-            return replace(base, state=STALLED, since=t, onset=waiting_since, waiting_since=waiting_since,
-                           waiting_on=on, waiting_doing=doing, signature="waiting_timeout",
-                           evidence=evidence, progress_since=None, needs_stacks=False)
-        needs = not evidence or _lasted(t - evidence[-1].t, (
-            cfg.stack_confirm_gap_s if len(evidence) < 2 else cfg.waiting_stack_interval_s))
-        return replace(base, state=WAITING, since=prev.since if prev.state == WAITING else t, onset=None,
-                       waiting_since=waiting_since, waiting_on=on, waiting_doing=doing, signature="",
-                       evidence=evidence, progress_since=None, needs_stacks=needs)
-    return replace(base, state=RUNNING, since=prev.since if prev.state == RUNNING else t, onset=None,
+    if quiet or not ((idle and progressing and len(ranks) > 1) or slow_movers
+                     or (devices_busy and any(s != "busy" for s in sigs))):
+        return facts
+    waiting_since = prev.waiting_since if prev.waiting_since is not None else (onset if slow_movers else prev_t)
+    return _waiting_facts(facts, prev, waiting_since, progressing, moving, obs, devs, sigs)
+
+
+def _stack_progress(prev: JobStatus, evidence_in: Sequence[StackEvidence], obs: Mapping[int, _RankObs],
+                    cfg: DetectConfig) -> tuple[tuple[StackEvidence, ...], dict[int, str], bool]:
+    """(the streak's last two dumps, the ranks whose stacks moved between them with what they do, whether two dumps
+    far enough apart show no rank moving)."""
+    streak_start = prev.onset if prev.onset is not None else prev.waiting_since
+    evidence = tuple(e for e in (*prev.evidence, *evidence_in) if streak_start is not None and
+                     e.t >= streak_start)[-2:]
+    if not (len(evidence) == 2 and _lasted(evidence[1].t - evidence[0].t, cfg.stack_confirm_gap_s)
+            and evidence[1].ranks):
+        return evidence, {}, False
+    since = evidence[0].t
+    context = {r: RankContext(o.device, o.host_busy_t is not None and o.host_busy_t > since,
+                              o.step_t is not None and o.step_t > since, o.io_t is not None and o.io_t > since)
+               for r, o in obs.items()}
+    moving = stacks_show_progress(evidence[0], evidence[1], context)
+    return evidence, moving, not moving
+
+
+def _waiting_facts(facts: _JobFacts, prev: JobStatus, waiting_since: float, progressing: Sequence[int],
+                   moving: Mapping[int, str], obs: Mapping[int, _RankObs], devs: Sequence[DeviceSample],
+                   sigs: Sequence[str | None]) -> _JobFacts:
+    """A job some of whose ranks wait on the others: on whom, doing what, since when."""
+    kernel = {r: obs[r].doing for r in progressing if obs[r].doing}
+    doing = ", ".join(f"rank {r}: {moving[r]}" for r in sorted(moving)) if moving else (
+        ", ".join(f"rank {r}: {d}" for r, d in sorted(kernel.items())) or prev.waiting_doing)
+    # No rank's process progresses but some GPUs work: the job waits on the ranks on those GPUs.
+    busy_pids = {pid for d, s in zip(devs, sigs, strict=True) if s == "busy" for pid in d.pids}
+    gpu_busy = tuple(r for r, pid in sorted(facts.base.rank_pids.items()) if pid in busy_pids)
+    on = tuple(sorted(moving)) if moving else tuple(progressing) or gpu_busy
+    return replace(facts, partial=True, waiting_since=waiting_since, waiting_on=on, waiting_doing=doing)
+
+
+def _event(prev: JobStatus, f: _JobFacts, t: float, cfg: DetectConfig) -> Event:
+    if f.quiet and prev.held and prev.waiting_since is not None:
+        return Event.TIMED_OUT if _lasted(t - prev.waiting_since, cfg.waiting_timeout_s) else Event.HELD_QUIET
+    if f.quiet:
+        if prev.state == STALLED or not _lasted(t - f.onset, cfg.suspect_after_s):
+            return Event.QUIET
+        by_time = _lasted(t - f.onset, cfg.confirm_after_s) and not f.devices_busy
+        return Event.PROVEN if f.stack_quiet or by_time else Event.QUIET_LONG
+    if prev.state == STALLED and not _lasted(t - _progress_since(prev, t), cfg.clear_after_s):
+        return Event.NOT_CLEARED
+    if f.partial:
+        assert f.waiting_since is not None
+        return Event.TIMED_OUT if _lasted(t - f.waiting_since, cfg.waiting_timeout_s) else Event.PARTIAL
+    return Event.PROGRESS
+
+
+def _progress_since(prev: JobStatus, t: float) -> float:
+    return prev.progress_since if prev.progress_since is not None else t
+
+
+def _enter(state: JobState, event: Event, prev: JobStatus, f: _JobFacts, t: float, cfg: DetectConfig) -> JobStatus:
+    """The job's status in ``state``, reached from ``prev`` on ``event``."""
+    base, ev = f.base, f.evidence
+    if event is Event.TIMED_OUT:  # a held stall (quiet) or a partial wait ran out: a stall to act on
+        if not f.quiet:
+            base = replace(base, waiting_since=f.waiting_since, waiting_on=f.waiting_on,
+                           waiting_doing=f.waiting_doing)
+        return replace(base, state=state, since=t, onset=base.waiting_since, signature="waiting_timeout",
+                       evidence=ev, progress_since=None, needs_stacks=False)
+    if event is Event.HELD_QUIET:
+        return replace(base, state=state, onset=None, evidence=ev, needs_stacks=False)
+    if event is Event.QUIET and prev.state == STALLED:
+        return replace(base, onset=f.onset, evidence=ev, progress_since=None, needs_stacks=False)
+    if event is Event.QUIET:
+        return replace(base, state=state, onset=f.onset, evidence=ev, signature=f.signature, needs_stacks=False)
+    if event is Event.PROVEN:
+        return replace(base, state=state, since=t, onset=f.onset, signature=f.signature, evidence=ev,
+                       progress_since=None, needs_stacks=False)
+    if event is Event.QUIET_LONG:
+        since = prev.since if prev.state == SUSPECT else t
+        needs = not ev or _lasted(t - ev[-1].t, cfg.stack_confirm_gap_s)
+        return replace(base, state=state, since=since, onset=f.onset, signature=f.signature, evidence=ev,
+                       needs_stacks=needs)
+    if event is Event.NOT_CLEARED:
+        return replace(base, progress_since=_progress_since(prev, t), needs_stacks=False)
+    if event is Event.PARTIAL:  # re-dumped at the confirm gap until two dumps exist, then every interval
+        needs = not ev or _lasted(t - ev[-1].t, cfg.stack_confirm_gap_s if len(ev) < 2 else
+                                  cfg.waiting_stack_interval_s)
+        return replace(base, state=state, since=prev.since if prev.state == WAITING else t, onset=None,
+                       waiting_since=f.waiting_since, waiting_on=f.waiting_on, waiting_doing=f.waiting_doing,
+                       signature="", evidence=ev, progress_since=None, needs_stacks=needs)
+    return replace(base, state=state, since=prev.since if prev.state == RUNNING else t, onset=None,
                    waiting_since=None, waiting_on=(), waiting_doing="", signature="", evidence=(),
                    progress_since=None, needs_stacks=False, held="")
 

@@ -18,7 +18,8 @@ from typing import Any
 
 from gpu_watchdog.atomic import write_atomic
 from gpu_watchdog.config.schema import DetectConfig
-from gpu_watchdog.detect.detector import STALLED, SUSPECT, DetectorState, step
+from gpu_watchdog.detect.detector import DetectorState, step
+from gpu_watchdog.detect.states import STALLED, SUSPECT
 from gpu_watchdog.errors import MissingExtra, UsageError
 from gpu_watchdog.model import NodeSample, StackEvidence
 from gpu_watchdog.sample.trace import DIR_TRACE, TraceNotFound, read_trace
