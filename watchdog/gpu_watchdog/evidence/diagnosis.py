@@ -83,20 +83,56 @@ def _waits(ranks: Sequence[int]) -> str:
     return f"{format_ranks(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
 
 
+@dataclass(frozen=True)
+class _Verdict:
+    """Who waits where and who is at fault, before any wording (``_verdict``)."""
+
+    by_rank: Mapping[int, RankStack]
+    ordered: list[tuple[str, list[int]]]  # (group key, ranks), largest first
+    groups: tuple[tuple[str, tuple[int, ...]], ...]
+    missing: set[int]
+    in_coll: dict[int, str]  # rank → collective family, for the ranks that take a side
+    in_wait: list[int]  # ranks in a bare Work.wait()/wait_tensor(): they take no side
+    names: dict[str, str]  # family → the ops seen
+    syncing: list[int]  # ranks in a device sync
+    ddp_aside: list[int]  # ranks in DDP's regular flow, past what the others are stuck in
+    passed: str | None  # the collective those passed, where it can be told
+    top: list[tuple[str, int]]  # families by how many ranks sit in them
+    desync: bool
+    tie: bool
+    majority: str | None
+    waiting: list[int]  # the ranks of the majority's collective
+    waiters: bool  # is there a waiting group to compare the others against?
+    culprits: set[int]
+
+    @property
+    def majority_op(self) -> str | None:
+        return self.names[self.majority] if self.majority else None
+
+    @property
+    def split(self) -> bool:
+        return len(self.top) >= 2
+
+
 def diagnose(
     ranks: Sequence[RankStack], world_size: int | None = None, missing_ranks: Iterable[int] = (),
     unseen: Iterable[int] = (),
 ) -> Diagnosis:
     """Diagnose one job from one stack dump of its ranks (see the module docstring for the rules). ``unseen``: ranks
     of the job on other nodes whose stacks are not at hand — said so, never culprits for that."""
+    v = _verdict(ranks, world_size, missing_ranks)
+    return Diagnosis(tuple(sorted(v.culprits)), v.majority_op, _wording(v, unseen), v.desync, v.groups)
+
+
+def _verdict(ranks: Sequence[RankStack], world_size: int | None, missing_ranks: Iterable[int]) -> _Verdict:
     by_rank = {r.rank: r for r in ranks}
     missing = set(missing_ranks) - set(by_rank)
     if world_size is not None:
         missing |= set(range(world_size)) - set(by_rank)
-    groups: dict[str, list[int]] = defaultdict(list)
+    grouped: dict[str, list[int]] = defaultdict(list)
     for r in sorted(by_rank):
-        groups[group_key(by_rank[r])].append(r)
-    ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+        grouped[group_key(by_rank[r])].append(r)
+    ordered = sorted(grouped.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
     group_t = tuple((k, tuple(v)) for k, v in ordered)
     if missing:
         group_t += (("missing", tuple(sorted(missing))),)
@@ -145,66 +181,75 @@ def diagnose(
             top = sorted(top, key=lambda kv: (-kv[1], kv[0] != colls[0]))
             tie = False
     majority = top[0][0] if top and not tie else None
-    majority_op = names[majority] if majority else None
     waiting = sorted(r for r, fam in in_coll.items() if fam == majority)
-    waiters = bool(in_coll or syncing or ddp_aside)  # is there a waiting group to compare the others against?
+    waiters = bool(in_coll or syncing or ddp_aside)
 
     culprits: set[int] = set(missing)
+    if not tie:  # every rank in another collective than the majority's
+        culprits |= {r for r, fam in in_coll.items() if fam != majority}
+    if waiters:  # every rank neither in a collective nor in a device sync never arrived
+        culprits |= {r for _key, members in ordered for r in members
+                     if by_rank[members[0]].state not in WAITING_STATES + SYNC_STATES}
+    return _Verdict(by_rank, ordered, group_t, missing, in_coll, in_wait, names, syncing, ddp_aside, passed, top,
+                    desync, tie, majority, waiting, waiters, culprits)
+
+
+def _wording(v: _Verdict, unseen: Iterable[int]) -> str:
+    """The verdict in one line for people: the sides, the culprits and what each does, who waits where."""
+    by_rank, in_coll, names, majority, majority_op = v.by_rank, v.in_coll, v.names, v.majority, v.majority_op
     parts: list[str] = []
-    if tie:
+    if v.tie:
         sides = ", ".join(f"{format_ranks([r for r, f in in_coll.items() if f == fam])} in {names[fam]}"
-                          for fam, _ in top)
-        parts.append(f"{'desync: ' if desync else ''}{sides} (equal groups: cannot tell which side "
-                     f"{'ran ahead' if desync else 'is behind'})")
+                          for fam, _ in v.top)
+        parts.append(f"{'desync: ' if v.desync else ''}{sides} (equal groups: cannot tell which side "
+                     f"{'ran ahead' if v.desync else 'is behind'})")
     else:
         for fam in sorted({f for f in in_coll.values() if f != majority}):
             members = sorted(r for r, f in in_coll.items() if f == fam)
-            culprits |= set(members)
             if fam in P2P_FAMILIES or majority in P2P_FAMILIES:
-                parts.append(f"{format_ranks(members)} in {names[fam]} while {_waits(waiting)} in {majority_op}")
+                parts.append(f"{format_ranks(members)} in {names[fam]} while {_waits(v.waiting)} in {majority_op}")
             else:
-                parts.append(f"desync: {format_ranks(members)} in {names[fam]} while {_waits(waiting)} in "
+                parts.append(f"desync: {format_ranks(members)} in {names[fam]} while {_waits(v.waiting)} in "
                              f"{majority_op} ({format_ranks(members)} ran ahead or fell behind)")
-    if waiters:  # every rank neither in a collective nor in a device sync never arrived
-        for _key, members in ordered:
+    if v.waiters:
+        for _key, members in v.ordered:
             rs0 = by_rank[members[0]]
             if rs0.state in WAITING_STATES or rs0.state in SYNC_STATES:
                 continue
-            culprits |= set(members)
             if rs0.state == "stopped":
                 parts.append(f"{format_ranks(members)} {_verb(members)} stopped (SIGSTOP or job control: state T)")
                 continue
             how = "busy" if rs0.active else "stuck"
             at = f" at {rs0.where}" if rs0.where else ""
             parts.append(f"{format_ranks(members)} {_verb(members)} {how} in {rs0.state}{at}")
-    if missing:
-        m = sorted(missing)
+    if v.missing:
+        m = sorted(v.missing)
         parts.append(f"{format_ranks(m)} {_verb(m)} missing (no stack: exited or not dumpable)")
-    if parts and waiting and not split:
-        parts.append(f"{_waits(waiting)} in {majority_op}")
-    if parts and syncing:
-        parts.append(f"{_waits(syncing)} in device_sync")
-    if parts and in_wait and majority != WAIT_FAMILY:
-        parts.append(f"{_waits(in_wait)} in a collective's wait()")
-    if parts and ddp_aside:
-        ops = "/".join(sorted({by_rank[r].op or "?" for r in ddp_aside}))
-        past = f"past the {names[passed]}, which lets some members go before all arrive" if passed else \
+    if parts and v.waiting and not v.split:
+        parts.append(f"{_waits(v.waiting)} in {majority_op}")
+    if parts and v.syncing:
+        parts.append(f"{_waits(v.syncing)} in device_sync")
+    if parts and v.in_wait and majority != WAIT_FAMILY:
+        parts.append(f"{_waits(v.in_wait)} in a collective's wait()")
+    if parts and v.ddp_aside:
+        ops = "/".join(sorted({by_rank[r].op or "?" for r in v.ddp_aside}))
+        past = f"past the {names[v.passed]}, which lets some members go before all arrive" if v.passed else \
             "past what the others are stuck in"
-        parts.append(f"{_waits(ddp_aside)} in {ops} (DDP's regular flow: {past})")
+        parts.append(f"{_waits(v.ddp_aside)} in {ops} (DDP's regular flow: {past})")
 
-    if not waiters:
-        states = ", ".join(f"{format_ranks(m)} {by_rank[m[0]].state}" for _, m in ordered) or "no stacks"
-        parts.append(f"no rank is in a collective ({states})" + ("" if culprits else "; culprit unknown"))
+    if not v.waiters:
+        states = ", ".join(f"{format_ranks(m)} {by_rank[m[0]].state}" for _, m in v.ordered) or "no stacks"
+        parts.append(f"no rank is in a collective ({states})" + ("" if v.culprits else "; culprit unknown"))
     elif not parts:
         everyone = sorted(by_rank)
-        what = majority_op if not syncing else (f"{majority_op} or device_sync" if waiting else "device_sync")
+        what = majority_op if not v.syncing else (f"{majority_op} or device_sync" if v.waiting else "device_sync")
         who = f"all {len(everyone)} ranks wait" if len(everyone) > 1 else _waits(everyone)
         parts.append(f"{who} in {what}; culprit unknown, possibly on another "
                      "node (merge the nodes' stacks with `gpu-watchdog analyze`)")
-    away = sorted(set(unseen) - set(by_rank) - missing)
+    away = sorted(set(unseen) - set(by_rank) - v.missing)
     if away:
         parts.append(f"{format_ranks(away)} {_verb(away)} not seen (on other nodes whose stacks are not here)")
-    return Diagnosis(tuple(sorted(culprits)), majority_op, "; ".join(parts), desync, group_t)
+    return "; ".join(parts)
 
 
 @dataclass(frozen=True)
