@@ -115,3 +115,13 @@ class GpuFaultHandler:
         if res.ok:
             ctx.drained.add(key)
         ctx.say(f"drain: {res.detail()}")
+
+
+def record(ctx: ActContext, hooks: Mapping[str, HookSpec], finding: Finding, sample: NodeSample) -> Incident:
+    """``respond``'s "record": an incident and nothing else — an application Xid (its GPU and jobs named), launch
+    settings that differ between ranks."""
+    if finding.kind == "gpu_fault":
+        return GpuFaultHandler(ctx, hooks).record(finding, sample)
+    inc = ctx.open_incident(finding)
+    inc.finish("recorded")
+    return inc

@@ -368,3 +368,4 @@ def observe(ctx: ActContext, finding: Finding, status: JobStatus | None, sample:
     gathered.report(inc)
     inc.finish(f"observed: {why}")
     return inc
+

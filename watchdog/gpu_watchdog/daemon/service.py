@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_watchdog.act.checkpoint import request_checkpoint
-from gpu_watchdog.act.faults import GpuFaultHandler
+from gpu_watchdog.act.faults import GpuFaultHandler, record
 from gpu_watchdog.act.hooks import run_hook
 from gpu_watchdog.act.recovery import Recovery, observe
 from gpu_watchdog.act.slurm import cancelled, moved_on, show_job
@@ -45,7 +45,6 @@ from gpu_watchdog.detect.states import STALLED
 from gpu_watchdog.engine.loop import Engine, count_internal_error
 from gpu_watchdog.errors import ConfigError, NoInputError, UsageError
 from gpu_watchdog.evidence import flight_recorder as fr
-from gpu_watchdog.evidence.spawned_ranks import SpawnedRanks
 from gpu_watchdog.export.health import LoopHealth, Pinger
 from gpu_watchdog.export.sdnotify import Notifier
 from gpu_watchdog.job.protocol import ControlDir
@@ -109,7 +108,6 @@ class Daemon:
                               runs=JobRuns.from_config(cfg, self.host))
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="watchdog-work")
         self._engine: Engine | None = None
-        self._ranks_in_code = SpawnedRanks(cfg.stacks.py_spy, cfg.stacks.timeout_s)
         self._owned: tuple[int, ...] = ()  # registered processes and their descendants, as of this tick
         self._signals: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._lock = threading.RLock()  # busy set, budgets, observed
@@ -136,9 +134,8 @@ class Daemon:
                     extra_pids=self._registered_pids, env_filter=CONSISTENCY_ENV,
                     faults=self.cfg.faults, min_window_s=self.cfg.detect.progress_min_window_s)
             scanner = getattr(self.backend, "scanner", None)
-            if scanner is not None:  # a registered job whose ranks set their rank in code (mp.spawn)
+            if scanner is not None:  # a registered job whose ranks set their rank in code (mp.spawn): its ranks
                 scanner.member_pool = lambda: self._owned
-                scanner.rank_finder = self._ranks_in_code
             self.ctx.gpu_pids = gpu_memory_holders(self.backend)
             self._engine = Engine(self.cfg, self.backend, self.fallback, self._pool, health=self.health,
                                   metrics=self.metrics, heartbeats=self._heartbeats,
@@ -343,12 +340,9 @@ class Daemon:
         log.warning("%s in job %s (%s): %s; incident %s", finding.kind, finding.job_id, finding.detail, why, inc.id)
 
     def _record(self, finding: Finding, sample: NodeSample) -> None:
-        if finding.kind == "gpu_fault":
-            GpuFaultHandler(self.ctx, self.cfg.hooks).record(finding, sample)
-            return
-        inc = self.ctx.open_incident(finding)
-        inc.finish("recorded")
-        log.warning("job %s: %s: incident %s", finding.job_id, finding.detail, inc.id)
+        inc = record(self.ctx, self.cfg.hooks, finding, sample)
+        if finding.kind != "gpu_fault":  # the fault handler logged its own line
+            log.warning("job %s: %s: incident %s", finding.job_id, finding.detail, inc.id)
 
     def _drain(self, finding: Finding, sample: NodeSample) -> None:
         """Stop the registered jobs on the faulted GPU, drain the node, then run their restart hooks so the
@@ -565,7 +559,6 @@ class Daemon:
             self._pool.shutdown(wait=False, cancel_futures=True)
             engine.backend.close()
             engine.close()
-            self._ranks_in_code.close()
             self.store.close()
         return 0
 

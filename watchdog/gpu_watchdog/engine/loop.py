@@ -33,6 +33,7 @@ from gpu_watchdog.detect.detector import (
 from gpu_watchdog.evidence.collect import collect_stack_evidence, pids_on_gpu
 from gpu_watchdog.evidence.flight_recorder import SuspectDumps
 from gpu_watchdog.evidence.ras_poll import RasPoller
+from gpu_watchdog.evidence.spawned_ranks import SpawnedRanks
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.model import CommProgress, NodeSample, StackEvidence
 from gpu_watchdog.sample.backends import Backend
@@ -105,6 +106,11 @@ class Engine:
         self._comm_seen: dict[str, float] = {}
         self._comm_read_at: dict[str, float] = {}  # monotonic: the next read of a job's shared record
         self._holds_lock = threading.Lock()  # the daemon's acts run on worker threads
+        # Ranks handed their rank in code (mp.spawn): the scanner asks for each one's rank, read from its stack.
+        self.ranks_in_code = SpawnedRanks(cfg.stacks.py_spy, cfg.stacks.timeout_s)
+        scanner = getattr(backend, "scanner", None)
+        if scanner is not None:
+            scanner.rank_finder = self.ranks_in_code
 
     def hold(self, job_id: str, onset: float, why: str, on: tuple[int, ...] = (), doing: str = "") -> None:
         """A confirmed stall that was not acted on (no communication evidence): from the next tick the job waits
@@ -317,6 +323,7 @@ class Engine:
         file system still finishes, or not, on its own thread)."""
         if self._shared is not None:
             self._shared.shutdown(wait=False, cancel_futures=True)
+        self.ranks_in_code.close()
 
     def _shared_pool(self) -> Executor:
         """One worker for the shared directory (a file system that hangs delays it, never a tick)."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from gpu_watchdog.act.faults import GpuFaultHandler
+from gpu_watchdog.act.faults import GpuFaultHandler, record
 from gpu_watchdog.act.recovery import Recovery
 from gpu_watchdog.act.stopper import JobProcess, alive, job_tree, stop_processes
 from gpu_watchdog.act.target import ActContext
@@ -34,7 +34,7 @@ from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.engine.loop import Engine, Tick, count_internal_error
 from gpu_watchdog.errors import EXIT_BUDGET_SPENT, EXIT_GPU_FAULT, EXIT_SOFTWARE, UsageError
 from gpu_watchdog.evidence import flight_recorder as fr
-from gpu_watchdog.evidence.spawned_ranks import SpawnedRanks, no_rank_warning
+from gpu_watchdog.evidence.spawned_ranks import no_rank_warning
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV, RESTART_COUNT_ENV, ControlDir
 from gpu_watchdog.launch.exits import ExitWatch, first_to_exit
@@ -132,7 +132,6 @@ class Launcher:
         self.control = ControlDir(self.state_dir / "run" / self.job_id)
         self._wake = threading.Event()  # set when a stack dump finishes: feed it to the detector at once
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stacks")
-        self._ranks_in_code = SpawnedRanks(cfg.stacks.py_spy, cfg.stacks.timeout_s)
         self._warned_no_rank = False
         self.backend = backend
         self.engine: Engine | None = None  # built by run(), on the backend it chooses
@@ -189,9 +188,6 @@ class Launcher:
         else:
             why = f"{getattr(self.backend, 'name', 'given')} backend"
         backend = self.backend
-        scanner = getattr(backend, "scanner", None)
-        if scanner is not None:  # ranks given their rank in code (mp.spawn): read from their stacks
-            scanner.rank_finder = self._ranks_in_code
         self.ctx.gpu_pids = gpu_memory_holders(backend)
         logged = f"; job log {self.output.log_path}" if self.output.log_path else ""
         self.say(f"job {self.job_id}: sampling with the {why}; state in {self.state_dir}{logged}")
@@ -234,7 +230,6 @@ class Launcher:
             backend.close()
             engine.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
-            self._ranks_in_code.close()
 
     def _watch(self, engine: Engine, target: LaunchTarget, exits: ExitWatch) -> _Outcome:
         seen: dict[int, JobProcess] = {}  # every job process sampled in this run (pid + create time)
@@ -288,10 +283,11 @@ class Launcher:
         """Once per launch: the job has shown no rank ``agent.no_rank_warning_s`` after its run started."""
         limit = self.cfg.agent.no_rank_warning_s
         scanner = getattr(self.backend, "scanner", None)
-        if self._warned_no_rank or limit <= 0 or waited_s < limit or scanner is None:
+        if self._warned_no_rank or limit <= 0 or waited_s < limit or scanner is None or self.engine is None:
             return
         self._warned_no_rank = True
-        self.say(no_rank_warning(self.job_id, waited_s, scanner.unranked, scanner.rankless, self._ranks_in_code.why))
+        self.say(no_rank_warning(self.job_id, waited_s, scanner.unranked, scanner.rankless,
+                                 self.engine.ranks_in_code.why))
 
     def _internal_error(self, e: Exception, target: LaunchTarget) -> _Outcome:
         """The agent cannot tell what state its job is in: stop it with the usual ladder, then exit 70. The
@@ -330,12 +326,9 @@ class Launcher:
 
     def record(self, finding: Finding, sample: NodeSample) -> None:
         """An incident only (respond's "record"): an application Xid, ranks launched with different settings."""
-        if finding.kind == "gpu_fault":
-            self.faults.record(finding, sample)
-            return
-        inc = self.ctx.open_incident(finding)
-        inc.finish("recorded")
-        self.say(f"WARNING: {finding.detail} (incident {inc.id})")
+        inc = record(self.ctx, self.faults.hooks, finding, sample)
+        if finding.kind != "gpu_fault":  # the fault handler said its own line
+            self.say(f"WARNING: {finding.detail} (incident {inc.id})")
 
     def _backoff_wait(self, seconds: float) -> bool:
         """The restart backoff, cut short by SIGINT/SIGTERM (the job is already stopped): False when cut."""
