@@ -75,7 +75,8 @@ def test_the_processes_connected_to_a_port_of_the_job_joined_and_the_others_did_
     proc, pids = job
     pool = [proc.pid, *pids.values()]
     members = group_members.joined(pool, pool, {})
-    assert members == {pids["store"], pids["client"], pids["forker"], pids["forker-child"]}
+    assert set(members) == {pids["store"], pids["client"], pids["forker"], pids["forker-child"]}
+    assert members[pids["forker-child"]] <= members[pids["forker"]]  # the fork holds its parent's sockets
     assert proc.pid not in members and pids["loner"] not in members
 
 
@@ -90,10 +91,10 @@ def test_a_connection_to_the_master_port_counts_where_the_store_is_elsewhere(tmp
     try:
         peer, _ = srv.accept()
         wait_for(lambda: group_members.socket_inodes(client.pid) or None, 10, "the client's socket")
-        assert group_members.joined([client.pid], [client.pid], {}) == set()
-        assert group_members.joined([client.pid], [client.pid], {client.pid: {"MASTER_PORT": str(port)}}) == \
-            {client.pid}
-        assert group_members.joined([client.pid], [client.pid], {client.pid: {"MASTER_PORT": "x"}}) == set()
+        assert group_members.joined([client.pid], [client.pid], {}) == {}
+        assert set(group_members.joined([client.pid], [client.pid], {client.pid: {"MASTER_PORT": str(port)}})) \
+            == {client.pid}
+        assert group_members.joined([client.pid], [client.pid], {client.pid: {"MASTER_PORT": "x"}}) == {}
         peer.close()
     finally:
         client.kill()
@@ -146,6 +147,47 @@ def test_the_scanner_makes_the_topmost_members_ranks_once_their_rank_is_known(jo
     asked.clear()
     _ranks(scanner)
     assert asked == []  # a learned rank is kept; nobody is asked again
+
+
+# A hand-written mp.Process loop whose parent is rank 0: it hosts the store, connects to it, then starts ranks 1
+# and 2, which connect on their own.
+RANK0_STARTS = r"""
+import socket, subprocess, sys, time
+if len(sys.argv) > 1:
+    c = socket.create_connection(("127.0.0.1", int(sys.argv[1]))); time.sleep(120)
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(8)
+me = socket.create_connection(srv.getsockname()); conns = [srv.accept()]
+kids = [subprocess.Popen([sys.executable, __file__, str(srv.getsockname()[1])]) for _ in range(2)]
+while True:
+    conns.append(srv.accept())
+"""
+
+
+def test_ranks_a_rank_starts_itself_are_ranks_not_its_workers(tmp_path: Path) -> None:
+    """Below a member, a process with connections of its own is a rank (a DataLoader worker holds only its
+    parent's sockets)."""
+    script = tmp_path / "rank0.py"
+    script.write_text(RANK0_STARTS)
+    proc = subprocess.Popen([sys.executable, str(script)], start_new_session=True,
+                            env=dict(os.environ, GPU_WATCHDOG_JOB_ID="loop"))
+    try:
+        def connected() -> list[int] | None:
+            kids = [c.pid for c in psutil.Process(proc.pid).children() if group_members.socket_inodes(c.pid)]
+            return kids if len(kids) == 2 else None
+
+        kids = wait_for(connected, 30, "the two ranks it starts, connected")
+        scanner = ProcessScanner(root_pid=proc.pid)
+        order = {proc.pid: 0, kids[0]: 1, kids[1]: 2}
+        scanner.rank_finder = lambda pid, ct: order.get(pid)
+
+        def three() -> dict[int, int] | None:
+            ranks = _ranks(scanner)
+            return ranks if len(ranks) == 3 else None
+
+        assert wait_for(three, 10, "three ranks") == order
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_where_the_environment_names_a_rank_nobody_is_made_a_member(tmp_path: Path) -> None:

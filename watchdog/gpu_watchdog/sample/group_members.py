@@ -75,15 +75,17 @@ def _master_port(env: Mapping[str, str]) -> int | None:
     return port if 0 < port < 65536 else None
 
 
-def joined(candidates: Iterable[int], pool: Iterable[int], envs: Mapping[int, Mapping[str, str]]) -> set[int]:
+def joined(candidates: Iterable[int], pool: Iterable[int],
+           envs: Mapping[int, Mapping[str, str]]) -> dict[int, frozenset[int]]:
     """The ``candidates`` that hold an established TCP connection to a port some process of ``pool`` (the job's
-    processes, candidates included) listens on, or to the ``MASTER_PORT`` of their own starting environment."""
+    processes, candidates included) listens on, or to the ``MASTER_PORT`` of their own starting environment: pid →
+    the inodes of those connections (a forked child holds its parent's)."""
     candidates = list(candidates)
     if not candidates:
-        return set()
+        return {}
     held = {pid: socket_inodes(pid) for pid in set(pool) | set(candidates)}
     if not any(held[c] for c in candidates):
-        return set()
+        return {}
     table: dict[int, tuple[str, int, int]] = {}
     for pid in candidates:  # one read per network namespace in practice: the first candidate with sockets
         if held[pid]:
@@ -91,11 +93,12 @@ def joined(candidates: Iterable[int], pool: Iterable[int], envs: Mapping[int, Ma
             break
     listening = {table[i][1] for inodes in held.values() for i in inodes
                  if i in table and table[i][0] == _LISTEN}
-    out = set()
+    out: dict[int, frozenset[int]] = {}
     for pid in candidates:
         ports = listening | ({p} if (p := _master_port(envs.get(pid, {}))) is not None else set())
-        if any(table.get(i, ("", 0, 0))[0] == _ESTABLISHED and table[i][2] in ports for i in held[pid]):
-            out.add(pid)
+        conns = frozenset(i for i in held[pid] if table.get(i, ("", 0, 0))[0] == _ESTABLISHED and table[i][2] in ports)
+        if conns:
+            out[pid] = conns
     return out
 
 

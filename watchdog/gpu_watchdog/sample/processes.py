@@ -159,6 +159,8 @@ class _Known:
     launcher: bool = False  # torchrun's agent (or another launcher) in an srun task: it starts the ranks
     launcher_cmd: bool | None = None  # its command line is a known launcher's (read once, on first use)
     member: bool = False  # joined its job's process group without a rank in its environment (group_members)
+    member_conns: frozenset[int] = frozenset()  # the socket inodes that made it one
+    own_conns: bool | None = None  # below another member: whether it holds connections of its own (None: not asked)
     member_rank: int | None = None  # that member's rank, once learned
     pipe_stem: str = ""  # TORCH_NCCL_DEBUG_INFO_PIPE_FILE: an NCCL rank's dump pipe names its rank
     master_port: str = ""  # MASTER_PORT from its starting environment
@@ -277,6 +279,7 @@ class ProcessScanner:
         old = self._known.get(pid)
         if old is not None and old.start == known.start:  # a re-read of the same process keeps what was learned
             known.launcher_cmd, known.member, known.member_rank = old.launcher_cmd, old.member, old.member_rank
+            known.member_conns, known.own_conns = old.member_conns, old.own_conns
         self._known[pid] = known
         return known
 
@@ -373,17 +376,19 @@ class ProcessScanner:
             return  # torchrun, Slurm, a job that exports RANK: the environment says it all
         candidates = [pid for pid, k in procs.items() if not k.member and not self._is_launcher_cmd(k)]
         envs = {pid: {"MASTER_PORT": procs[pid].master_port} for pid in candidates}
-        for pid in group_members.joined(candidates, procs, envs) if candidates else ():
-            procs[pid].member = True
+        for pid, conns in (group_members.joined(candidates, procs, envs) if candidates else {}).items():
+            procs[pid].member, procs[pid].member_conns = True, conns
         members = {pid for pid, k in procs.items() if k.member}
         unranked, rankless = [], []
         for pid, known in procs.items():
-            up, hops, inherited = ppids.get(pid, 0), 0, False
-            while up > 1 and hops < 64 and not inherited:  # a member's fork (DataLoader worker) is its work
-                inherited = up in members
-                up, hops = ppids.get(up, 0), hops + 1
-            if inherited:
-                continue
+            above = _member_above(pid, members, ppids)
+            if above is not None:
+                # A member's fork (a DataLoader worker) holds only its parent's sockets: its work, not a rank. A
+                # rank that starts the others itself (a hand-written mp.Process loop in rank 0) holds its own.
+                if known.own_conns is None and known.member:
+                    known.own_conns = bool(known.member_conns - group_members.socket_inodes(above))
+                if not known.own_conns:
+                    continue
             if pid not in members:
                 rankless.append(pid)
                 continue
@@ -525,6 +530,16 @@ class ProcessScanner:
                              cpu_time_s=cpu_total, io_bytes=io_total, rss_bytes=rss, cmdline=cmdline,
                              job=known.identity, wakeups=wakeups, wchan=read_wchan(pid),
                              exit_status=read_exit_status(pid) if status == psutil.STATUS_ZOMBIE else None)
+
+
+def _member_above(pid: int, members: set[int], ppids: Mapping[int, int]) -> int | None:
+    """The nearest ancestor of ``pid`` among ``members``, or None."""
+    up, hops = ppids.get(pid, 0), 0
+    while up > 1 and hops < 64:
+        if up in members:
+            return up
+        up, hops = ppids.get(up, 0), hops + 1
+    return None
 
 
 def _rank_launchers(idents: Mapping[int, _Known], ppids: Mapping[int, int]) -> set[int]:
