@@ -9,23 +9,22 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from gpu_watchdog.act.recovery import stop_job
+from gpu_watchdog.act.target import ActContext, JobTarget
 from gpu_watchdog.errors import UsageError
+from gpu_watchdog.store.db import Store
 from gpu_watchdog.store.incidents import Incident
-
-if TYPE_CHECKING:  # typing only: the daemon calls this module, never the other way round at run time
-    from gpu_watchdog.daemon.service import Daemon
 
 log = logging.getLogger("gpu_watchdog.daemon")
 RESTARTING_KINDS = ("stall", "gpu_fault", "restart")
 
 
-def _close_interrupted(daemon: Daemon, inc: Incident | None, action: dict) -> None:
+def _close_interrupted(store: Store, inc: Incident | None, action: dict) -> None:
     note = ("interrupted by a daemon restart; not re-run (it may have taken effect)"
             if action["action"] == "restart_hook" else "interrupted by a daemon restart")
-    daemon.store.end_action(action["seq"], None, f"{action['detail']}; {note}".lstrip("; "))
+    store.end_action(action["seq"], None, f"{action['detail']}; {note}".lstrip("; "))
     if inc is None:
         return
     for e in inc.summary.get("actions", []):
@@ -35,31 +34,32 @@ def _close_interrupted(daemon: Daemon, inc: Incident | None, action: dict) -> No
     inc.save()
 
 
-def resume_incidents(daemon: Daemon) -> list[str]:
+def resume_incidents(store: Store, ctx: ActContext, registered: Callable[[str], JobTarget | None]) -> list[str]:
+    """Finish what the journal (``store``) shows unfinished; ``registered(job_id)``: the job's target while it is
+    still registered, else None."""
     done = []
-    for row in daemon.store.unfinished_incidents():
+    for row in store.unfinished_incidents():
         try:
-            inc: Incident | None = daemon.incidents.get(row["id"])
+            inc: Incident | None = ctx.incidents.get(row["id"])
         except UsageError:
             inc = None
-        actions = daemon.store.actions(row["id"])
+        actions = store.actions(row["id"])
         for a in actions:
             if a["finished_at"] is None:
-                _close_interrupted(daemon, inc, a)
+                _close_interrupted(store, inc, a)
         if inc is None:
-            daemon.store.finish_incident(row["id"], "incident directory missing after a restart")
+            store.finish_incident(row["id"], "incident directory missing after a restart")
             continue
         hook_started = any(a["action"] == "restart_hook" for a in actions)
         gave_up = any(a["action"] == "give_up" for a in actions)
-        reg = daemon.registrations().get(row["job_id"] or "")
+        target = registered(row["job_id"] or "")
         if hook_started:
             outcome = "resumed after a daemon restart: restart hook interrupted, not re-run"
-        elif gave_up or row["kind"] not in RESTARTING_KINDS or reg is None:
+        elif gave_up or row["kind"] not in RESTARTING_KINDS or target is None:
             outcome = "resumed after a daemon restart: nothing left to do"
         else:
-            target = daemon.target(row["job_id"], reg)
-            stop_job(daemon.ctx, inc, target, "resumed: ")
-            ok = target.restart(inc, daemon.fallback.level(row["job_id"]), "")
+            stop_job(ctx, inc, target, "resumed: ")
+            ok = target.restart(inc, ctx.fallback.level(row["job_id"]), "")
             outcome = f"resumed after a daemon restart: restart hook {'ran' if ok else 'failed or missing'}"
         inc.finish(outcome)
         log.info("incident %s: %s", row["id"], outcome)

@@ -471,7 +471,11 @@ class Daemon:
     # -- crash recovery and housekeeping --------------------------------------------------------------
     def resume(self) -> list[str]:
         """Finish incidents a killed daemon left unfinished (daemon.resume)."""
-        return resume_incidents(self)
+        def registered(job_id: str) -> RegisteredJob | None:
+            reg = self.registrations().get(job_id)
+            return self.target(job_id, reg) if reg is not None else None
+
+        return resume_incidents(self.store, self.ctx, registered)
 
     def housekeeping(self, now: float | None = None) -> list[str]:
         """Prune old incident directories and forget restart budgets untouched for a whole window; returns the
