@@ -10,7 +10,7 @@ import pytest
 from gpu_watchdog.act.hooks import run_hook
 from gpu_watchdog.config.schema import HookSpec
 from gpu_watchdog.errors import UsageError
-from gpu_watchdog.policy.templates import placeholder_values, render_argv
+from gpu_watchdog.policy.hook_values import placeholder_values, render_argv
 
 
 @pytest.mark.parametrize("job_id", ["a b", "a;rm -rf /", "../x", "a/b", "-rf", "x\n--all", "", "a\x00b",

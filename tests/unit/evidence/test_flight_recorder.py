@@ -20,7 +20,7 @@ from gpu_watchdog.evidence.flight_recorder import (
     load_dump,
     trigger_dumps,
 )
-from gpu_watchdog.evidence.fr_analysis import analyze_traces, read_trace
+from gpu_watchdog.evidence.fr_analysis import analyze_traces, rank_trace
 
 
 def test_settings_from_env() -> None:
@@ -98,7 +98,7 @@ def test_real_gloo_dumps_name_the_lagging_rank(tmp_path: Path) -> None:
         job.stop()
     dumps = {i: load_dump(p) for i, p in enumerate(copies)}
     assert {"version", "pg_config", "pg_status", "entries"} <= set(dumps[0])
-    a = analyze_traces([read_trace(d, r, copies[r].stat().st_mtime) for r, d in dumps.items()], min_wait_s=0.0)
+    a = analyze_traces([rank_trace(d, r, copies[r].stat().st_mtime) for r, d in dumps.items()], min_wait_s=0.0)
     assert a.culprit_ranks == (1,)
     (g,) = a.groups  # the default group: rank 0 waits in all_reduce #3, rank 1 never enqueued it
     assert (g.name, g.desc, g.kind, g.op, g.seq, g.sizes, g.waiting, g.missing) == (

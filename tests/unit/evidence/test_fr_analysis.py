@@ -21,7 +21,7 @@ import pytest
 from gpu_watchdog.evidence.analyze import main_analyze, write_rank_stacks
 from gpu_watchdog.evidence.culprit import SourceVerdict, merge_evidence
 from gpu_watchdog.evidence.diagnosis import Diagnosis
-from gpu_watchdog.evidence.fr_analysis import FrAnalysis, analyze_traces, parse_ranks, read_trace
+from gpu_watchdog.evidence.fr_analysis import FrAnalysis, analyze_traces, parse_ranks, rank_trace
 from gpu_watchdog.evidence.stacks import DumpResult
 from repo_paths import REPO
 
@@ -184,7 +184,7 @@ GROUPS = {"0": ("default_pg", [0, 1, 2, 3]), "1": ("tp", [0, 1]), "2": ("tp", [2
 
 
 def _analyze(dumps: dict[int, dict[str, Any]], **kw: Any) -> FrAnalysis:
-    return analyze_traces([read_trace(d, r, T0 + 1000) for r, d in dumps.items()], **kw)
+    return analyze_traces([rank_trace(d, r, T0 + 1000) for r, d in dumps.items()], **kw)
 
 
 def _tp_entries(rank: int, upto: int, pending: int | None = None, **kw: Any) -> list[dict[str, Any]]:
@@ -268,7 +268,7 @@ def test_gloo_pg_config_without_ranks_and_junk_fields_do_not_crash() -> None:
     junk = {"version": 7, "pg_config": [1], "pg_status": {"1": "x", "2": {"last_enqueued_collective": "9"}},
             "entries": [{"process_group": 5, "collective_seq_id": "a", "input_sizes": "x", "profiling_name": 3,
                          "time_created_ns": "now", "pg_id": [1]}, {"record_id": None}]}
-    a = analyze_traces([read_trace(junk, 0), read_trace(junk, 1)])
+    a = analyze_traces([rank_trace(junk, 0), rank_trace(junk, 1)])
     assert a.culprit_ranks == ()
 
 
@@ -540,7 +540,7 @@ def test_behind_in_completion_is_a_hang_however_young_the_waits() -> None:
         return _dump(entries, groups, {"0": (last, first - 1)})
 
     dumps = {r: active(10, 10) for r in (0, 1, 3)} | {2: active(7, 12)}
-    a = analyze_traces([read_trace(d, r, T0 + 113) for r, d in dumps.items()])
+    a = analyze_traces([rank_trace(d, r, T0 + 113) for r, d in dumps.items()])
     assert a.culprit_ranks == (2,), a.reason
     (g,) = a.groups
     assert g.kind == "behind" and g.waiting == (0, 1, 2, 3) and g.waited_s is not None and g.waited_s < 10
@@ -555,13 +555,13 @@ def test_a_rank_with_no_entries_pairs_its_pg_status_with_pg_config_by_creation_o
     d0 = _dump([_e(1, dp, 9, pg_id=1), _e(2, tp, 5, state="started", pg_id=2)], groups,
                {"0": (3, 3), "1": (9, 9), "2": (5, 4)})
     d1 = _dump([], groups, {"0": (3, 3), "1": (9, 9), "2": (4, 4)})
-    t1 = read_trace(d1, 1)
+    t1 = rank_trace(d1, 1)
     assert (t1.groups["5"].last_enqueued, t1.groups["2"].last_enqueued) == (4, 9)
     a = _analyze({0: d0, 1: d1})
     assert a.culprit_ranks == (1,) and [(g.kind, g.name, g.seq) for g in a.groups] == [("missing", "5", 5)]
     # names that are not creation counters, or entries that disagree: no pairing by order
     odd = {**groups, "x": ("pp", [0, 1])}
-    assert "5" not in {n for n, gv in read_trace(_dump([], odd, {"0": (3, 3), "1": (9, 9), "2": (4, 4), "3": (1, 1)}),
+    assert "5" not in {n for n, gv in rank_trace(_dump([], odd, {"0": (3, 3), "1": (9, 9), "2": (4, 4), "3": (1, 1)}),
                                                  1).groups.items() if gv.last_enqueued >= 0}
 
 

@@ -25,7 +25,7 @@ from gpu_watchdog.evidence.collect import (
 )
 from gpu_watchdog.evidence.culprit import FLIGHT_RECORDER, NCCL_RAS, STACKS, SourceVerdict, merge_evidence
 from gpu_watchdog.evidence.diagnosis import Diagnosis, communication_evidence, diagnose, format_ranks
-from gpu_watchdog.evidence.fr_analysis import FrAnalysis, analyze_traces, read_trace
+from gpu_watchdog.evidence.fr_analysis import FrAnalysis, analyze_traces, rank_trace
 from gpu_watchdog.evidence.ras_poll import RasPoller, write_ras_evidence
 from gpu_watchdog.evidence.report import render_report
 from gpu_watchdog.model import NodeSample, RankStack
@@ -216,7 +216,7 @@ class EvidenceGatherer:
                 time.sleep(0.2)
             # this job's ranks only, written since they started: another job may share the default dump prefix
             files = fr.collect_dumps(settings, fr_dir(inc.dir), ranks=sorted(rank_pids), newer_than=started)
-            traces = [read_trace(fr.load_dump(f), rank, f.stat().st_mtime)
+            traces = [rank_trace(fr.load_dump(f), rank, f.stat().st_mtime)
                       for f in files if (rank := fr.dump_rank(f)) is not None]
         except Exception as e:  # diagnostics must never block recovery; a bad dump is "no evidence"
             inc.end_action(entry, False, f"flight recorder: {e}")

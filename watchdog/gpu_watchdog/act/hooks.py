@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpu_watchdog.config.schema import HookSpec
-from gpu_watchdog.policy.templates import render_argv
+from gpu_watchdog.policy.hook_values import render_argv
 
 OUTPUT_TAIL_BYTES = 4096
 # The only variables a hook inherits from the daemon (plus GPU_WATCHDOG_* set per call).

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from gpu_watchdog.config.argv_templates import validate_argv
 from gpu_watchdog.config.schema import (
     DRAIN_PLACEHOLDERS,
     HOOK_MAX_TIMEOUT_S,
@@ -25,7 +26,6 @@ from gpu_watchdog.config.schema import (
     FallbackLevel,
     HookSpec,
 )
-from gpu_watchdog.config.templates import validate_argv
 from gpu_watchdog.errors import ConfigError, NoInputError
 
 if sys.version_info >= (3, 11):

@@ -133,7 +133,7 @@ class RecoveryConfig:
 DEFAULT_APPLICATION_XIDS: tuple[int, ...] = (13, 31, 43, 45, 68, 94)
 DEFAULT_DRAIN_COMMAND: tuple[str, ...] = ("scontrol", "update", "nodename={node}", "state=drain",
                                           "reason=gpu-watchdog: {reason}")
-# The placeholders an argv template may use (config.templates checks them; act.hooks / act.faults fill them).
+# The placeholders an argv template may use (config.argv_templates checks them; act.hooks / act.faults fill them).
 DRAIN_PLACEHOLDERS = ("node", "reason", "job_id", "incident", "gpu", "xid")
 HOOK_PLACEHOLDERS = ("job_id", "node", "level", "incident")
 

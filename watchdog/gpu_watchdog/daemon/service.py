@@ -50,8 +50,8 @@ from gpu_watchdog.export.sdnotify import Notifier
 from gpu_watchdog.job.protocol import ControlDir
 from gpu_watchdog.model import NodeSample
 from gpu_watchdog.policy.budget import RestartBudget
+from gpu_watchdog.policy.hook_values import placeholder_values, render_argv
 from gpu_watchdog.policy.respond import respond
-from gpu_watchdog.policy.templates import placeholder_values, render_argv
 from gpu_watchdog.sample.backends import Backend, choose_backend, gpu_memory_holders
 from gpu_watchdog.store.db import Store
 from gpu_watchdog.store.fallback import FallbackStore

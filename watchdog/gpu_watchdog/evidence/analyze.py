@@ -45,7 +45,7 @@ from gpu_watchdog.evidence.classify import classify_threads
 from gpu_watchdog.evidence.culprit import SOURCE_TITLES, Verdict, merge_evidence
 from gpu_watchdog.evidence.diagnosis import Diagnosis, diagnose, format_ranks
 from gpu_watchdog.evidence.flight_recorder import FlightRecorderError, dump_files, dump_rank, load_dump
-from gpu_watchdog.evidence.fr_analysis import DEFAULT_MIN_WAIT_S, FrAnalysis, RankTrace, analyze_traces, read_trace
+from gpu_watchdog.evidence.fr_analysis import DEFAULT_MIN_WAIT_S, FrAnalysis, RankTrace, analyze_traces, rank_trace
 from gpu_watchdog.evidence.stacks import DumpResult
 from gpu_watchdog.model import RankStack
 
@@ -148,7 +148,7 @@ class Evidence:
     confirmed: bool = False  # some dumps come from an incident: the agent took them on a confirmed stall
 
 
-def _read_trace(path: Path) -> RankTrace:
+def _load_rank_trace(path: Path) -> RankTrace:
     try:
         doc = load_dump(path)
     except FlightRecorderError as e:
@@ -160,7 +160,7 @@ def _read_trace(path: Path) -> RankTrace:
         mtime: float | None = path.stat().st_mtime
     except OSError:
         mtime = None
-    return read_trace(doc, rank, mtime)
+    return rank_trace(doc, rank, mtime)
 
 
 def load_evidence(dirs: Iterable[str | os.PathLike[str]]) -> Evidence:
@@ -185,7 +185,7 @@ def load_evidence(dirs: Iterable[str | os.PathLike[str]]) -> Evidence:
             if old is None or rec.stack is not None or old.stack is None:
                 merged[rec.rank] = rec
         for f in dumps:
-            t = _read_trace(f)
+            t = _load_rank_trace(f)
             traces[t.rank] = t  # the later directory wins, as for stacks
     if not any_dir:
         raise StacksNotFound("no directories given")

@@ -196,7 +196,7 @@ def _group_of(entry: Mapping[str, Any]) -> tuple[str, str]:
     return str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
 
 
-def read_trace(doc: Mapping[str, Any], rank: int, dumped_at: float | None = None) -> RankTrace:
+def rank_trace(doc: Mapping[str, Any], rank: int, dumped_at: float | None = None) -> RankTrace:
     """The analysis' view of one loaded dump (``flight_recorder.load_dump``)."""
     version = str(doc.get("version", "?"))
     entries = [e for e in doc.get("entries", ()) if isinstance(e, Mapping)]

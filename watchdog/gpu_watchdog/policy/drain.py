@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from gpu_watchdog.config.schema import FaultsConfig, HookSpec
 from gpu_watchdog.errors import UsageError, WatchdogError
-from gpu_watchdog.policy.templates import placeholder_values
+from gpu_watchdog.policy.hook_values import placeholder_values
 
 _GPU_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,95}$")
 _REASON_BAD = re.compile(r"[^A-Za-z0-9 ._:,=/+-]")
