@@ -36,8 +36,8 @@ from gpu_watchdog.job import Client
 from gpu_watchdog.job.protocol import EXIT_ABORTED, EXIT_CHECKPOINTED, ControlDir
 from gpu_watchdog.policy import fallback
 from gpu_watchdog.policy.budget import RestartBudget
-from gpu_watchdog.policy.fallback import FallbackDecision, decide, hang_place, validate_job_id
-from gpu_watchdog.store.fallback import FallbackStore
+from gpu_watchdog.policy.ladder import FallbackDecision, decide, hang_place, validate_job_id
+from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.incidents import IncidentStore
 from repo_paths import REPO
 from waiting import wait_for

@@ -31,10 +31,10 @@ from gpu_watchdog.export.metrics import AgentMetrics
 from gpu_watchdog.export.sdnotify import Notifier
 from gpu_watchdog.job.protocol import CONTROL_DIR_ENV
 from gpu_watchdog.launch.launcher import Launcher
-from gpu_watchdog.policy.fallback import FallbackDecision
+from gpu_watchdog.policy.ladder import FallbackDecision
 from gpu_watchdog.sample.backends import choose_backend
 from gpu_watchdog.sample.processes import JOB_ID_ENV
-from gpu_watchdog.store.fallback import FallbackStore
+from gpu_watchdog.store.fallback_levels import FallbackStore
 from in_process import ONE_RANK, one_rank_launch
 
 JOB = "agree-job"

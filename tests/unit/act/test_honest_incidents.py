@@ -14,8 +14,8 @@ from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.evidence.report import action_status
 from gpu_watchdog.export.metrics import AgentMetrics
 from gpu_watchdog.model import DeviceSample, NodeSample
-from gpu_watchdog.policy.fallback import decide
-from gpu_watchdog.store.fallback import FallbackStore
+from gpu_watchdog.policy.ladder import decide
+from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.incidents import IncidentStore
 
 

@@ -309,8 +309,8 @@ def test_task_prolog_exports_the_fallback_env(base: Path) -> None:
     """The shipped TaskProlog against a real daemon: the task's pid ($PPID) registered, the job's fallback
     overlay, level and control dir printed as Slurm TaskProlog lines; a daemon that is down: a `print`
     line, exit 0."""
-    from gpu_watchdog.policy.fallback import FallbackDecision
-    from gpu_watchdog.store.fallback import FallbackStore
+    from gpu_watchdog.policy.ladder import FallbackDecision
+    from gpu_watchdog.store.fallback_levels import FallbackStore
 
     (base / "c.toml").write_text(f'[agent]\nbackend = "proc"\nstate_dir = "{base / "state"}"\n'
                                  f'[daemon]\ncontrol_socket = "{base / "c.sock"}"\nsocket_group = ""\n'

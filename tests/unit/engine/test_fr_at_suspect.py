@@ -21,7 +21,7 @@ from gpu_watchdog.detect.detector import RUNNING, SUSPECT, Finding, JobStatus
 from gpu_watchdog.engine.loop import Engine
 from gpu_watchdog.evidence.flight_recorder import fr_settings, recording_env
 from gpu_watchdog.export.health import LoopHealth
-from gpu_watchdog.store.fallback import FallbackStore
+from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.incidents import IncidentStore
 from waiting import wait_for
 

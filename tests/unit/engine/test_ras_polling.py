@@ -14,7 +14,7 @@ from gpu_watchdog.config.schema import Config, RasConfig
 from gpu_watchdog.detect.detector import RUNNING, STALLED, SUSPECT, WAITING, JobStatus
 from gpu_watchdog.engine.loop import Engine
 from gpu_watchdog.export.health import LoopHealth
-from gpu_watchdog.store.fallback import FallbackStore
+from gpu_watchdog.store.fallback_levels import FallbackStore
 from ras_standin import Comm, Rank, RasStandIn, report_json
 from waiting import wait_for
 

@@ -39,7 +39,7 @@ from gpu_watchdog.evidence.diagnosis import RankContext, communication_evidence,
 from gpu_watchdog.evidence.stacks import DumpResult, dump_stacks, find_py_spy
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.model import DeviceSample, GpuProcess, NodeSample
-from gpu_watchdog.store.fallback import FallbackStore
+from gpu_watchdog.store.fallback_levels import FallbackStore
 from waiting import wait_blocked
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "real-gpu"

@@ -12,7 +12,7 @@ from gpu_watchdog.evidence.diagnosis import communication_evidence, diagnose, ra
 from gpu_watchdog.evidence.syscalls import timed_wait
 from gpu_watchdog.model import JobIdentity, NodeSample, ProcessSample, RankStack
 from gpu_watchdog.policy.budget import RestartBudget
-from gpu_watchdog.policy.fallback import decide
+from gpu_watchdog.policy.ladder import decide
 
 # Lines read from real Python processes on x86_64 (see evidence/syscalls.py).
 SLEEP = "230 0x1 0x1 0x7fff36a602d0 0x0 0x0 0x0 0x7fff36a602b8 0x7fcda3aed503"

@@ -23,7 +23,7 @@ from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.model import NodeSample, RankStack, StackEvidence
 from gpu_watchdog.sample.recent import TRACE_NAME, RecentSamples, max_records
 from gpu_watchdog.sample.trace import read_trace
-from gpu_watchdog.store.fallback import FallbackStore
+from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.incidents import IncidentStore
 from repo_paths import REPO
 

@@ -34,7 +34,7 @@ from gpu_watchdog.errors import EXIT_GPU_FAULT, ConfigError
 from gpu_watchdog.launch.launcher import Launcher, LaunchTarget
 from gpu_watchdog.model import DeviceSample, GpuFault, GpuProcess, JobIdentity, NodeSample, ProcessSample
 from gpu_watchdog.policy.drain import drain_reason
-from gpu_watchdog.policy.fallback import FallbackDecision
+from gpu_watchdog.policy.ladder import FallbackDecision
 from gpu_watchdog.sample.backends import NvmlBackend, choose_backend
 from gpu_watchdog.sample.processes import JOB_ID_ENV, ProcessScanner
 from gpu_watchdog.sample.xid import (

@@ -19,7 +19,7 @@ from gpu_watchdog.evidence.diagnosis import diagnose
 from gpu_watchdog.job.protocol import ControlDir
 from gpu_watchdog.model import NodeSample, RankStack, StackEvidence
 from gpu_watchdog.policy.budget import RestartBudget
-from gpu_watchdog.store.fallback import FallbackStore
+from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.incidents import Incident, IncidentStore
 from gpu_watchdog.store.job_runs import JobRuns
 

@@ -21,7 +21,7 @@ from gpu_watchdog.act.target import ActContext, JobTarget
 from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.model import NodeSample
 from gpu_watchdog.policy.budget import RestartBudget
-from gpu_watchdog.policy.fallback import WAITED_ADVICE, FallbackDecision, decide, diagnostics_env, hang_place
+from gpu_watchdog.policy.ladder import WAITED_ADVICE, FallbackDecision, decide, diagnostics_env, hang_place
 from gpu_watchdog.store.incidents import Incident
 from gpu_watchdog.store.job_runs import JobRuns
 

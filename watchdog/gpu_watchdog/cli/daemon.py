@@ -132,7 +132,7 @@ def _task_prolog_exports(reply: dict[str, Any]) -> str:
     Flight Recorder settings the job's own environment (this process's: the TaskProlog runs with it) leaves unset."""
     from gpu_watchdog.evidence.flight_recorder import recording_env
     from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV
-    from gpu_watchdog.policy.fallback import task_prolog_lines
+    from gpu_watchdog.policy.ladder import task_prolog_lines
 
     env = {k: str(v) for k, v in dict(reply.get("env") or {}).items()}
     frc = reply.get("flight_recorder")

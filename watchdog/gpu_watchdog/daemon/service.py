@@ -54,7 +54,7 @@ from gpu_watchdog.policy.hook_values import placeholder_values, render_argv
 from gpu_watchdog.policy.respond import respond
 from gpu_watchdog.sample.backends import Backend, choose_backend, gpu_memory_holders
 from gpu_watchdog.store.db import Store
-from gpu_watchdog.store.fallback import FallbackStore
+from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.incidents import Incident, IncidentStore
 from gpu_watchdog.store.job_runs import JobRuns
 

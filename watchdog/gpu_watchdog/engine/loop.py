@@ -38,7 +38,7 @@ from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.model import CommProgress, NodeSample, StackEvidence
 from gpu_watchdog.sample.backends import Backend
 from gpu_watchdog.sample.recent import RecentSamples
-from gpu_watchdog.store.fallback import FallbackStore
+from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.job_runs import JobRuns
 
 log = logging.getLogger("gpu_watchdog.engine")

@@ -42,11 +42,11 @@ from gpu_watchdog.launch.guardian import Guardian
 from gpu_watchdog.launch.output import JobOutput
 from gpu_watchdog.model import NodeSample
 from gpu_watchdog.policy.budget import RestartBudget
-from gpu_watchdog.policy.fallback import validate_job_id
+from gpu_watchdog.policy.ladder import validate_job_id
 from gpu_watchdog.policy.respond import respond
 from gpu_watchdog.sample.backends import Backend, choose_backend, gpu_memory_holders
 from gpu_watchdog.sample.processes import JOB_ID_ENV, describe_exit
-from gpu_watchdog.store.fallback import FallbackStore
+from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.incidents import Incident, IncidentStore
 
 log = logging.getLogger("gpu_watchdog.launcher")

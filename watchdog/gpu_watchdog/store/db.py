@@ -3,7 +3,7 @@
 Tables: ``jobs`` (registrations), ``incidents`` (one row per incident the daemon handles, with its phase),
 ``actions`` (every action logged when it starts and again when it finishes) and ``restart_budgets``.
 Fallback levels are not here: their one copy is the overlay file ``<state_dir>/jobs/<job>.json``
-(store/fallback.py) that ``gpu-watchdog env`` and restart hooks read. A ``fallback`` table left by an older
+(store/fallback_levels.py) that ``gpu-watchdog env`` and restart hooks read. A ``fallback`` table left by an older
 version is ignored.
 
 Resume rule after a crash (``unfinished_incidents``): an action that started and never finished is
