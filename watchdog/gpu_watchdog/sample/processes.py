@@ -35,6 +35,7 @@ JOB_ID_ENV = "GPU_WATCHDOG_JOB_ID"
 _RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 _JOB_ID_SOURCES = (JOB_ID_ENV, "SLURM_JOB_ID", _RUN_ID_ENV)
 _SLURM_STEP_ENV = "SLURM_STEP_ID"  # set for an srun task; a batch step's shell (and all it starts) has none
+MEMBER_RECHECK_S = 3.0  # processes of a rankless job that have not joined a process group are looked at this often
 _REREAD_YOUNG_S = 30.0  # how long after its start a process without a rank of its own is read again (exec)
 _NO_RUN_ID = "none"  # torchrun's --rdzv-id default: every job launched without one says so
 _LAUNCHED_ID_PREFIX = "torchrun-"
@@ -161,6 +162,7 @@ class _Known:
     member: bool = False  # joined its job's process group without a rank in its environment (group_members)
     member_conns: frozenset[int] = frozenset()  # the socket inodes that made it one
     own_conns: bool | None = None  # below another member: whether it holds connections of its own (None: not asked)
+    member_checked: bool = False  # looked at by group_members at least once
     member_rank: int | None = None  # that member's rank, once learned
     pipe_stem: str = ""  # TORCH_NCCL_DEBUG_INFO_PIPE_FILE: an NCCL rank's dump pipe names its rank
     master_port: str = ""  # MASTER_PORT from its starting environment
@@ -236,6 +238,7 @@ class ProcessScanner:
         self.member_pool: Callable[[], Iterable[int]] = tuple
         self.unranked: tuple[int, ...] = ()  # group members whose rank is not known yet (last tick)
         self.rankless: tuple[int, ...] = ()  # processes in scope with no rank and not in a group (last tick)
+        self._members_checked_at = float("-inf")  # monotonic: the last look at who joined a process group
 
     def env_of(self, pid: int) -> Mapping[str, str]:
         k = self._known.get(pid)
@@ -280,6 +283,7 @@ class ProcessScanner:
         if old is not None and old.start == known.start:  # a re-read of the same process keeps what was learned
             known.launcher_cmd, known.member, known.member_rank = old.launcher_cmd, old.member, old.member_rank
             known.member_conns, known.own_conns = old.member_conns, old.own_conns
+            known.member_checked = old.member_checked
         self._known[pid] = known
         return known
 
@@ -375,9 +379,19 @@ class ProcessScanner:
                for k in procs.values()):
             return  # torchrun, Slurm, a job that exports RANK: the environment says it all
         candidates = [pid for pid, k in procs.items() if not k.member and not self._is_launcher_cmd(k)]
-        envs = {pid: {"MASTER_PORT": procs[pid].master_port} for pid in candidates}
-        for pid, conns in (group_members.joined(candidates, procs, envs) if candidates else {}).items():
-            procs[pid].member, procs[pid].member_conns = True, conns
+        now = time.monotonic()
+        if candidates and (now >= self._members_checked_at + MEMBER_RECHECK_S
+                           or any(not procs[pid].member_checked for pid in candidates)):
+            # A new process is looked at at once, the others that have not joined every few seconds: reading every
+            # fd of a job's processes each tick would cost more than the rest of the tick. Listeners are held by
+            # the candidates, the members that are not forks of members, and launchers (torchrun's store).
+            self._members_checked_at = now
+            holders = [pid for pid, k in procs.items() if not k.member or k.own_conns is not False]
+            envs = {pid: {"MASTER_PORT": procs[pid].master_port} for pid in candidates}
+            for pid, conns in group_members.joined(candidates, holders, envs).items():
+                procs[pid].member, procs[pid].member_conns = True, conns
+            for pid in candidates:
+                procs[pid].member_checked = True
         members = {pid for pid, k in procs.items() if k.member}
         unranked, rankless = [], []
         for pid, known in procs.items():
