@@ -438,6 +438,24 @@ def test_moving_stacks_then_still_again_is_a_stall() -> None:
     assert f.confirmed_at - f.onset < CFG.confirm_after_s
 
 
+def test_a_hang_after_a_wait_is_judged_by_dumps_taken_since_the_job_went_quiet() -> None:
+    """Seen in a clean-clone run (hf_trainer desync, confirmed 29.3 s after its onset): the job waited on rank 0
+    at start-up and its two dumps then showed rank 0 moving; when every rank hung, those old dumps kept it
+    "waiting on slow movers" and it was re-dumped only every waiting_stack_interval_s. Dumps from before the
+    quiet stretch say what the ranks did then: the hang is suspect at once and confirmed by fresh dumps."""
+    node = Node()
+    samples = node.healthy(3) + _waiting(node, 12) + node.idle_held(40)
+    quiet_from = samples[14].t
+
+    def startup_then_hung(t: float) -> dict[int, str]:
+        return {**HUNG, 0: f"main;init;step_{int(t)}"} if t < quiet_from else HUNG
+
+    r, dumps = run_with_caller(samples, startup_then_hung)
+    (f,) = r.findings
+    assert f.evidence == "stacks" and f.onset == quiet_from
+    assert f.confirmed_at - f.onset <= 8.0, (f, dumps)
+
+
 def test_a_busy_rank_whose_stack_moves_is_waited_on() -> None:
     node = Node()
     samples = node.healthy(5) + _waiting(node, 40)

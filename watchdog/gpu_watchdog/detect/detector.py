@@ -103,6 +103,7 @@ class JobStatus:
     # ``waiting_timeout_s`` after the onset is it a stall again ("waiting_timeout"). Cleared when it runs again.
     held: str = ""
     comm: CommProgress | None = None  # NCCL's counts as last observed (NCCL RAS), fresh or not
+    quiet_since: float | None = None  # since when no counter of the job moved (None: one moved this tick)
 
 
 @dataclass(frozen=True)
@@ -424,11 +425,16 @@ def _observe_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
     # show; a GPU that looks busy then needs stack proof, never time alone (a long evaluation keeps it busy).
     stale_all = all(obs[r].stale for r in ranks)
     quiet = not progressing and (not devices_busy or stale_all)
+    quiet_since = (prev.quiet_since if prev.quiet_since is not None else prev_t) if quiet else None
+    base = replace(base, quiet_since=quiet_since)
     onset = prev.onset if prev.onset is not None else prev_t  # the last tick that saw progress
     if not quiet and stack_quiet and not devices_busy:
         quiet = True  # the CPU "progress" was a host-side spin: the stacks never moved
         onset = prev.onset if prev.onset is not None else (prev.waiting_since or prev_t)
-    slow_movers = quiet and bool(moving) and prev.state != STALLED
+    # Stacks that moved count only from two dumps taken while the counters were quiet: a pair from before (a job
+    # that waited on a slow rank at start-up, then hung) says what the ranks did then, not now.
+    slow_movers = quiet and bool(moving) and prev.state != STALLED and quiet_since is not None \
+        and evidence[0].t >= quiet_since
     if slow_movers:
         # No counter moved, but these ranks' stacks did between two dumps: they progress too slowly for the
         # counters to show (a slow read, a sleep-poll loop). The job waits on them; it is not stalled.
