@@ -34,7 +34,7 @@ from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.errors import EXIT_BUDGET_SPENT, NoInputError, UsageError
 from gpu_watchdog.job import Client
 from gpu_watchdog.job.protocol import EXIT_ABORTED, EXIT_CHECKPOINTED, ControlDir
-from gpu_watchdog.policy import fallback
+from gpu_watchdog.policy import ladder
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.policy.ladder import FallbackDecision, decide, hang_place, validate_job_id
 from gpu_watchdog.store.fallback_levels import FallbackStore
@@ -111,11 +111,11 @@ def test_budget_without_heartbeats_only_counts_restarts() -> None:
     assert [b.allow(float(t), None)[0] for t in range(4)] == [True, True, True, False]
 
 
-# == fallback.decide =========================================================================================
+# == ladder.decide ==========================================================================================
 @pytest.fixture
 def big_shm(monkeypatch: pytest.MonkeyPatch) -> None:
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(fallback.shutil, "disk_usage", lambda _p: usage(64 << 30, 0, 64 << 30))
+    monkeypatch.setattr(ladder.shutil, "disk_usage", lambda _p: usage(64 << 30, 0, 64 << 30))
 
 
 COMM = "stacks: ranks 0,2,3 wait in all_reduce"  # communication evidence, as act.gather words it
@@ -190,7 +190,7 @@ def test_decide_gpu_fault_changes_no_nccl_setting(big_shm: None, level: int) -> 
     cfg = FallbackConfig()
     d = decide(cfg, level, "gpu_fault", "collective")
     assert d.level == level and not d.changed
-    assert d.env == fallback.overlay(cfg, level)
+    assert d.env == ladder.overlay(cfg, level)
     assert "drain" in d.advice
 
 
@@ -202,7 +202,7 @@ def test_decide_warns_about_a_small_dev_shm_when_disabling_p2p(monkeypatch: pyte
         calls.append(path)
         return usage(64 << 20, 0, 64 << 20)
 
-    monkeypatch.setattr(fallback.shutil, "disk_usage", small)
+    monkeypatch.setattr(ladder.shutil, "disk_usage", small)
     d = decide(FallbackConfig(), 0, "stall", "collective", communication=COMM)
     assert calls == ["/dev/shm"]
     assert d.level == 1 and d.env == LEVEL1_ENV  # still applied: the warning is advice
@@ -211,7 +211,7 @@ def test_decide_warns_about_a_small_dev_shm_when_disabling_p2p(monkeypatch: pyte
     def missing(path: str) -> Any:
         raise FileNotFoundError(path)
 
-    monkeypatch.setattr(fallback.shutil, "disk_usage", missing)
+    monkeypatch.setattr(ladder.shutil, "disk_usage", missing)
     assert "/dev/shm is missing" in decide(FallbackConfig(), 0, "stall", "collective", communication=COMM).advice
 
 
