@@ -25,21 +25,24 @@ _ESTABLISHED, _LISTEN = "01", "0A"  # /proc/net/tcp state codes
 _SOCKET_LINK = re.compile(r"socket:\[(\d+)\]")
 
 
-def socket_inodes(pid: int) -> set[int]:
-    """The inodes of the sockets ``pid`` holds open; empty when its fds cannot be read (gone, not ours)."""
-    out: set[int] = set()
+def _fd_targets(pid: int) -> list[str]:
+    """What each open fd of ``pid`` points at (``socket:[123]``, a path); empty when unreadable (gone, not ours)."""
     try:
         names = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return out
+        return []
+    out = []
     for name in names:
         try:
-            m = _SOCKET_LINK.fullmatch(os.readlink(f"/proc/{pid}/fd/{name}"))
+            out.append(os.readlink(f"/proc/{pid}/fd/{name}"))
         except OSError:
-            continue
-        if m:
-            out.add(int(m.group(1)))
+            continue  # closed meanwhile
     return out
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets ``pid`` holds open; empty when its fds cannot be read (gone, not ours)."""
+    return {int(m.group(1)) for t in _fd_targets(pid) if (m := _SOCKET_LINK.fullmatch(t))}
 
 
 def _port(hex_endpoint: str) -> int:
@@ -107,18 +110,7 @@ def pipe_rank(pid: int, stem: str) -> int | None:
     if not stem:
         return None
     pattern = re.compile(re.escape(stem) + r"(\d+)\.pipe")
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return None
-    for name in names:
-        try:
-            m = pattern.fullmatch(os.readlink(f"/proc/{pid}/fd/{name}"))
-        except OSError:
-            continue
-        if m:
-            return int(m.group(1))
-    return None
+    return next((int(m.group(1)) for t in _fd_targets(pid) if (m := pattern.fullmatch(t))), None)
 
 
 __all__ = ["joined", "pipe_rank", "socket_inodes", "tcp_sockets"]
