@@ -81,6 +81,13 @@ class _Lookup:
     why: str = "not looked at yet"
 
 
+def _settle(lk: _Lookup) -> None:
+    """Take a finished dump's answer into ``lk`` (callers hold the finder's lock)."""
+    if lk.future is not None and lk.future.done():
+        lk.rank, lk.why = lk.future.result()
+        lk.future = None
+
+
 class SpawnedRanks:
     """``ProcessScanner.rank_finder``: ``finder(pid, create_time)`` answers at once — the rank once a dump named
     it, None meanwhile — and asks py-spy in the background (one dump per process, retried a few times)."""
@@ -99,9 +106,7 @@ class SpawnedRanks:
                 if len(self._lookups) >= _PRUNE_AT:
                     self._lookups = {p: v for p, v in self._lookups.items() if psutil.pid_exists(p)}
                 lk = self._lookups[pid] = _Lookup(create_time)
-            if lk.future is not None and lk.future.done():
-                lk.rank, lk.why = lk.future.result()
-                lk.future = None
+            _settle(lk)
             if lk.rank is None and lk.future is None and lk.tries < MAX_TRIES and time.monotonic() >= lk.next_at:
                 lk.tries += 1
                 lk.next_at = time.monotonic() + RETRY_S
@@ -114,12 +119,8 @@ class SpawnedRanks:
             lk = self._lookups.get(pid)
             if lk is None:
                 return "not looked at yet"
-            if lk.future is not None:
-                if not lk.future.done():
-                    return "its stack is being read"
-                lk.rank, lk.why = lk.future.result()
-                lk.future = None
-            return lk.why
+            _settle(lk)
+            return "its stack is being read" if lk.future is not None else lk.why
 
     def _look(self, pid: int) -> tuple[int | None, str]:
         # Not paused (as the engine's dumps): a paused thread's timed wait reads as restart_syscall from then on.
