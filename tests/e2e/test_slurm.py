@@ -9,24 +9,20 @@ Needs root (munged, slurmd); skipped without it, but in CI (``CI=true``) a missi
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_helpers import GW, DaemonProc, short_dir, wait_for
-from gpu_watchdog.demo.runner import read_events
+from daemon_helpers import DaemonProc, short_dir, wait_for
 from repo_paths import REPO
 from slurm_cluster import SlurmCluster, require, slurm_missing_reason
+from slurm_site import SCRIPTS, events, job_env, wait_settled, write_epilog
 
 pytestmark = pytest.mark.slow
-SCRIPTS = REPO / "scheduler" / "slurm"
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
 DETECT_LIMIT_S = 15.0  # issue 16: a hang found at most this long after its onset
 
 
@@ -71,14 +67,7 @@ timeout_s = 30
 
     def job_env(self) -> dict[str, str]:
         """What the submitting shell exports (sbatch --export=ALL): where gpu-watchdog and its socket are."""
-        env = {k: v for k, v in self.cluster.env.items()
-               if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "NCCL_",
-                                    "GPU_WATCHDOG", "PYTEST", "SLURM_JOB", "SLURM_PROCID"))}
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-        env["PYTHONPATH"] = str(REPO / "watchdog")
-        env["GPU_WATCHDOG"] = GW
-        env["GPU_WATCHDOG_SOCKET"] = self.daemon.socket
-        return env
+        return job_env(self.cluster.env, GPU_WATCHDOG_SOCKET=self.daemon.socket)
 
     def submit(self, name: str, train_args: str, *, pre: str = "", program: str = "-m gpu_watchdog.demo.train",
                background: bool = False, sbatch_args: tuple[str, ...] = ()) -> tuple[str, Path]:
@@ -111,38 +100,21 @@ timeout_s = 30
         return out
 
     def wait_end(self, job_id: str, work: Path, timeout: float) -> dict[str, str]:
-        """The job's final state: terminal, with every incident of it finished (a requeue hook may still be about
-        to run on a job that just ended FAILED), and still so a few seconds later."""
-        def settled() -> dict[str, str] | None:
-            info = self.cluster.job(job_id)
-            if info.get("JobState") not in TERMINAL:
-                return None
-            if any(i["row"].get("outcome") is None for i in self.incidents(job_id)):
-                return None
-            time.sleep(2)
-            again = self.cluster.job(job_id)
-            return again if again.get("JobState") == info["JobState"] and again.get("Restarts") == info.get(
-                "Restarts") else None
-
-        return wait_for(settled, timeout, f"job {job_id} to end", lambda: self.why(job_id, work), poll=1.0)
+        """The job's final state, every incident of it finished (slurm_site.wait_settled)."""
+        return wait_settled(lambda: self.cluster.job(job_id),
+                            lambda: any(i["row"].get("outcome") is None for i in self.incidents(job_id)), timeout,
+                            f"job {job_id} to end", lambda: self.why(job_id, work))
 
     def why(self, job_id: str, work: Path) -> str:
         out = (work / "out.log").read_text(errors="replace")[-3000:] if (work / "out.log").exists() else ""
         return f"job {self.cluster.job(job_id)}\n--- job output\n{out}\n--- daemon\n{self.daemon.log_text()}"
 
 
-def events(work: Path) -> list[dict[str, Any]]:
-    return read_events(work / "events.jsonl")
-
-
 @pytest.fixture(scope="module")
 def site() -> Iterator[Site]:
     require(slurm_missing_reason(), "real-Slurm tests")
     base = short_dir()
-    epilog = base / "epilog.sh"  # a site installs gpu-watchdog on PATH; here it is the venv's
-    epilog.write_text(f"#!/bin/sh\nGPU_WATCHDOG={GW} GPU_WATCHDOG_SOCKET={base / 'control.sock'} "
-                      f"exec {SCRIPTS / 'epilog.sh'}\n")
-    epilog.chmod(0o755)
+    epilog = write_epilog(base / "epilog.sh", base / "control.sock")
     cluster = SlurmCluster(base / "slurm", task_prolog=str(SCRIPTS / "task_prolog.sh"), epilog=str(epilog))
     t0 = time.monotonic()
     cluster.start()

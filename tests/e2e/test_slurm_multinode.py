@@ -16,25 +16,19 @@ Needs root and namespaces; skipped without them, but in CI (``CI=true``) a missi
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from daemon_helpers import GW, short_dir, wait_for
-from gpu_watchdog.demo.runner import read_events
-from repo_paths import REPO
 from slurm_cluster import require
 from slurm_nodes import SlurmNodes, slurm_nodes_missing_reason
+from slurm_site import SCRIPTS, TERMINAL, events, job_env, wait_settled, write_epilog
 
 pytestmark = pytest.mark.slow
-SCRIPTS = REPO / "scheduler" / "slurm"
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
 NODES = ("gwn1", "gwn2")
 RANKS_ON = {"gwn1": (0, 1), "gwn2": (2, 3)}
 
@@ -101,16 +95,8 @@ timeout_s = 30
     def job_env(self) -> dict[str, str]:
         """What the submitting shell exports (sbatch --export=ALL): gpu-watchdog and the daemon's config (the
         TaskProlog reads its socket, and the shared directory, from it), gloo on the node's interface."""
-        env = {k: v for k, v in self.cluster.env.items()
-               if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "NCCL_",
-                                    "GPU_WATCHDOG", "PYTEST", "SLURM_JOB", "SLURM_PROCID"))}
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-        env["PYTHONPATH"] = str(REPO / "watchdog")
-        env["OMP_NUM_THREADS"] = "1"
-        env["GLOO_SOCKET_IFNAME"] = "eth0"
-        env["GPU_WATCHDOG"] = GW
-        env["GPU_WATCHDOG_CONFIG"] = str(self.config)
-        return env
+        return job_env(self.cluster.env, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0",
+                       GPU_WATCHDOG_CONFIG=str(self.config))
 
     def submit(self, name: str, train_args: str, *, port: int, node2_env: str = "") -> tuple[str, Path]:
         """``sbatch -N 2``: one srun task per node, each torchrun with 2 ranks (``node2_env``: exported on gwn2
@@ -144,19 +130,10 @@ timeout_s = 30
         return out
 
     def wait_end(self, job_id: str, work: Path, timeout: float) -> dict[str, str]:
-        """The job's final state: terminal, every incident of it finished, and still so a few seconds later."""
-        def settled() -> dict[str, str] | None:
-            info = self.cluster.job(job_id)
-            if info.get("JobState") not in TERMINAL:
-                return None
-            if any(i.get("outcome") is None for incs in self.incidents(job_id).values() for i in incs):
-                return None
-            time.sleep(2)
-            again = self.cluster.job(job_id)
-            return again if (again.get("JobState"), again.get("Restarts")) == (info["JobState"],
-                                                                              info.get("Restarts")) else None
-
-        return wait_for(settled, timeout, f"job {job_id} to end", lambda: self.why(job_id, work), poll=1.0)
+        """The job's final state, every incident of it finished (slurm_site.wait_settled)."""
+        return wait_settled(lambda: self.cluster.job(job_id),
+                            lambda: any(i.get("outcome") is None for incs in self.incidents(job_id).values()
+                                        for i in incs), timeout, f"job {job_id} to end", lambda: self.why(job_id, work))
 
     def why(self, job_id: str, work: Path) -> str:
         text = (work / "out.log").read_text(errors="replace") if (work / "out.log").exists() else ""
@@ -168,19 +145,13 @@ timeout_s = 30
         return f"job {self.cluster.job(job_id)}\n--- job output\n{out}\n{logs}\n{reports}"
 
 
-def events(work: Path) -> list[dict[str, Any]]:
-    return read_events(work / "events.jsonl")
-
-
 @pytest.fixture(scope="module")
 def site() -> Iterator[Site]:
     require(slurm_nodes_missing_reason(), "multi-node Slurm tests")
     base = short_dir()
-    epilog = base / "epilog.sh"  # a site installs gpu-watchdog on PATH; here it is the venv's
+    epilog = base / "epilog.sh"
     cluster = SlurmNodes(base / "slurm", cpus=8, task_prolog=str(SCRIPTS / "task_prolog.sh"), epilog=str(epilog))
-    epilog.write_text(f"#!/bin/sh\nGPU_WATCHDOG={GW} GPU_WATCHDOG_SOCKET={cluster.node_local / 'control.sock'} "
-                      f"exec {SCRIPTS / 'epilog.sh'}\n")
-    epilog.chmod(0o755)
+    write_epilog(epilog, cluster.node_local / "control.sock")
     cluster.start()
     try:
         s = Site(base, cluster)

@@ -12,7 +12,7 @@ PKG = REPO / "watchdog" / "gpu_watchdog"
 
 # Lowest first: a module may import its own stage and the stages before it, never one after it.
 LAYERS = ("errors", "model", "atomic", "config", "job", "sample", "evidence", "detect", "policy", "store", "act",
-          "export", "engine", "launch", "daemon", "demo", "cli")
+          "export", "engine", "agent", "launch", "daemon", "demo", "cli")
 
 
 def module_name(path: Path) -> str:

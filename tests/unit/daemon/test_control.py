@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
-from daemon_helpers import GW, short_dir
+from daemon_helpers import GW
 from gpu_watchdog.config.schema import Config, DaemonSettings, HookSpec
 from gpu_watchdog.daemon.control import ControlServer, PeerCred, check_peer, handle_request, request
 from gpu_watchdog.daemon.service import Daemon
@@ -29,17 +29,9 @@ ALICE = PeerCred(1, 4242, 4242)
 
 
 @pytest.fixture
-def base():
-    d = short_dir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def daemon(base: Path) -> Daemon:
-    cfg = Config(daemon=DaemonSettings(control_socket=str(base / "c.sock"), socket_group="", allowed_uids=(4242,)),
-                 hooks={"requeue": HookSpec("requeue", "command", ("/bin/true", "{job_id}"), 5.0)})
-    return Daemon(cfg, cfg.daemon, base / "state", notifier=Notifier(None))
+def daemon(make_daemon: Callable[..., Daemon]) -> Daemon:
+    return make_daemon({"allowed_uids": (4242,)},
+                       hooks={"requeue": HookSpec("requeue", "command", ("/bin/true", "{job_id}"), 5.0)})
 
 
 @pytest.fixture

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from daemon_helpers import GW, short_dir
+from daemon_helpers import GW
 from gpu_watchdog.cli.daemon import _task_prolog_exports
 from gpu_watchdog.config.schema import Config, DaemonSettings, FlightRecorderConfig
 from gpu_watchdog.daemon.control import PeerCred, handle_request
@@ -25,13 +24,6 @@ from waiting import wait_for
 ROOT = PeerCred(1, 0, 0)
 FR_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
-
-
-@pytest.fixture
-def base():
-    d = short_dir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

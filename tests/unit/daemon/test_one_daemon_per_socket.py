@@ -5,32 +5,22 @@ and /healthz is not ok while the control API is unreachable."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from daemon_helpers import GW, DaemonProc, short_dir, wait_for, write_config
-from gpu_watchdog.config.schema import Config, DaemonSettings
+from daemon_helpers import GW, DaemonProc, wait_for, write_config
 from gpu_watchdog.daemon.control import ControlServer, refuse_if_served, request
 from gpu_watchdog.daemon.service import Daemon
 from gpu_watchdog.errors import EXIT_UNAVAILABLE, ServiceUnavailable
-from gpu_watchdog.export.sdnotify import Notifier
 
 
 @pytest.fixture
-def base():
-    d = short_dir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def daemon(base: Path) -> Daemon:
-    cfg = Config(daemon=DaemonSettings(control_socket=str(base / "c.sock"), socket_group=""))
-    return Daemon(cfg, cfg.daemon, base / "state", notifier=Notifier(None))
+def daemon(make_daemon: Callable[..., Daemon]) -> Daemon:
+    return make_daemon()
 
 
 def test_a_second_run_on_a_served_socket_exits_69_and_a_deleted_socket_comes_back(base: Path) -> None:

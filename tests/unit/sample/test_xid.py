@@ -419,7 +419,8 @@ def launcher(cfg: Config, tmp_path: Path, hooks: dict[str, HookSpec] | None = No
 def policy_run(lc: Launcher, sample: NodeSample, child: subprocess.Popen[bytes]) -> tuple[int | None, list]:
     _, findings = step(DetectorState(), sample, lc.cfg.detect)
     [f] = findings
-    return lc.gpu_fault(f, sample, LaunchTarget(lc, child, lc.control, 0)), findings
+    outcome = lc.dispatcher(LaunchTarget(lc, child, lc.control, 0)).dispatch([f], sample, {})
+    return (outcome.exit_code if outcome is not None else None), findings
 
 
 def test_a_draining_xid_stops_the_job_drains_the_node_and_exits_74(tmp_path: Path,

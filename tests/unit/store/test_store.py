@@ -106,8 +106,8 @@ def test_failing_and_missing_hooks_are_recorded(tmp_path: Path) -> None:
     hook = HookSpec("h", "command", ("/bin/sh", "-c", "echo nope; exit 7"), 5.0)
     d = _daemon(tmp_path / "state", hooks={"h": hook})
     inc = d.incidents.create(_finding(), "node")
-    assert not d.run_restart_hook(inc, "j1", "h", 1)
-    assert not d.run_restart_hook(inc, "j1", "gone", 1)
+    assert not d.hooks.restart(inc, "j1", "h", 1)
+    assert not d.hooks.restart(inc, "j1", "gone", 1)
     acts = d.store.actions(inc.id)
     assert "exit 7" in acts[0]["detail"] and "nope" in acts[0]["detail"] and acts[0]["ok"] is False
     assert "no longer in the config" in acts[1]["detail"]
@@ -139,33 +139,33 @@ def test_restart_budget_survives_a_daemon_restart_and_the_jobs_requeue(tmp_path:
     d.register(reg)
     now = time.time()
     for i in range(cfg.max_restarts):
-        assert d.budget("j1").allow(now + i, hang_step=10 * (i + 1)) == (True, "")
+        assert d.acts.budget("j1").allow(now + i, hang_step=10 * (i + 1)) == (True, "")
     d.unregister("j1")  # the epilog
     d.register(reg)  # the requeued job's prolog
-    allowed, why = d.budget("j1").allow(now + 10, hang_step=100)
+    allowed, why = d.acts.budget("j1").allow(now + 10, hang_step=100)
     assert not allowed and f"recovery.max_restarts = {cfg.max_restarts}" in why
     d.store.close()
 
     again = _daemon(tmp_path / "state")  # a new daemon process on the same state dir
-    b = again.budget("j1")
+    b = again.acts.budget("j1")
     assert len(b.restarts) == cfg.max_restarts and b.last_hang_step == 100
     assert not b.allow(now + 11, hang_step=110)[0]
     # Past the window the restarts no longer count, and housekeeping forgets the untouched budget.
-    assert again.budget("j1").allow(now + cfg.restart_window_s + 20, hang_step=120) == (True, "")
+    assert again.acts.budget("j1").allow(now + cfg.restart_window_s + 20, hang_step=120) == (True, "")
     assert again.store.budget("j1") is not None
     again.housekeeping(time.time() + 2 * cfg.restart_window_s + 60)
     assert again.store.budget("j1") is None
-    assert again.budget("j1").restarts == []
+    assert again.acts.budget("j1").restarts == []
 
 
 def test_restart_budget_counts_hangs_that_make_no_progress_across_restarts(tmp_path: Path) -> None:
     cfg = Config().recovery
     d = _daemon(tmp_path / "state")
     now = time.time()
-    assert d.budget("j2").allow(now, hang_step=7)[0]
+    assert d.acts.budget("j2").allow(now, hang_step=7)[0]
     d.store.close()
     d2 = _daemon(tmp_path / "state")
     for i in range(1, cfg.max_no_progress_restarts):
-        assert d2.budget("j2").allow(now + i, hang_step=7)[0]
-    allowed, why = d2.budget("j2").allow(now + 50, hang_step=7)
+        assert d2.acts.budget("j2").allow(now + i, hang_step=7)[0]
+    allowed, why = d2.acts.budget("j2").allow(now + 50, hang_step=7)
     assert not allowed and "without passing step 7" in why

@@ -107,9 +107,9 @@ class GpuFaultHandler:
             inc.record_action("drain", True, "skipped: no faults.drain_command or faults.drain_hook configured")
             ctx.say("drain: nothing configured (faults.drain_command is empty)")
             return
-        entry = inc.begin_action("drain", f"{spec.name}: {' '.join(spec.argv)}")
-        res = run_drain(spec, values)
-        inc.end_action(entry, res.ok, res.detail())
+        with inc.step("drain", f"{spec.name}: {' '.join(spec.argv)}") as step:
+            res = run_drain(spec, values)
+            step.end(res.ok, res.detail())
         inc.update(drain_hook=res.to_json())
         ctx.metric("action", "drain", res.ok)
         if res.ok:

@@ -10,7 +10,7 @@ stops a job that keeps hanging: at most ``max_restarts`` per ``restart_window_s`
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +20,10 @@ from gpu_watchdog.act.stopper import JobProcess, stop_processes, wait_memory_rel
 from gpu_watchdog.act.target import ActContext, JobTarget
 from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.model import NodeSample
-from gpu_watchdog.policy.budget import RestartBudget
-from gpu_watchdog.policy.ladder import WAITED_ADVICE, FallbackDecision, decide, diagnostics_env, hang_place
+from gpu_watchdog.policy.budget import BudgetVerdict, RestartBudget
+from gpu_watchdog.policy.ladder import WAITED_ADVICE, FallbackDecision, diagnostics_env
+from gpu_watchdog.policy.plan import GIVE_UP, HOLD, RESTART, STAND_DOWN, Plan, StallFacts, judge
+from gpu_watchdog.policy.plan import action_proof as plan_proof
 from gpu_watchdog.store.incidents import Incident
 from gpu_watchdog.store.job_runs import JobRuns
 
@@ -42,28 +44,19 @@ class RecoveryResult:
     given_up_by: str = ""  # another node's agent decided the job gets no next run: this one stood down
 
 
-def action_proof(finding: Finding, gathered: Gathered, status: JobStatus | None) -> str:
-    """Why an action that interrupts the job is allowed, in one line; "" when it is not (the one rule: README "How
-    it decides"). Communication evidence (stacks, a blocked worker, Flight Recorder, NCCL RAS, the NCCL spin), or
-    evidence from the processes themselves: a rank that exited or was stopped, a job that already waited
-    ``waiting_timeout_s``, a restart someone asked for."""
-    if finding.kind == "restart":
-        return "requested"
-    if finding.signature == "rank_exited":
-        return f"process: {finding.detail}"
-    if finding.signature == "waiting_timeout":
-        return f"waiting timeout: {finding.detail}"
+def stall_facts(gathered: Gathered, status: JobStatus | None, finding: Finding | None = None,
+                sample: NodeSample | None = None) -> StallFacts:
+    """What the gathered evidence says, as the judgement (policy.plan) reads it."""
+    culprit = gathered.culprit
     stopped = sorted({*(status.stopped if status else ()), *(s.rank for s in gathered.stacks if s.state == "stopped")})
-    if stopped:
-        return f"process: rank(s) {','.join(map(str, stopped))} stopped (state T)"
-    if gathered.alive_elsewhere:
-        return ""  # the job waits on another node's rank that is alive there
-    return gathered.communication
+    return StallFacts(gathered.communication, culprit.state if culprit else None, culprit.where if culprit else "",
+                      bool(gathered.diagnosis and gathered.diagnosis.desync), tuple(stopped), gathered.alive_elsewhere,
+                      finding is not None and sample is not None and _on_gpus(finding, sample))
 
 
-# A hang that comes back at the same place after a restart that changed nothing is deterministic for these:
-# restarting again does not help.
-_DETERMINISTIC = ("desync", "waiting_timeout")
+def action_proof(finding: Finding, gathered: Gathered, status: JobStatus | None) -> str:
+    """policy.plan.action_proof on this evidence: why interrupting the job is allowed, "" when it is not."""
+    return plan_proof(finding, stall_facts(gathered, status))
 
 
 def job_rank_processes(sample: NodeSample, job_id: str, rank_pids: dict[int, int]) -> list[JobProcess]:
@@ -106,73 +99,92 @@ class Recovery:
 
     def _handle(self, inc: Incident, finding: Finding, target: JobTarget, sample: NodeSample,
                 status: JobStatus | None) -> RecoveryResult:
-        ctx, cfg = self.ctx, self.ctx.cfg
-        ctx.metric("detection_latency", finding.confirmed_at - finding.onset)
-        ctx.say(f"{finding.kind.upper()} confirmed in job {finding.job_id} ({finding.signature}): {finding.detail}; "
-                f"onset {time.strftime('%H:%M:%S', time.localtime(finding.onset))}, "
-                f"confirmed after {finding.confirmed_at - finding.onset:.1f}s; incident {inc.id}")
+        """Decide (policy.plan.judge: the evidence, the level record read once, the budget's verdict), then carry
+        the plan out."""
+        self._announce(inc, finding, target)
+        elsewhere = self._decided_elsewhere(target)  # a late agent: the next run is decided (its ranks dying)
+        gathered = Gathered() if elsewhere is not None else EvidenceGatherer(self.ctx).gather(inc, finding, status,
+                                                                                           sample)
+        previous = self.ctx.level_record(target.job_id, _run_of(target))
+        budget = self._budget_verdict(sample, target)
+        plan = judge(self.ctx.cfg.fallback, finding, stall_facts(gathered, status, finding, sample), previous,
+                     budget, elsewhere)
+        if plan.action == STAND_DOWN:
+            assert plan.decided_elsewhere is not None
+            return self._stand_down(inc, target, sample, status, plan.decided_elsewhere, gathered)
+        if plan.action == HOLD:
+            return self._hold(inc, finding, gathered)
+        inc.update(action_evidence=plan.proof)
+        if plan.charges_budget:
+            self.budget.commit(budget)
+        claimed = self._claim_next_run(inc, target, plan, status)
+        if claimed is not None and not claimed[0]:
+            if plan.action == RESTART:
+                self.budget.refund()  # the job's next run is another agent's decision: nothing spent here
+            return self._stand_down(inc, target, sample, status, claimed[1], gathered)
+        return self._carry_out(inc, plan, target, sample, status, gathered, claimed[1] if claimed else None)
+
+    def _announce(self, inc: Incident, finding: Finding, target: JobTarget) -> None:
+        self.ctx.metric("detection_latency", finding.confirmed_at - finding.onset)
+        self.ctx.say(f"{finding.kind.upper()} confirmed in job {finding.job_id} ({finding.signature}): "
+                     f"{finding.detail}; onset {time.strftime('%H:%M:%S', time.localtime(finding.onset))}, "
+                     f"confirmed after {finding.confirmed_at - finding.onset:.1f}s; incident {inc.id}")
         run = _run_of(target)
         if run is not None:
             inc.update(run=run)  # (job, run): every node's incident of one hang names the same run
-        decided = self._decided_elsewhere(target)
-        if decided is not None:  # a late agent: the job's next run is already decided (and its ranks dying)
-            return self._stand_down(inc, target, sample, status, decided, Gathered())
-        gathered = EvidenceGatherer(ctx).gather(inc, finding, status, sample)
-        proof = action_proof(finding, gathered, status)
-        if not proof:
-            return self._hold(inc, finding, gathered)
-        inc.update(action_evidence=proof)
 
-        # The next run's settings, from the evidence: a worker blocked in a collective is the real culprit.
-        culprit = gathered.culprit
-        previous = ctx.level_record(target.job_id, run)
-        desync = bool(gathered.diagnosis and gathered.diagnosis.desync)
-        place = hang_place("desync" if desync else culprit.state if culprit else None,
-                           culprit.where if culprit else "", finding.signature)
-        decision = decide(cfg.fallback, int(previous.get("level", 0)), finding.kind,
-                          culprit.state if culprit else None, desync=desync, communication=gathered.communication,
-                          signature=finding.signature, place=place,
-                          level_advice=finding.kind == "stall" and _on_gpus(finding, sample))
-        allowed, give_up_why = self._restart_allowed(finding, sample, target, decision, desync, place,
-                                                     str(previous.get("hang_place") or ""))
-        claimed = self._claim_next_run(inc, target, decision, status, "" if allowed else give_up_why)
-        if claimed is not None and not claimed[0]:
-            if allowed:
-                self.budget.refund()  # the job's next run is another agent's decision: nothing spent here
-            return self._stand_down(inc, target, sample, status, claimed[1], gathered)
+    def _budget_verdict(self, sample: NodeSample, target: JobTarget) -> BudgetVerdict:
+        """The budget's verdict on this hang, nothing charged yet: the step it hung at, and for a multi-node job the
+        job-wide restart history (one budget for every node of the job)."""
+        hang_step = max((p.heartbeat_step for p in sample.processes
+                         if p.job and p.job.job_id == target.job_id and p.heartbeat_step is not None), default=None)
+        job_wide = (self.ctx.runs.restart_times(target.job_id)
+                    if self.ctx.runs is not None and _run_of(target) is not None else None)
+        return self.budget.verdict(time.time(), hang_step, job_wide)
 
+    def _carry_out(self, inc: Incident, plan: Plan, target: JobTarget, sample: NodeSample,
+                   status: JobStatus | None, gathered: Gathered, claimed: Mapping[str, Any] | None) -> RecoveryResult:
+        """Checkpoint and stop the job, then give up or restart it as planned. The next run's settings are stored
+        before the stop: a daemon killed before its restart hook resumes at this level."""
+        ctx, decision = self.ctx, plan.decision
+        assert decision is not None
         restart_env: dict[str, str] = {}
-        if allowed:  # stored before the stop: a daemon killed before its restart hook resumes at this level
+        if plan.action == RESTART:
             restart_env = dict(decision.env)
-            restart_env.update(claimed[1]["env"] if claimed is not None else
-                               diagnostics_env(cfg.fallback, inc.dir, restart_env))
+            restart_env.update(claimed["env"] if claimed is not None else
+                               diagnostics_env(ctx.cfg.fallback, inc.dir, restart_env))
             ctx.fallback.save(target.job_id, decision, restart_env)
             inc.update(fallback={"level": decision.level, "name": decision.name, "env": decision.env,
                                  "reason": decision.reason})
-        if not allowed and self.before_give_up is not None:
+        elif self.before_give_up is not None:
             self.before_give_up(inc, decision.level)
         self._checkpoint(inc, target, sample, status)
         self._stop(inc, target)
-        if not allowed:
-            inc.update(advice=decision.advice or None)  # no next run, but the advice stands
+        inc.update(advice=decision.advice or None)  # with or without a next run, the advice stands
+        if plan.action == GIVE_UP:
             if decision.advice:
                 ctx.say(f"advice: {decision.advice}")
-            inc.record_action("give_up", True, give_up_why)
+            inc.record_action("give_up", True, plan.why_not)
             gathered.report(inc)
-            ctx.say(f"giving up: {give_up_why}")
+            ctx.say(f"giving up: {plan.why_not}")
             return RecoveryResult(inc, give_up=True, level=decision.level)
-
-        inc.update(advice=decision.advice or None)
         ctx.say(f"fallback level {decision.level}: {decision.reason}")
         if decision.advice:
             ctx.say(f"advice: {decision.advice}")
-        delay = self.budget.backoff_s(time.time(), cfg.fallback.healthy_reset_s)
+        restarted = self._restart(inc, target, decision)
+        gathered.report(inc)
+        return RecoveryResult(inc, False, restart_env, decision.level, restarted)
+
+    def _restart(self, inc: Incident, target: JobTarget, decision: FallbackDecision) -> bool:
+        """The backoff (restarts in a row are spaced), then the target's restart at the decision's level."""
+        ctx = self.ctx
+        delay = self.budget.backoff_s(time.time(), ctx.cfg.fallback.healthy_reset_s)
         if delay > 0:
-            entry = inc.begin_action("backoff", f"{delay:.0f}s before the next run (restarts in a row are spaced "
-                                                "by recovery.restart_backoff_s, doubling)")
-            ctx.say(f"restart backoff: waiting {delay:.0f}s before the next run")
-            waited = self.wait(delay)
-            inc.end_action(entry, waited, "waited" if waited else "cut short: the agent is stopping")
+            with inc.step("backoff", f"{delay:.0f}s before the next run (restarts in a row are spaced by "
+                                     "recovery.restart_backoff_s, doubling)") as step:
+                ctx.say(f"restart backoff: waiting {delay:.0f}s before the next run")
+                waited = self.wait(delay)
+                step.end(waited, "waited" if waited else "cut short: the agent is stopping")
         shown = " ".join(f"{k}={v}" for k, v in sorted(decision.env.items())) or "(no NCCL change)"
         restarted = target.restart(inc, decision.level, f"fallback level {decision.level} ({decision.name}): {shown}")
         if not restarted and inc.summary.get("restarted_by"):
@@ -180,33 +192,15 @@ class Recovery:
         if restarted:
             ctx.metric("restart", target.job_id)
         ctx.metric("action", "restart", restarted)
-        gathered.report(inc)
-        return RecoveryResult(inc, False, restart_env, decision.level, restarted)
-
-    def _restart_allowed(self, finding: Finding, sample: NodeSample, target: JobTarget, decision: FallbackDecision,
-                         desync: bool, place: str, last_place: str) -> tuple[bool, str]:
-        """(allowed, why not). A deterministic hang (a desync, a waiting timeout) back at the same place after a
-        restart that changed nothing gives up at once, without charging the budget; else the restart budget."""
-        kind = "desync" if desync else finding.signature
-        if not decision.changed and kind in _DETERMINISTIC and place == last_place:
-            return False, (f"code bug: restarting does not help (the same desync at {place} came back after a restart)"
-                           if desync else
-                           f"restarting does not help: the job waited at the same place again ({place}) after a "
-                           "restart")
-        hang_step = max((p.heartbeat_step for p in sample.processes
-                         if p.job and p.job.job_id == target.job_id and p.heartbeat_step is not None), default=None)
-        if self.ctx.runs is not None and _run_of(target) is not None:
-            self.budget.adopt(self.ctx.runs.restart_times(target.job_id))  # one budget for every node of the job
-        allowed, why_not = self.budget.allow(time.time(), hang_step)
-        return allowed, f"restart budget spent: {why_not}"
+        return restarted
 
     def _decided_elsewhere(self, target: JobTarget) -> dict[str, Any] | None:
         """The job-wide record of the run after the one this agent watches, when one exists already."""
         runs, run = self.ctx.runs, _run_of(target)
         return runs.get(target.job_id, run + 1) if runs is not None and run is not None else None
 
-    def _claim_next_run(self, inc: Incident, target: JobTarget, decision: FallbackDecision,
-                        status: JobStatus | None, give_up: str) -> tuple[bool, dict[str, Any]] | None:
+    def _claim_next_run(self, inc: Incident, target: JobTarget, plan: Plan,
+                        status: JobStatus | None) -> tuple[bool, dict[str, Any]] | None:
         """With ``fallback.shared_dir``, decide the job's next run job-wide — a restart at the decision's level, or
         (``give_up`` says why) none: first writer wins (store.job_runs). The record carries the level's settings
         and diagnostics on the shared directory (the same path on every node). The agent of the node that runs
@@ -224,19 +218,21 @@ class Recovery:
                 inc.record_action("claim_run", True, f"run {nxt} decided by {rec.get('decided_by')} (rank 0's "
                                                      f"node; level {rec.get('level')})")
                 return False, rec
+        decision = plan.decision
+        assert decision is not None
         env = dict(decision.env)
         env.update(diagnostics_env(self.ctx.cfg.fallback, runs.run_dir(target.job_id, nxt), env))
         record = {"level": decision.level, "name": decision.name, "env": env, "reason": decision.reason,
                   "advice": decision.advice, "hang_place": decision.hang_place, "incident": inc.id}
-        if give_up:
-            record.update(give_up=give_up, level=int(self.ctx.level_record(target.job_id, run).get("level", 0)))
+        if plan.action == GIVE_UP:
+            record.update(give_up=plan.why_not, level=plan.current_level)
         try:
             won, rec = runs.claim(target.job_id, nxt, record)
         except OSError as e:
             inc.record_action("claim_run", False, f"cannot write the job-wide record of run {nxt} in {runs.root}: "
                                                   f"{e}; acting on this node's decision alone")
             return None
-        what = "no restart" if give_up else f"level {record['level']}"
+        what = "no restart" if plan.action == GIVE_UP else f"level {record['level']}"
         inc.record_action("claim_run", True, f"run {nxt} decided here ({what})" if won else
                           f"run {nxt} already decided by {rec.get('decided_by')} (level {rec.get('level')})")
         return won, rec
@@ -252,7 +248,7 @@ class Recovery:
                 return runs.get(job_id, run)
 
     def _stand_down(self, inc: Incident, target: JobTarget, sample: NodeSample, status: JobStatus | None,
-                    rec: dict[str, Any], gathered: Gathered) -> RecoveryResult:
+                    rec: Mapping[str, Any], gathered: Gathered) -> RecoveryResult:
         """Another node's agent decided the next run (and restarts the job, or gave it up): this node's ranks of
         the old run checkpoint and stop — every node's ranks must save, only this agent reaches these — never a
         second restart, never a failed hook; the incident points at the deciding node's."""
@@ -312,15 +308,15 @@ class Recovery:
         what = (f"requested from ranks {sorted(clients)}" if clients
                 else f"{rc.checkpoint_signal} to ranks" if target.may_signal_checkpoint and rc.checkpoint_signal
                 else "")
-        entry = inc.begin_action("checkpoint", what)
-        res = request_checkpoint(target.control, inc.id, rc, timeout_s=rc.checkpoint_grace_s,
-                                 running=lambda: target.poll() is None,
-                                 signal_ranks=job_rank_processes(sample, target.job_id, rank_pids)
-                                 if target.may_signal_checkpoint else (), unanswerable=stopped)
-        if res.how == "none":  # not asked: neither done nor failed
-            inc.end_action(entry, False, f"skipped: {res.detail}", outcome="skipped")
-            return
-        inc.end_action(entry, res.ok, res.detail, outcome=res.outcome or None)
+        with inc.step("checkpoint", what) as step:
+            res = request_checkpoint(target.control, inc.id, rc, timeout_s=rc.checkpoint_grace_s,
+                                     running=lambda: target.poll() is None,
+                                     signal_ranks=job_rank_processes(sample, target.job_id, rank_pids)
+                                     if target.may_signal_checkpoint else (), unanswerable=stopped)
+            if res.how == "none":  # not asked: neither done nor failed
+                step.end(False, f"skipped: {res.detail}", outcome="skipped")
+                return
+            step.end(res.ok, res.detail, outcome=res.outcome or None)
         self.ctx.metric("action", "checkpoint", res.ok)
         self.ctx.say(f"checkpoint: {res.detail}")
 
@@ -341,16 +337,16 @@ def stop_job(ctx: ActContext, inc: Incident, target: JobTarget, why: str, *, wai
         inc.record_action("stop", True, f"{why}the job had already exited")
         return True
     grace = ctx.cfg.recovery.stop_grace_s
-    entry = inc.begin_action("stop", f"{why}SIGTERM to {len(procs)} job processes, SIGKILL after {grace:.0f}s")
-    res = stop_processes(procs, grace, reap=target.poll)
-    target.poll()
-    ok, detail = res.ok, res.detail
-    if ok and wait_memory and ctx.gpu_pids is not None:
-        released = wait_memory_released({p.pid for p in procs}, ctx.gpu_pids,
-                                        ctx.cfg.recovery.memory_release_timeout_s)
-        ok = released
-        detail += "; GPU memory released" if released else "; GPU memory NOT released"
-    inc.end_action(entry, ok, detail)
+    with inc.step("stop", f"{why}SIGTERM to {len(procs)} job processes, SIGKILL after {grace:.0f}s") as step:
+        res = stop_processes(procs, grace, reap=target.poll)
+        target.poll()
+        ok, detail = res.ok, res.detail
+        if ok and wait_memory and ctx.gpu_pids is not None:
+            released = wait_memory_released({p.pid for p in procs}, ctx.gpu_pids,
+                                            ctx.cfg.recovery.memory_release_timeout_s)
+            ok = released
+            detail += "; GPU memory released" if released else "; GPU memory NOT released"
+        step.end(ok, detail)
     ctx.metric("action", "stop", ok)
     ctx.say(f"stopped the job: {detail}" if not why else f"stopped {why}{detail}")
     return ok

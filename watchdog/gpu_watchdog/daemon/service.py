@@ -1,10 +1,11 @@
 """``gpu-watchdog run``: the node daemon.
 
-Wiring only: an apscheduler interval job runs the engine's tick (the same tick as ``launch``: sample, detect,
-stack dumps off the sampling path, heartbeats of registered jobs' in-job clients, healthy-time fallback reset);
-each finding goes to ``policy.respond`` and is acted on in a worker pool, off the sampling path: recovery of a
-registered job (act.recovery, with the job's restart hook as its restart), a drain (act.faults), an incident
-only, or the evidence of a stall nobody registered. A second job prunes old incidents. Signal handlers only
+Wiring only: the agent (agent.build: backend, engine, act context, as for ``launch``) on the processes of the
+registered jobs; an apscheduler interval job runs the engine's tick (sample, detect, stack dumps off the sampling
+path, heartbeats of registered jobs' in-job clients, healthy-time fallback reset); each finding goes through
+agent.dispatch to daemon.acts, which acts in a worker pool, off the sampling path (recovery of a registered job
+with its restart hook as its restart, a drain, an incident only, or the evidence of a stall nobody registered).
+A second job prunes old incidents and forgotten budgets. Signal handlers only
 enqueue; the main thread acts (SIGTERM/SIGINT: stop, SIGHUP: reload; an invalid new config keeps the old one).
 sd_notify: READY=1 after the first good tick, WATCHDOG=1 from a pinger while the loop ticks, STATUS= one line,
 STOPPING=1 on shutdown.
@@ -22,65 +23,37 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from gpu_watchdog.act.checkpoint import request_checkpoint
-from gpu_watchdog.act.faults import GpuFaultHandler, record
-from gpu_watchdog.act.hooks import run_hook
-from gpu_watchdog.act.recovery import Recovery, observe
-from gpu_watchdog.act.slurm import cancelled, moved_on, show_job
 from gpu_watchdog.act.stopper import JobProcess
-from gpu_watchdog.act.target import ActContext
+from gpu_watchdog.agent.build import Watched, build_agent
+from gpu_watchdog.agent.dispatch import Dispatcher
 from gpu_watchdog.config.load import load_config
 from gpu_watchdog.config.schema import Config, DaemonSettings
+from gpu_watchdog.daemon.acts import DaemonActs
 from gpu_watchdog.daemon.housekeeping import prune_incidents
 from gpu_watchdog.daemon.registry import Registry
+from gpu_watchdog.daemon.restart_hooks import RestartHooks
 from gpu_watchdog.daemon.resume import resume_incidents
-from gpu_watchdog.detect.consistency import CONSISTENCY_ENV
-from gpu_watchdog.detect.detector import DetectorState, Finding, JobStatus
+from gpu_watchdog.daemon.targets import RegisteredJob
+from gpu_watchdog.detect.detector import DetectorState, Finding
 from gpu_watchdog.detect.states import STALLED
-from gpu_watchdog.engine.loop import Engine, count_internal_error
-from gpu_watchdog.errors import ConfigError, NoInputError, UsageError
+from gpu_watchdog.errors import ConfigError, NoInputError
 from gpu_watchdog.evidence import flight_recorder as fr
 from gpu_watchdog.export.health import LoopHealth, Pinger
 from gpu_watchdog.export.sdnotify import Notifier
 from gpu_watchdog.job.protocol import ControlDir
 from gpu_watchdog.model import NodeSample
-from gpu_watchdog.policy.budget import RestartBudget
-from gpu_watchdog.policy.hook_values import placeholder_values, render_argv
-from gpu_watchdog.policy.respond import respond
-from gpu_watchdog.sample.backends import Backend, choose_backend, gpu_memory_holders
+from gpu_watchdog.sample.backends import Backend
 from gpu_watchdog.store.db import Store
 from gpu_watchdog.store.fallback_levels import FallbackStore
-from gpu_watchdog.store.incidents import Incident, IncidentStore
+from gpu_watchdog.store.incidents import IncidentStore
 from gpu_watchdog.store.job_runs import JobRuns
 
 log = logging.getLogger("gpu_watchdog.daemon")
-
-
-class RegisteredJob:
-    """A registered job as the act stage sees it (act.target.JobTarget): its processes are the registry's, its
-    restart is the restart hook it registered."""
-
-    def __init__(self, daemon: Daemon, job_id: str, reg: dict[str, Any]) -> None:
-        self.daemon = daemon
-        self.job_id = job_id
-        self.reg = reg
-        self.control = daemon.control_dir(job_id)
-        self.may_signal_checkpoint = bool(reg.get("checkpoint_opt_in"))  # never a signal it did not ask for
-        self.run: int | None = reg.get("run")  # Slurm's restart count, from the TaskProlog
-
-    def processes(self) -> list[JobProcess]:
-        return self.daemon.job_processes(self.job_id)
-
-    def poll(self) -> int | None:
-        return None if self.processes() else 0
-
-    def restart(self, inc: Incident, level: int, shown: str) -> bool:
-        return self.daemon.run_restart_hook(inc, self.job_id, self.reg.get("restart_hook"), level, self.run)
 
 
 class Daemon:
@@ -101,20 +74,23 @@ class Daemon:
         self.fallback = FallbackStore(self.state_dir)
         self.notifier = notifier or Notifier.from_env(unset_environment=True)
         self.health = health or LoopHealth.for_interval(cfg.agent.interval_s)
-        self.backend: Backend | None = backend
-        self.backend_why = "injected" if backend else ""
-        self._stopping = threading.Event()  # set when run() ends: cuts a restart backoff short
-        self.ctx = ActContext(cfg, self.host, self.incidents, self.fallback, metrics, self._log_info,
-                              runs=JobRuns.from_config(cfg, self.host))
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="watchdog-work")
-        self._engine: Engine | None = None
         self._owned: tuple[int, ...] = ()  # registered processes and their descendants, as of this tick
+        self._stopping = threading.Event()  # set when run() ends: cuts a restart backoff short
+        self._stacks_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="stacks")  # one dump per job
+        watched = Watched(extra_pids=self._registered_pids, member_pool=lambda: self._owned,
+                          attribute=self.registry.attribute)
+        self.agent = build_agent(cfg, self.host, watched, incidents=self.incidents, fallback=self.fallback,
+                                 pool=self._stacks_pool, health=self.health, heartbeats=self._heartbeats,
+                                 say=self._log_info, metrics=metrics, backend=backend,
+                                 runs=JobRuns.from_config(cfg, self.host))
+        self.engine, self.backend, self.ctx = self.agent.engine, self.agent.backend, self.agent.ctx
+        self.hooks = RestartHooks(self.ctx)
+        self.acts = DaemonActs(self.ctx, self.store, self.registry, self.engine, self.hooks, self.control_dir,
+                               lambda: self.settings, self._stopping)
+        self.dispatcher: Dispatcher[None] = Dispatcher(lambda: self.cfg, self.acts,
+                                                       supervised=lambda job_id: job_id in self.registrations(),
+                                                       stop_unsupervised=lambda: self.settings.stop_unregistered)
         self._signals: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self._lock = threading.RLock()  # busy set, budgets, observed
-        self._busy: set[str] = set()  # jobs being acted on
-        self._observed: dict[str, float] = {}  # job → onset of the stall already observed (jobs still seen only)
-        self._budgets: dict[str, RestartBudget] = {}
-        self._work: list[Any] = []  # futures of acts in flight (for wait_idle)
         self._ready = False
         self._status = ""
         self._scheduler: Any = None
@@ -123,27 +99,6 @@ class Daemon:
     @staticmethod
     def _log_info(msg: str) -> None:
         log.info("%s", msg)
-
-    # -- the engine ----------------------------------------------------------------------------------
-    @property
-    def engine(self) -> Engine:
-        if self._engine is None:
-            if self.backend is None:
-                self.backend, self.backend_why = choose_backend(
-                    self.cfg.agent.backend, root_pid=None, hostname=self.host,
-                    extra_pids=self._registered_pids, env_filter=CONSISTENCY_ENV,
-                    faults=self.cfg.faults, min_window_s=self.cfg.detect.progress_min_window_s)
-            scanner = getattr(self.backend, "scanner", None)
-            if scanner is not None:  # a registered job whose ranks set their rank in code (mp.spawn): its ranks
-                scanner.member_pool = lambda: self._owned
-            self.ctx.gpu_pids = gpu_memory_holders(self.backend)
-            self._engine = Engine(self.cfg, self.backend, self.fallback, self._pool, health=self.health,
-                                  metrics=self.metrics, heartbeats=self._heartbeats,
-                                  attribute=self.registry.attribute, say=self._log_info)
-            self.ctx.ras = self._engine.ras  # an incident reuses the RAS polls made while the job was suspect
-            self.ctx.recent = self._engine.recent
-            self.ctx.fr_dumps = self._engine.fr_dumps  # dumps asked for at suspect: the incident takes them
-        return self._engine
 
     def _registered_pids(self) -> tuple[int, ...]:
         self._owned = tuple(self.registry.owned_pids())
@@ -191,9 +146,6 @@ class Daemon:
             reply["flight_recorder"] = {"buffer_size": frc.buffer_size, "dir": str(fr_dir)}
         return reply
 
-    def target(self, job_id: str, reg: dict[str, Any]) -> RegisteredJob:
-        return RegisteredJob(self, job_id, reg)
-
     def _heartbeats(self) -> dict[str, dict[int, int]]:
         """The step heartbeats of registered jobs' in-job clients (the control dir registration hands out)."""
         return {job_id: self.control_dir(job_id).steps() for job_id in self.registry.registrations()}
@@ -230,187 +182,39 @@ class Daemon:
     def job_processes(self, job_id: str) -> list[JobProcess]:
         return self.registry.job_processes(job_id, self.last_sample)
 
-    def budget(self, job_id: str) -> RestartBudget:
-        """The job's restart budget, kept in the store so that neither a daemon restart nor the job's
-        requeue resets it; a budget untouched for ``recovery.restart_window_s`` is forgotten."""
-        with self._lock:
-            b = self._budgets.get(job_id)
-            if b is None or b.cfg is not self.cfg.recovery:  # first use, or the config was reloaded
-                b = RestartBudget(self.cfg.recovery, self.store.budget(job_id),
-                                  on_change=lambda b: self.store.put_budget(job_id, b.state()))
-                self._budgets[job_id] = b
-            return b
-
     # -- the sampling tick (apscheduler job) -----------------------------------------------------------
     def tick(self) -> None:
         self.check_control()
         tick = self.engine.tick()
         if tick.ok:
             assert tick.sample is not None
-            for f in tick.findings:
-                self._on_finding(f, tick.sample, tick.jobs.get(f.job_id) if f.job_id else None)
-            with self._lock:  # observed stalls of jobs no longer seen are forgotten (bounded)
-                for job_id in set(self._observed) - set(tick.jobs):
-                    del self._observed[job_id]
+            self.dispatcher.dispatch(tick.findings, tick.sample, tick.jobs)
+            self.acts.forget_unseen(tick.jobs)
         if tick.ok and not self._ready:
             self._ready = True
             self._set_status(ready=True)
         else:
             self._set_status()
 
+    def wait_idle(self, timeout_s: float = 60.0) -> None:
+        """Wait for the acts in flight (tests, shutdown)."""
+        self.acts.wait_idle(timeout_s)
+
     def check_control(self) -> None:
         """The control API is reachable (a vanished socket recreated), else /healthz says why not."""
         if self._control is not None:
             self.health.problem("control", self._control.ensure())
 
-    def _on_finding(self, f: Finding, sample: NodeSample, status: JobStatus | None) -> None:
-        regs = self.registrations()
-        response = respond(f, self.cfg, supervised=f.job_id in regs,
-                           stop_unsupervised=self.settings.stop_unregistered)
-        if response.action == "record":
-            self._submit(None, self._record, f, sample)
-        elif response.action == "drain":
-            self._submit(None, self._drain, f, sample)
-        elif response.action == "recover":
-            assert f.job_id is not None
-            if self._claim(f.job_id):
-                self._submit(f.job_id, self._recover, f.job_id, f, sample, status)
-        else:
-            with self._lock:
-                if f.job_id is not None and self._observed.get(f.job_id) == f.onset:
-                    return
-                if f.job_id is not None:
-                    self._observed[f.job_id] = f.onset
-            self._submit(None, self._observe, f, sample, status, response.stop, response.why)
-
-    def _claim(self, job_id: str) -> bool:
-        with self._lock:
-            if job_id in self._busy:
-                return False
-            self._busy.add(job_id)
-            return True
-
-    def _submit(self, job_id: str | None, fn: Callable[..., Any], *args: Any) -> None:
-        def guarded() -> None:
-            try:
-                fn(*args)
-            except Exception:  # the stage boundary: logged with its cause, counted; the daemon carries on
-                log.exception("%s failed", getattr(fn, "__name__", fn))
-                count_internal_error(self.metrics, "act")
-            finally:
-                if job_id is not None:
-                    with self._lock:
-                        self._busy.discard(job_id)
-
-        fut = self._pool.submit(guarded)
-        with self._lock:
-            self._work = [w for w in self._work if not w.done()] + [fut]
-
-    def wait_idle(self, timeout_s: float = 60.0) -> None:
-        """Wait for the acts in flight (tests, shutdown)."""
-        with self._lock:
-            work = list(self._work)
-        wait(work, timeout=timeout_s)
-
-    # -- acts (worker pool) --------------------------------------------------------------------------------
-    def _recover(self, job_id: str, finding: Finding, sample: NodeSample, status: JobStatus | None) -> None:
-        reg = self.registrations().get(job_id)
-        if reg is None:
-            return
-        hook = self.settings.give_up_hook
-        before_give_up = (lambda inc, level: self.run_hook(inc, job_id, "give_up_hook", hook, level)) if hook else None
-        result = Recovery(self.ctx, self.budget(job_id), before_give_up, wait=self._backoff_wait).handle(
-            finding, self.target(job_id, reg), sample, status)
-        if result.held:  # observed, not acted on: the job waits (Engine.hold) and is watched on
-            self.engine.hold(job_id, finding.onset, result.held, result.held_on, result.held_doing)
-            return
-        result.incident.finish("gave up: restart budget spent (no restart hook run)" if result.give_up
-                               else f"restarted by {result.restarted_by}" if result.restarted_by
-                               else f"given up by {result.given_up_by}" if result.given_up_by
-                               else "restarted by another agent (Slurm)" if result.incident.summary.get("restarted_by")
-                               else "restart hook ran" if result.restarted else "restart hook failed or missing")
-
-    def _backoff_wait(self, seconds: float) -> bool:
-        """The restart backoff on a worker thread, cut short when the daemon stops: False when cut."""
-        return not self._stopping.wait(seconds)
-
-    def _observe(self, finding: Finding, sample: NodeSample, status: JobStatus | None, stop: bool, why: str) -> None:
-        target = _UnregisteredRanks(self, finding.job_id or "") if stop else None
-        inc = observe(self.ctx, finding, status, sample, target, why)
-        log.warning("%s in job %s (%s): %s; incident %s", finding.kind, finding.job_id, finding.detail, why, inc.id)
-
-    def _record(self, finding: Finding, sample: NodeSample) -> None:
-        inc = record(self.ctx, self.cfg.hooks, finding, sample)
-        if finding.kind != "gpu_fault":  # the fault handler logged its own line
-            log.warning("job %s: %s: incident %s", finding.job_id, finding.detail, inc.id)
-
-    def _drain(self, finding: Finding, sample: NodeSample) -> None:
-        """Stop the registered jobs on the faulted GPU, drain the node, then run their restart hooks so the
-        scheduler places them elsewhere (their fallback levels unchanged: no NCCL setting helps a broken GPU)."""
-        regs = self.registrations()
-        targets = {j: self.target(j, r) for j, r in regs.items()}
-        inc, stopped = GpuFaultHandler(self.ctx, self.cfg.hooks).drain(finding, sample, targets)
-        for job_id in stopped:
-            self.run_restart_hook(inc, job_id, regs[job_id].get("restart_hook"), self.fallback.level(job_id),
-                                  regs[job_id].get("run"))
-        inc.finish("node drain requested" if any(a["action"] == "drain" and a["ok"] for a in inc.summary["actions"])
-                   else "drain not run")
-
-    def run_restart_hook(self, inc: Incident, job_id: str, hook_name: str | None, level: int,
-                         run: int | None = None) -> bool:
-        """The restart hook; a Slurm requeue only while the job is still in the run this agent saw hang (another
-        node's agent, or a late one, may have requeued it already: never a second requeue, never a failed hook)."""
-        spec = self.cfg.hooks.get(hook_name or "")
-        if spec is not None and spec.type == "slurm-requeue" and run is not None:
-            job = show_job(job_id)
-            if cancelled(job):
-                inc.record_action("restart_hook", False, "skipped: the job was cancelled in Slurm (JobState=CANCELLED)",
-                                  outcome="skipped")
-                return False
-            why = moved_on(job, run)
-            if why:
-                inc.record_action("restart_hook", False, f"skipped: {why}; restarted by another agent",
-                                  outcome="skipped")
-                inc.update(restarted_by={"host": "another agent (Slurm)", "incident": None, "run": run + 1})
-                return False
-        return self.run_hook(inc, job_id, "restart_hook", hook_name, level)
-
-    def run_hook(self, inc: Incident, job_id: str, action: str, hook_name: str | None, level: int) -> bool:
-        """Run a [hooks.NAME] for this job as the incident's ``action`` (restart_hook, give_up_hook)."""
-        spec = self.cfg.hooks.get(hook_name or "")
-        if spec is None:
-            why = (f"{action.replace('_', ' ')} {hook_name!r} is no longer in the config" if hook_name
-                   else "the job registered no restart hook")
-            inc.record_action(action, False, f"not run: {why}")
-            return False
-        try:
-            values = placeholder_values(job_id, self.host, level, inc.id)
-        except UsageError as e:
-            inc.record_action(action, False, f"not run: {e}")
-            return False
-        argv = render_argv(spec.argv, values)
-        entry = inc.begin_action(action, f"{spec.name}: {' '.join(argv)} (timeout {spec.timeout_s:g}s)")
-        env_file = str(self.fallback.root / f"{job_id}.json")
-        res = run_hook(spec, values, extra_env={"GPU_WATCHDOG_FALLBACK_FILE": env_file})
-        inc.end_action(entry, res.ok, res.detail())
-        inc.update(**{action: res.to_json()})
-        self.ctx.metric("action", action, res.ok)
-        (log.info if res.ok else log.warning)("job %s: %s %s", job_id, action.replace("_", " "), res.detail())
-        return res.ok
-
     # -- the control API's requests ------------------------------------------------------------------------
     def manual_restart(self, job_id: str) -> bool:
         """``restart``: checkpoint → stop → restart hook at the next fallback level."""
-        if not self._claim(job_id):
-            return False
         status = self.state.jobs.get(job_id)
         now = time.time()
         f = Finding("restart", "requested", job_id, tuple(status.ranks) if status else (), (), now, now,
                     status.devices if status else (), "restart requested through the control API", "request")
         sample = self.last_sample or NodeSample(t=now, hostname=self.host, backend="none", devices=(), processes=(),
                                                 errors=())
-        self._submit(job_id, self._recover, job_id, f, sample, status)
-        return True
+        return self.acts.request_restart(f, sample, status)
 
     def preempt(self, job_id: str, timeout_s: float) -> dict[str, Any]:
         """Ask a job to checkpoint now; wait at most ``timeout_s`` for its acknowledgement (or, signalled, its exit)."""
@@ -453,7 +257,7 @@ class Daemon:
         jobs = self.state.jobs
         stalled = sum(1 for j in jobs.values() if j.state == STALLED)
         line = (f"{len(jobs)} job(s) seen, {len(self.registrations())} registered, {stalled} stalled, "
-                f"{len(self._busy)} recovering; {self.backend.name if self.backend else '?'} backend")
+                f"{self.acts.busy()} recovering; {self.backend.name if self.backend else '?'} backend")
         if self.store.problem:
             line += "; STATE STORE DEGRADED"
         if self.engine.last_error and self.engine.ticks_failed:
@@ -473,7 +277,7 @@ class Daemon:
         """Finish incidents a killed daemon left unfinished (daemon.resume)."""
         def registered(job_id: str) -> RegisteredJob | None:
             reg = self.registrations().get(job_id)
-            return self.target(job_id, reg) if reg is not None else None
+            return self.acts.target(job_id, reg) if reg is not None else None
 
         return resume_incidents(self.store, self.ctx, registered)
 
@@ -481,9 +285,7 @@ class Daemon:
         """Prune old incident directories and forget restart budgets untouched for a whole window; returns the
         removed incidents."""
         now = time.time() if now is None else now
-        with self._lock:
-            for job_id in self.store.prune_budgets(now - self.cfg.recovery.restart_window_s):
-                self._budgets.pop(job_id, None)
+        self.acts.forget_budgets(now - self.cfg.recovery.restart_window_s)
         return prune_incidents(self.incidents.root, self.store, self.settings, now)
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -521,8 +323,7 @@ class Daemon:
             signal.signal(sig, self._on_signal)
         if self.store.problem:
             log.error("%s", self.store.problem)
-        engine = self.engine
-        log.info("gpu-watchdog daemon: sampling with the %s every %gs; state in %s", self.backend_why,
+        log.info("gpu-watchdog daemon: sampling with the %s every %gs; state in %s", self.agent.backend_why,
                  self.cfg.agent.interval_s, self.state_dir)
         for iid in self.resume():
             log.info("resumed incident %s", iid)
@@ -560,36 +361,11 @@ class Daemon:
                 self._control.stop()
             if pinger is not None:
                 pinger.stop()
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            engine.backend.close()
-            engine.close()
+            self.acts.shutdown()
+            self._stacks_pool.shutdown(wait=False, cancel_futures=True)
+            self.agent.close()
             self.store.close()
         return 0
-
-
-class _UnregisteredRanks:
-    """The ranks of a job nobody registered, for ``daemon.stop_unregistered``: only processes sampled as its
-    ranks (never the daemon); there is nothing to restart."""
-
-    may_signal_checkpoint = False
-
-    def __init__(self, daemon: Daemon, job_id: str) -> None:
-        self.daemon = daemon
-        self.job_id = job_id
-        self.control = daemon.control_dir(job_id)
-
-    def processes(self) -> list[JobProcess]:
-        import os
-
-        sample = self.daemon.last_sample
-        return [JobProcess(p.pid, p.create_time) for p in (sample.processes if sample else ())
-                if p.is_rank and p.job and p.job.job_id == self.job_id and p.pid != os.getpid()]
-
-    def poll(self) -> int | None:
-        return None
-
-    def restart(self, inc: Incident, level: int, shown: str) -> bool:
-        return False
 
 
 def _now_utc() -> Any:
@@ -617,4 +393,4 @@ def main_run(config_path: str | None, overrides: dict[str, Any]) -> int:
             server.stop()
 
 
-__all__ = ["Daemon", "RegisteredJob", "main_run"]
+__all__ = ["Daemon", "main_run"]

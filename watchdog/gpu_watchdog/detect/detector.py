@@ -403,17 +403,9 @@ def _observe_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
                  evidence_in: Sequence[StackEvidence], cfg: DetectConfig, counts: CommProgress | None,
                  counts_new: CommProgress | None) -> _JobFacts:
     ranks = tuple(sorted(rank for rank, _ in ranked))
-    progressing = [r for r in ranks if obs[r].progressing]
-    if counts_new is not None and counts_new.state == "moving":
-        # NCCL's counts rose since its last poll: the job progresses, whatever its hosts and GPUs show.
-        progressing = list(ranks)
+    progressing, devices_busy = _progress_and_devices(ranks, obs, sigs, counts, counts_new)
     seen = prev.ranks_seen | frozenset(ranks)
     missing = seen - frozenset(ranks)
-    devices_busy = any(s == "busy" for s in sigs)
-    if counts is not None and counts.state == "frozen_unequal" and counts.behind:
-        # NCCL's frozen counts put the other ranks inside a collective that cannot complete: only the GPUs of the
-        # ranks behind can be doing work the job waits for.
-        devices_busy = any(obs[r].device == "busy" for r in counts.behind if r in obs)
     device_sig = "spin" if "spin" in sigs else "idle_held"
     base = replace(prev, ranks=ranks, ranks_seen=seen, devices=tuple(d.uuid for d in devs),
                    rank_pids={rank: p.pid for rank, p in ranked},
@@ -442,14 +434,35 @@ def _observe_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
         quiet, progressing = False, sorted(moving)
     facts = _JobFacts(base, evidence, quiet, onset, "rank_exited" if missing else device_sig, stack_quiet,
                       devices_busy)
-    idle = [r for r in ranks if r not in progressing]
-    # Ranks that only moved slowly (stacks, not counters) keep the job waiting even when every rank did: a job that
-    # polls or reads slowly everywhere waits (until waiting_timeout_s), it is not running.
-    if quiet or not ((idle and progressing and len(ranks) > 1) or slow_movers
-                     or (devices_busy and any(s != "busy" for s in sigs))):
+    if quiet or not _some_wait(ranks, progressing, slow_movers, devices_busy, sigs):
         return facts
     waiting_since = prev.waiting_since if prev.waiting_since is not None else (onset if slow_movers else prev_t)
     return _waiting_facts(facts, prev, waiting_since, progressing, moving, obs, devs, sigs)
+
+
+def _progress_and_devices(ranks: Sequence[int], obs: Mapping[int, _RankObs], sigs: Sequence[str | None],
+                          counts: CommProgress | None, counts_new: CommProgress | None) -> tuple[list[int], bool]:
+    """(the ranks whose counters moved, whether a GPU the job waits on works)."""
+    progressing = [r for r in ranks if obs[r].progressing]
+    if counts_new is not None and counts_new.state == "moving":
+        # NCCL's counts rose since its last poll: the job progresses, whatever its hosts and GPUs show.
+        progressing = list(ranks)
+    devices_busy = any(s == "busy" for s in sigs)
+    if counts is not None and counts.state == "frozen_unequal" and counts.behind:
+        # NCCL's frozen counts put the other ranks inside a collective that cannot complete: only the GPUs of the
+        # ranks behind can be doing work the job waits for.
+        devices_busy = any(obs[r].device == "busy" for r in counts.behind if r in obs)
+    return progressing, devices_busy
+
+
+def _some_wait(ranks: Sequence[int], progressing: Sequence[int], slow_movers: bool, devices_busy: bool,
+               sigs: Sequence[str | None]) -> bool:
+    """Whether a job that is not quiet waits on some of its ranks: some progress while others idle, ranks that only
+    moved slowly (stacks, not counters: a job that polls or reads slowly everywhere waits, until
+    waiting_timeout_s, it is not running), or a busy GPU beside idle ones."""
+    idle = [r for r in ranks if r not in progressing]
+    return bool((idle and progressing and len(ranks) > 1) or slow_movers
+                or (devices_busy and any(s != "busy" for s in sigs)))
 
 
 def _stack_progress(prev: JobStatus, evidence_in: Sequence[StackEvidence], obs: Mapping[int, _RankObs],

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from gpu_watchdog.act.faults import GpuFaultHandler, record
+from gpu_watchdog.act.faults import GpuFaultHandler
 from gpu_watchdog.act.recovery import Recovery
 from gpu_watchdog.act.stopper import JobProcess, alive, job_tree, stop_processes
-from gpu_watchdog.act.target import ActContext
+from gpu_watchdog.agent.build import Watched, build_agent
+from gpu_watchdog.agent.dispatch import Dispatcher, record_finding
 from gpu_watchdog.config.schema import Config, HookSpec, resolve_state_dir
-from gpu_watchdog.detect.consistency import CONSISTENCY_ENV
 from gpu_watchdog.detect.detector import Finding, JobStatus
-from gpu_watchdog.engine.loop import Engine, Tick, count_internal_error
+from gpu_watchdog.engine.loop import Engine, count_internal_error
 from gpu_watchdog.errors import EXIT_BUDGET_SPENT, EXIT_GPU_FAULT, EXIT_SOFTWARE, UsageError
 from gpu_watchdog.evidence import flight_recorder as fr
 from gpu_watchdog.evidence.spawned_ranks import no_rank_warning
@@ -43,8 +43,8 @@ from gpu_watchdog.launch.output import JobOutput
 from gpu_watchdog.model import NodeSample
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.policy.ladder import validate_job_id
-from gpu_watchdog.policy.respond import respond
-from gpu_watchdog.sample.backends import Backend, choose_backend, gpu_memory_holders
+from gpu_watchdog.policy.respond import Response
+from gpu_watchdog.sample.backends import Backend
 from gpu_watchdog.sample.processes import JOB_ID_ENV, describe_exit
 from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.incidents import Incident, IncidentStore
@@ -54,8 +54,9 @@ log = logging.getLogger("gpu_watchdog.launcher")
 
 @dataclass
 class _Outcome:
-    exit_code: int | None = None  # None: start the next run
+    exit_code: int | None = None  # None: start the next run, with these settings:
     restart_env: dict[str, str] = field(default_factory=dict)
+    level: int = 0  # the fallback level the next run starts at (the plan's, never read back from disk)
 
 
 def resolve_command(cmd: Sequence[str]) -> list[str]:
@@ -126,15 +127,18 @@ class Launcher:
         self.incidents = IncidentStore(self.state_dir)
         self.fallback = FallbackStore(self.state_dir)
         self.budget = RestartBudget(cfg.recovery)
-        self.ctx = ActContext(cfg, self.host, self.incidents, self.fallback, metrics, self.say)
-        self.faults = GpuFaultHandler(self.ctx, hooks or {})
         self.stop_signal: int | None = None
         self.control = ControlDir(self.state_dir / "run" / self.job_id)
         self._wake = threading.Event()  # set when a stack dump finishes: feed it to the detector at once
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stacks")
         self._warned_no_rank = False
-        self.backend = backend
-        self.engine: Engine | None = None  # built by run(), on the backend it chooses
+        self.agent = build_agent(cfg, self.host, Watched(root_pid=os.getpid()), incidents=self.incidents,
+                                 fallback=self.fallback, pool=self._pool, health=self.health,
+                                 heartbeats=lambda: {self.job_id: self.control.steps()}, say=self.say,
+                                 metrics=metrics, backend=backend, on_dump_done=self._wake.set)
+        self.engine, self.backend, self.ctx = self.agent.engine, self.agent.backend, self.agent.ctx
+        self.hooks = hooks or {}
+        self.faults = GpuFaultHandler(self.ctx, self.hooks)
         # launch.output's modes; "console" (the default): the job writes to launch's own stdout and stderr
         self.output = JobOutput(job_output, None if job_output == "console" else
                                 job_log or self.state_dir / "logs" / f"{self.job_id}.log",
@@ -155,10 +159,11 @@ class Launcher:
         """The environment entries that name this run of the job: every process it starts inherits them."""
         return {JOB_ID_ENV: self.job_id, CONTROL_DIR_ENV: str(self.control.path), RESTART_COUNT_ENV: str(attempt)}
 
-    def _start(self, attempt: int, extra_env: dict[str, str]) -> subprocess.Popen[bytes]:
+    def _start(self, attempt: int, restart_env: Mapping[str, str], level: int = 0) -> subprocess.Popen[bytes]:
+        """Run ``attempt`` of the job with the next run's NCCL settings and fallback level (in its environment)."""
         env = dict(os.environ)
-        env.update(extra_env)
-        env.update({**self._run_marker(attempt), FALLBACK_LEVEL_ENV: str(self.fallback.level(self.job_id))})
+        env.update(restart_env)
+        env.update({**self._run_marker(attempt), FALLBACK_LEVEL_ENV: str(level)})
         self.control.create()
         env.update(self._flight_recorder_env(env))
         try:
@@ -181,30 +186,17 @@ class Launcher:
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        if self.backend is None:
-            self.backend, why = choose_backend(self.cfg.agent.backend, root_pid=os.getpid(), hostname=self.host,
-                                               env_filter=CONSISTENCY_ENV, faults=self.cfg.faults,
-                                               min_window_s=self.cfg.detect.progress_min_window_s)
-        else:
-            why = f"{getattr(self.backend, 'name', 'given')} backend"
-        backend = self.backend
-        self.ctx.gpu_pids = gpu_memory_holders(backend)
+        backend, engine = self.backend, self.engine
         logged = f"; job log {self.output.log_path}" if self.output.log_path else ""
-        self.say(f"job {self.job_id}: sampling with the {why}; state in {self.state_dir}{logged}")
-        self.engine = engine = Engine(self.cfg, backend, self.fallback, self._pool, health=self.health,
-                                      metrics=self.metrics, heartbeats=lambda: {self.job_id: self.control.steps()},
-                                      on_dump_done=self._wake.set, say=self.say)
-        self.ctx.ras = engine.ras  # an incident reuses the RAS polls made while the job was suspect
-        self.ctx.recent = engine.recent
-        self.ctx.fr_dumps = engine.fr_dumps  # dumps asked for at suspect: the incident takes them
-        restart_env: dict[str, str] = dict(self.fallback.load(self.job_id).get("env") or {})
+        self.say(f"job {self.job_id}: sampling with the {self.agent.backend_why}; state in {self.state_dir}{logged}")
+        settings = self._stored_settings()  # the first run's: what an earlier launch of this job id left
         attempt = 0
         try:
             while True:
                 if self.stop_signal is not None:  # arrived during a recovery (the job is already stopped)
                     self.say(f"received {signal.Signals(self.stop_signal).name}: not restarting the job")
                     return 128 + self.stop_signal
-                child = self._start(attempt, restart_env)
+                child = self._start(attempt, settings.restart_env, settings.level)
                 scanner = getattr(backend, "scanner", None)
                 if scanner is not None:
                     scanner.root_pid = child.pid
@@ -224,14 +216,14 @@ class Launcher:
                 self.output.finish()
                 if outcome.exit_code is not None:
                     return outcome.exit_code
-                restart_env = outcome.restart_env
+                settings = outcome
                 attempt += 1
         finally:
-            backend.close()
-            engine.close()
+            self.agent.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _watch(self, engine: Engine, target: LaunchTarget, exits: ExitWatch) -> _Outcome:
+        dispatcher = self.dispatcher(target)
         seen: dict[int, JobProcess] = {}  # every job process sampled in this run (pid + create time)
         last_seen: JobStatus | None = None  # the job as last seen with ranks (they are gone after a crash)
         next_tick = started = time.monotonic()
@@ -254,7 +246,7 @@ class Launcher:
                     exits.watch(dict(ours.rank_pids))
                 elif last_seen is None:
                     self._warn_if_no_rank(time.monotonic() - started)
-                outcome = self._act(tick, target, ours)
+                outcome = dispatcher.dispatch(tick.findings, tick.sample, tick.jobs)
                 if outcome is not None:
                     self._stop_leftovers(seen.values())
                     return outcome
@@ -263,27 +255,15 @@ class Launcher:
                 self._wake.clear()  # an early tick; the regular schedule resumes after it
                 next_tick -= self.cfg.agent.interval_s
 
-    def _act(self, tick: Tick, target: LaunchTarget, ours: JobStatus | None) -> _Outcome | None:
-        assert tick.sample is not None
-        for f in tick.findings:
-            response = respond(f, self.cfg, supervised=f.job_id == self.job_id)
-            if response.action == "drain":
-                code = self.gpu_fault(f, tick.sample, target)
-                if code is not None:
-                    return _Outcome(exit_code=code)
-            elif response.action == "record":
-                self.record(f, tick.sample)
-            elif response.action == "recover":
-                return self._recover(f, target, tick.sample, ours)
-            elif f.job_id == self.job_id:
-                self.say(f"{f.kind} found ({f.detail}); {response.why}")
-        return None
+    def dispatcher(self, target: LaunchTarget) -> Dispatcher[_Outcome]:
+        """Findings of this run to ``launch``'s handlers (agent.dispatch): only its own job is supervised."""
+        return Dispatcher(lambda: self.cfg, _RunHandlers(self, target), supervised=lambda job_id: job_id == self.job_id)
 
     def _warn_if_no_rank(self, waited_s: float) -> None:
         """Once per launch: the job has shown no rank ``agent.no_rank_warning_s`` after its run started."""
         limit = self.cfg.agent.no_rank_warning_s
         scanner = getattr(self.backend, "scanner", None)
-        if self._warned_no_rank or limit <= 0 or waited_s < limit or scanner is None or self.engine is None:
+        if self._warned_no_rank or limit <= 0 or waited_s < limit or scanner is None:
             return
         self._warned_no_rank = True
         self.say(no_rank_warning(self.job_id, waited_s, scanner.unranked, scanner.rankless,
@@ -306,11 +286,8 @@ class Launcher:
 
     # -- acting ------------------------------------------------------------------------------------------
     def gpu_fault(self, finding: Finding, sample: NodeSample, target: LaunchTarget) -> int | None:
-        """A draining GPU fault: the job's processes on that GPU stop, the node drains; exit 74 when the job was
-        on it (it must run elsewhere), else supervise on. An application Xid only records (respond's rule)."""
-        if respond(finding, self.cfg, supervised=True).action == "record":
-            self.record(finding, sample)
-            return None
+        """A draining GPU fault (respond's "drain"): the job's processes on that GPU stop, the node drains; exit 74
+        when the job was on it (it must run elsewhere), else supervise on."""
         inc, stopped = self.faults.drain(finding, sample, {self.job_id: target})
         if self.job_id not in stopped:
             inc.finish("node drained; the job does not use that GPU and is watched on")
@@ -326,9 +303,7 @@ class Launcher:
 
     def record(self, finding: Finding, sample: NodeSample) -> None:
         """An incident only (respond's "record"): an application Xid, ranks launched with different settings."""
-        inc = record(self.ctx, self.faults.hooks, finding, sample)
-        if finding.kind != "gpu_fault":  # the fault handler said its own line
-            self.say(f"WARNING: {finding.detail} (incident {inc.id})")
+        record_finding(self.ctx, self.hooks, finding, sample, lambda line: self.say(f"WARNING: {line}"))
 
     def _backoff_wait(self, seconds: float) -> bool:
         """The restart backoff, cut short by SIGINT/SIGTERM (the job is already stopped): False when cut."""
@@ -349,7 +324,6 @@ class Launcher:
         finally:
             self.health.busy(None)
         if result.held:  # observed, not acted on: the job waits (Engine.hold) and is watched on
-            assert self.engine is not None
             self.engine.hold(self.job_id, finding.onset, result.held, result.held_on, result.held_doing)
             return None
         if result.give_up:
@@ -358,7 +332,12 @@ class Launcher:
             return _Outcome(exit_code=EXIT_BUDGET_SPENT)
         result.incident.finish(f"restarted at fallback level {result.level}" if result.restarted
                                else "stopped; not restarted (launch is stopping)")
-        return _Outcome(restart_env=result.restart_env)
+        return _Outcome(restart_env=result.restart_env, level=result.level)
+
+    def _stored_settings(self) -> _Outcome:
+        """The job's stored fallback record as the next run's settings (a first run, a restart after a crash)."""
+        record = self.fallback.load(self.job_id)
+        return _Outcome(restart_env=dict(record.get("env") or {}), level=int(record.get("level", 0)))
 
     def _exited(self, rc: int, seen: Iterable[JobProcess], exits: ExitWatch, last_seen: JobStatus | None,
                 attempt: int) -> _Outcome:
@@ -404,11 +383,10 @@ class Launcher:
             inc.record_action("give_up", True, f"restart budget spent: {why_not}")
             inc.finish("gave up: restart budget spent")
             return _Outcome(exit_code=code)
-        env = dict(self.fallback.load(self.job_id).get("env") or {})
         inc.record_action("restart", True, f"run {attempt + 1} (recovery.restart_on_crash), fallback level unchanged")
         inc.finish("restarted")
         self.say(f"restarting (run {attempt + 1}) after the crash (recovery.restart_on_crash)")
-        return _Outcome(restart_env=env)
+        return self._stored_settings()
 
     def _stop_leftovers(self, procs: Iterable[JobProcess]) -> None:
         """Ranks that outlived the launched process (torchrun killed, or crashed): orphans re-parented away from
@@ -417,6 +395,31 @@ class Launcher:
         if left:
             res = stop_processes(left, self.cfg.recovery.stop_grace_s)
             self.say(f"stopped {len(left)} job process(es) left behind by the launched command: {res.detail}")
+
+
+class _RunHandlers:
+    """What ``launch`` does with each finding during one run (agent.dispatch): an outcome ends the run."""
+
+    def __init__(self, launcher: Launcher, target: LaunchTarget) -> None:
+        self.launcher = launcher
+        self.target = target
+
+    def recover(self, finding: Finding, sample: NodeSample, status: JobStatus | None) -> _Outcome | None:
+        return self.launcher._recover(finding, self.target, sample, status)
+
+    def drain(self, finding: Finding, sample: NodeSample) -> _Outcome | None:
+        code = self.launcher.gpu_fault(finding, sample, self.target)
+        return None if code is None else _Outcome(exit_code=code)
+
+    def record(self, finding: Finding, sample: NodeSample) -> _Outcome | None:
+        self.launcher.record(finding, sample)
+        return None
+
+    def observe(self, finding: Finding, sample: NodeSample, status: JobStatus | None,
+                response: Response) -> _Outcome | None:
+        if finding.job_id == self.launcher.job_id:  # recovery disabled: said, not acted on
+            self.launcher.say(f"{finding.kind} found ({finding.detail}); {response.why}")
+        return None
 
 
 __all__ = ["LaunchTarget", "Launcher", "resolve_command"]

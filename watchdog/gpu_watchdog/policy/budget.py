@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from gpu_watchdog.config.schema import RecoveryConfig
+
+
+@dataclass(frozen=True)
+class BudgetVerdict:
+    allowed: bool
+    why_not: str  # "" when allowed
+    state: Mapping[str, Any]  # the budget's state once this hang is accounted for (RestartBudget.state()'s shape)
 
 
 class RestartBudget:
@@ -28,36 +36,40 @@ class RestartBudget:
         return {"restarts": list(self.restarts), "no_progress": self.no_progress,
                 "last_hang_step": self.last_hang_step}
 
+    def verdict(self, now: float, hang_step: int | None, job_wide: list[float] | None = None) -> BudgetVerdict:
+        """Whether one more hang may be restarted, and the budget's state once it is accounted for; changes
+        nothing (``commit`` does). ``job_wide``: the job's restart history from its run records (a multi-node job),
+        counted instead of this node's own, so that every node's agent spends, and sees spent, the same budget."""
+        restarts = sorted(float(t) for t in job_wide) if job_wide is not None else list(self.restarts)
+        last = self.last_hang_step
+        no_progress = self.no_progress + 1 if last is not None and (hang_step is None or hang_step <= last) else 0
+        if hang_step is not None:
+            last = hang_step if last is None else max(last, hang_step)
+        recent = [t for t in restarts if now - t < self.cfg.restart_window_s]
+        why = ""
+        if len(recent) >= self.cfg.max_restarts:
+            why = (f"{len(recent)} restarts in the last {self.cfg.restart_window_s:.0f}s "
+                   f"(recovery.max_restarts = {self.cfg.max_restarts})")
+        elif no_progress >= self.cfg.max_no_progress_restarts:
+            why = (f"{no_progress} restarts in a row hung again without passing step {last} "
+                   "(recovery.max_no_progress_restarts)")
+        else:
+            restarts.append(now)
+        return BudgetVerdict(not why, why, {"restarts": restarts, "no_progress": no_progress, "last_hang_step": last})
+
+    def commit(self, verdict: BudgetVerdict) -> None:
+        """Account for the hang ``verdict`` was asked about (a restart it allowed is charged)."""
+        self.restarts = list(verdict.state["restarts"])
+        self.no_progress = int(verdict.state["no_progress"])
+        self.last_hang_step = verdict.state["last_hang_step"]
+        if self._on_change is not None:
+            self._on_change(self)
+
     def allow(self, now: float, hang_step: int | None) -> tuple[bool, str]:
         """Account for one more hang; returns whether a restart is allowed and why not."""
-        verdict = self._account(now, hang_step)
-        if self._on_change is not None:
-            self._on_change(self)
-        return verdict
-
-    def _account(self, now: float, hang_step: int | None) -> tuple[bool, str]:
-        if self.last_hang_step is not None and (hang_step is None or hang_step <= self.last_hang_step):
-            self.no_progress += 1
-        else:
-            self.no_progress = 0
-        if hang_step is not None:
-            self.last_hang_step = hang_step if self.last_hang_step is None else max(self.last_hang_step, hang_step)
-        recent = [t for t in self.restarts if now - t < self.cfg.restart_window_s]
-        if len(recent) >= self.cfg.max_restarts:
-            return False, (f"{len(recent)} restarts in the last {self.cfg.restart_window_s:.0f}s "
-                           f"(recovery.max_restarts = {self.cfg.max_restarts})")
-        if self.no_progress >= self.cfg.max_no_progress_restarts:
-            return False, (f"{self.no_progress} restarts in a row hung again without passing step "
-                           f"{self.last_hang_step} (recovery.max_no_progress_restarts)")
-        self.restarts.append(now)
-        return True, ""
-
-    def adopt(self, restarts: list[float]) -> None:
-        """Count the job-wide restart history (a multi-node job's run records) instead of this node's own: every
-        node's agent then spends, and sees spent, the same budget."""
-        self.restarts = sorted(float(t) for t in restarts)
-        if self._on_change is not None:
-            self._on_change(self)
+        verdict = self.verdict(now, hang_step)
+        self.commit(verdict)
+        return verdict.allowed, verdict.why_not
 
     def refund(self) -> None:
         """The restart just allowed did not happen here (another agent restarted the job): not charged."""

@@ -136,14 +136,17 @@ class NvmlBackend:
 def choose_backend(name: str, *, root_pid: int | None = None, hostname: str = "",
                    extra_pids: Iterable[int] | Any = None, nvml_lib: Any = None,
                    env_filter: Iterable[str] = (), faults: FaultsConfig | None = None,
-                   min_window_s: float = DetectConfig.progress_min_window_s) -> tuple[Backend, str]:
+                   min_window_s: float = DetectConfig.progress_min_window_s,
+                   member_pool: Callable[[], Iterable[int]] = tuple) -> tuple[Backend, str]:
     """Build the named backend; returns it and a one-line reason (``auto`` says what it picked and why).
     The nvml backend also watches Xid events unless ``faults.xid_events`` is false; the proc backend
-    measures CPU rates over windows of at least ``min_window_s`` (detect.progress_min_window_s)."""
+    measures CPU rates over windows of at least ``min_window_s`` (detect.progress_min_window_s).
+    ``member_pool``: without a ``root_pid``, the processes whose process-group membership is looked at for ranks
+    set in code (ProcessScanner)."""
     if name not in BACKENDS:
         raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     host = hostname or socket.gethostname()
-    scanner = ProcessScanner(root_pid=root_pid, env_filter=env_filter)
+    scanner = ProcessScanner(root_pid=root_pid, env_filter=env_filter, member_pool=member_pool)
     extra = extra_pids if callable(extra_pids) else (lambda: tuple(extra_pids or ()))
 
     def proc(why: str) -> tuple[Backend, str]:

@@ -220,7 +220,8 @@ class ProcessScanner:
     stacks' locals, evidence.spawned_ranks). Until it is known the process is listed in ``unranked``.
     """
 
-    def __init__(self, root_pid: int | None = None, env_filter: Iterable[str] = ()) -> None:
+    def __init__(self, root_pid: int | None = None, env_filter: Iterable[str] = (),
+                 member_pool: Callable[[], Iterable[int]] = tuple) -> None:
         self.root_pid = root_pid
         self._known: dict[int, _Known | None] = {}  # pid → cached process, None = not ours / unreadable
         # pid → start token of processes whose environment reads as gone while the process table still lists them
@@ -235,7 +236,7 @@ class ProcessScanner:
         self._dup_warned: set[tuple[str, int, tuple[int, ...]]] = set()  # (job, rank, pids) logged once
         self.rank_finder: RankFinder = _no_rank_finder
         # Without a root (the daemon): the processes whose group membership is looked at (registered jobs).
-        self.member_pool: Callable[[], Iterable[int]] = tuple
+        self.member_pool = member_pool
         self.unranked: tuple[int, ...] = ()  # group members whose rank is not known yet (last tick)
         self.rankless: tuple[int, ...] = ()  # processes in scope with no rank and not in a group (last tick)
         self._members_checked_at = float("-inf")  # monotonic: the last look at who joined a process group

@@ -1,0 +1,96 @@
+"""What a confirmed stall gets (pure): the judgement ``act.recovery`` carries out.
+
+From the finding, what the evidence says (``StallFacts``), the record of the level that configured this run, the
+job-wide record of the next run when another node's agent already wrote it, and the restart budget's verdict,
+``judge`` returns one ``Plan``:
+
+- ``stand_down``: another node's agent decided the next run (a restart, or none); this node's ranks only stop;
+- ``hold``: no proof that interrupting the job is right (README "How it decides"): it waits, watched on;
+- ``give_up``: a deterministic hang back at the same place after a restart that changed nothing, or the budget spent;
+- ``restart``: at the decision's level (``policy.ladder.decide``), which travels in the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpu_watchdog.config.schema import FallbackConfig
+from gpu_watchdog.detect.detector import Finding
+from gpu_watchdog.policy.budget import BudgetVerdict
+from gpu_watchdog.policy.ladder import FallbackDecision, decide, hang_place
+
+STAND_DOWN, HOLD, GIVE_UP, RESTART = "stand_down", "hold", "give_up", "restart"
+
+# A hang that comes back at the same place after a restart that changed nothing is deterministic for these:
+# restarting again does not help.
+_DETERMINISTIC = ("desync", "waiting_timeout")
+
+
+@dataclass(frozen=True)
+class StallFacts:
+    """What the evidence gathered at the incident says, reduced to what the judgement reads."""
+
+    communication: str = ""  # the sources that put the hang in communication, "" when none does
+    culprit_state: str | None = None  # the state of the stack the hang sits in (a blocked worker's if any)
+    culprit_where: str = ""
+    desync: bool = False
+    stopped: tuple[int, ...] = ()  # ranks seen stopped (state T)
+    alive_elsewhere: str = ""  # the culprits are other nodes' ranks their agents saw alive
+    on_gpus: bool = False  # the ranks use real GPUs (NCCL), not the proc backend's virtual devices
+
+
+@dataclass(frozen=True)
+class Plan:
+    action: str  # STAND_DOWN | HOLD | GIVE_UP | RESTART
+    proof: str = ""  # why interrupting the job is allowed (GIVE_UP, RESTART)
+    decision: FallbackDecision | None = None  # the next run's settings (GIVE_UP: the advice; RESTART: the level)
+    why_not: str = ""  # GIVE_UP: why there is no next run
+    charges_budget: bool = False  # the budget's verdict is accounted for (not for a deterministic give-up)
+    current_level: int = 0  # the level of the run that hung
+    decided_elsewhere: Mapping[str, Any] | None = None  # STAND_DOWN: the other agent's record of the next run
+
+
+def action_proof(finding: Finding, facts: StallFacts) -> str:
+    """Why an action that interrupts the job is allowed, in one line; "" when it is not (the one rule: README "How
+    it decides"). Communication evidence (stacks, a blocked worker, Flight Recorder, NCCL RAS, the NCCL spin), or
+    evidence from the processes themselves: a rank that exited or was stopped, a job that already waited
+    ``waiting_timeout_s``, a restart someone asked for."""
+    if finding.kind == "restart":
+        return "requested"
+    if finding.signature == "rank_exited":
+        return f"process: {finding.detail}"
+    if finding.signature == "waiting_timeout":
+        return f"waiting timeout: {finding.detail}"
+    if facts.stopped:
+        return f"process: rank(s) {','.join(map(str, facts.stopped))} stopped (state T)"
+    if facts.alive_elsewhere:
+        return ""  # the job waits on another node's rank that is alive there
+    return facts.communication
+
+
+def judge(cfg: FallbackConfig, finding: Finding, facts: StallFacts, previous: Mapping[str, Any],
+          budget: BudgetVerdict, decided_elsewhere: Mapping[str, Any] | None = None) -> Plan:
+    """The plan for a confirmed stall. ``previous``: the fallback record that configured the run that hung (its
+    level and the place its hang sat); ``budget``: the restart budget's verdict on this hang."""
+    current = int(previous.get("level", 0))
+    if decided_elsewhere is not None:
+        return Plan(STAND_DOWN, current_level=current, decided_elsewhere=decided_elsewhere)
+    proof = action_proof(finding, facts)
+    if not proof:
+        return Plan(HOLD, current_level=current)
+    state = "desync" if facts.desync else facts.culprit_state
+    place = hang_place(state, facts.culprit_where, finding.signature)
+    decision = decide(cfg, current, finding.kind, facts.culprit_state, desync=facts.desync,
+                      communication=facts.communication, signature=finding.signature, place=place,
+                      level_advice=finding.kind == "stall" and facts.on_gpus)
+    kind = "desync" if facts.desync else finding.signature
+    if not decision.changed and kind in _DETERMINISTIC and place == str(previous.get("hang_place") or ""):
+        why = (f"code bug: restarting does not help (the same desync at {place} came back after a restart)"
+               if facts.desync else
+               f"restarting does not help: the job waited at the same place again ({place}) after a restart")
+        return Plan(GIVE_UP, proof, decision, why, current_level=current)
+    if not budget.allowed:
+        return Plan(GIVE_UP, proof, decision, f"restart budget spent: {budget.why_not}", True, current)
+    return Plan(RESTART, proof, decision, charges_budget=True, current_level=current)
