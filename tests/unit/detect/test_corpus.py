@@ -81,7 +81,7 @@ def _check(entry: dict[str, Any], findings: list[Finding], cfg: DetectConfig) ->
             # ... and within the acceptance bounds: 10 s after the true onset when the trace carries the live
             # agent's stack dumps, 35 s without (time only)
             assert f.confirmed_at - entry["true_onset"] <= (10.0 if x.get("stacks") else 35.0)
-            assert f.evidence == ("stacks" if x.get("stacks") else "time")
+            assert f.basis == ("stacks" if x.get("stacks") else "time")
         else:  # a fault is reported on the first sample that shows it
             assert 0 <= f.confirmed_at - entry["true_onset"] <= entry["interval_s"]
 

@@ -190,7 +190,7 @@ def test_signature_detected_with_onset_at_the_last_progress(phase: str, sig: str
     last_progress = samples[9].t
     r = run(samples)
     (f,) = r.findings
-    assert (f.kind, f.signature, f.job_id, f.evidence) == ("stall", sig, JOB, "time")
+    assert (f.kind, f.signature, f.job_id, f.basis) == ("stall", sig, JOB, "time")
     assert f.onset == last_progress
     assert f.confirmed_at == last_progress + CFG.confirm_after_s
     assert f.ranks == (0, 1, 2, 3) and f.culprit_ranks == () and f.devices == ("GPU-0", "GPU-1", "GPU-2", "GPU-3")
@@ -310,7 +310,7 @@ def test_a_gpu_fault_is_reported_at_once_and_once() -> None:
     samples = node.healthy(5) + [node.tick(faults=lost) for _ in range(10)]
     r = run(samples)
     (f,) = r.findings
-    assert (f.kind, f.signature, f.devices, f.evidence) == ("gpu_fault", "gpu_lost", ("GPU-2",), "fault")
+    assert (f.kind, f.signature, f.devices, f.basis) == ("gpu_fault", "gpu_lost", ("GPU-2",), "fault")
     assert f.onset == f.confirmed_at == samples[5].t and f.job_id == JOB and "lost" in f.detail
     assert r.states[-1].faulted == frozenset({"GPU-2"})
     # Healed and lost again: a new fault.
@@ -388,7 +388,7 @@ def test_two_unchanged_dumps_confirm_early() -> None:
     (f,) = r.findings
     # asked at suspect_after_s, again stack_confirm_gap_s after the first dump; confirmed on its arrival
     assert dumps == [onset + 2.2, onset + 6.2]
-    assert f.evidence == "stacks" and f.onset == onset and f.confirmed_at == onset + 7.0
+    assert f.basis == "stacks" and f.onset == onset and f.confirmed_at == onset + 7.0
     assert f.confirmed_at - f.onset < CFG.confirm_after_s
 
 
@@ -434,7 +434,7 @@ def test_moving_stacks_then_still_again_is_a_stall() -> None:
 
     r, dumps = run_with_caller(samples, reader_then_stuck)
     (f,) = r.findings
-    assert f.evidence == "stacks" and f.onset >= stuck_at - CFG.waiting_stack_interval_s
+    assert f.basis == "stacks" and f.onset >= stuck_at - CFG.waiting_stack_interval_s
     assert f.confirmed_at - f.onset < CFG.confirm_after_s
 
 
@@ -452,7 +452,7 @@ def test_a_hang_after_a_wait_is_judged_by_dumps_taken_since_the_job_went_quiet()
 
     r, dumps = run_with_caller(samples, startup_then_hung)
     (f,) = r.findings
-    assert f.evidence == "stacks" and f.onset == quiet_from
+    assert f.basis == "stacks" and f.onset == quiet_from
     assert f.confirmed_at - f.onset <= 8.0, (f, dumps)
 
 
@@ -476,7 +476,7 @@ def test_a_busy_rank_whose_stack_never_moves_is_a_host_spin_stall() -> None:
     ev = {10: [stacks(samples[9].t, spin, active=True)], 14: [stacks(samples[13].t, spin, active=True)]}
     r = run(samples, stacks=ev)
     (f,) = r.findings
-    assert f.evidence == "stacks" and f.confirmed_at == samples[14].t and f.onset == samples[4].t
+    assert f.basis == "stacks" and f.confirmed_at == samples[14].t and f.onset == samples[4].t
 
 
 def test_stacks_show_progress_unit() -> None:
@@ -569,7 +569,7 @@ def test_a_spinning_gpu_makes_its_busy_waiting_host_no_progress() -> None:
                                  for _ in range(35)]
     r = run(samples)
     (f,) = stall_findings(r)
-    assert f.signature == "spin" and f.evidence == "time"
+    assert f.signature == "spin" and f.basis == "time"
     assert f.onset == samples[4].t and f.confirmed_at - f.onset == pytest.approx(30.0)
     assert r.job(8).state == "suspect" and r.job(8).needs_stacks
 

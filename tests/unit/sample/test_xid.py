@@ -348,7 +348,7 @@ def test_queued_xids_reach_the_sample_and_the_detector(job_proc: subprocess.Pope
     assert s.devices[0].fault is not None and s.devices[0].fault.xid == 79 and s.devices[1].fault is None
     state, findings = step(state, s, cfg)
     [f] = findings
-    assert (f.kind, f.signature, f.job_id, f.devices, f.evidence) == ("gpu_fault", "xid", "job-x",
+    assert (f.kind, f.signature, f.job_id, f.devices, f.basis) == ("gpu_fault", "xid", "job-x",
                                                                       ("GPU-fake-0",), "fault")
     assert "Xid 79" in f.detail and "jobs: job-x" in f.detail
     state, findings = step(state, backend.sample(), cfg)  # the event was one tick's news

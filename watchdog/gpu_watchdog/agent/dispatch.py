@@ -13,7 +13,7 @@ from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.schema import Config, HookSpec
 from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.model import NodeSample
-from gpu_watchdog.policy.respond import Response, respond
+from gpu_watchdog.policy.respond import DRAIN, RECORD, RECOVER, Response, respond
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -47,11 +47,11 @@ class Dispatcher(Generic[T]):
             response = respond(f, self._cfg(), supervised=self._supervised(f.job_id),
                                stop_unsupervised=self._stop_unsupervised())
             status = jobs.get(f.job_id) if f.job_id else None
-            if response.action == "recover":
+            if response.action == RECOVER:
                 out = h.recover(f, sample, status)
-            elif response.action == "drain":
+            elif response.action == DRAIN:
                 out = h.drain(f, sample)
-            elif response.action == "record":
+            elif response.action == RECORD:
                 out = h.record(f, sample)
             else:
                 out = h.observe(f, sample, status, response)

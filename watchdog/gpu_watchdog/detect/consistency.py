@@ -191,7 +191,7 @@ class ConfigWatch:
             return report, None
         return report, Finding("config_mismatch", "env_mismatch", status.job_id, status.ranks, (), t, t,
                                detail=f"ranks were launched with different settings: {report.summary}",
-                               evidence="process")
+                               basis="process")
 
     def cross_due(self, t: float) -> bool:
         """Time to compare with the other nodes (``fallback.shared_dir``): every CROSS_NODE_EVERY_S, for CROSS_NODE_S
@@ -211,7 +211,7 @@ class ConfigWatch:
         self._cross_reported = report.mismatch
         return Finding("config_mismatch", "env_mismatch_nodes", status.job_id, status.ranks, (), t, t,
                        detail=f"nodes of the job were launched with different settings: {report.summary}",
-                       evidence="process")
+                       basis="process")
 
     def news(self, report: ConfigReport) -> bool:
         previous, self._last = self._last, report.mismatch

@@ -50,13 +50,13 @@ class Finding:
     confirmed_at: float
     devices: tuple[str, ...] = ()  # GPU UUIDs involved
     detail: str = ""
-    evidence: str = "time"  # "stacks" | "time" | "fault" | "process"
+    basis: str = "time"  # what the confirmation rests on: "stacks" | "time" | "fault" | "process" (JSON: "evidence")
 
     def to_json(self) -> dict[str, object]:
         return {"kind": self.kind, "signature": self.signature, "job": self.job_id, "ranks": list(self.ranks),
                 "culprit_ranks": list(self.culprit_ranks), "onset": self.onset,
                 "confirmed_at": self.confirmed_at, "devices": list(self.devices), "detail": self.detail,
-                "evidence": self.evidence}
+                "evidence": self.basis}
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,12 @@ from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.sample.xid import is_draining
 
 RECORD_ONLY_KINDS = ("config_mismatch",)
+RECOVER, DRAIN, RECORD, OBSERVE = "recover", "drain", "record", "observe"
 
 
 @dataclass(frozen=True)
 class Response:
-    action: str  # "recover" | "drain" | "record" | "observe"
+    action: str  # RECOVER | DRAIN | RECORD | OBSERVE
     why: str
     stop: bool = False  # observe: stop the job's ranks (there is no way to restart them)
 
@@ -31,14 +32,14 @@ class Response:
 def respond(finding: Finding, cfg: Config, *, supervised: bool, stop_unsupervised: bool = False) -> Response:
     if finding.kind == "gpu_fault":
         if is_draining(finding.signature):
-            return Response("drain", "a GPU fault no restart on this node can fix")
-        return Response("record", "an application Xid: the job's own error, the GPU serves on")
+            return Response(DRAIN, "a GPU fault no restart on this node can fix")
+        return Response(RECORD, "an application Xid: the job's own error, the GPU serves on")
     if finding.kind in RECORD_ONLY_KINDS:
-        return Response("record", "ranks launched with different settings hang later; nothing to stop yet")
+        return Response(RECORD, "ranks launched with different settings hang later; nothing to stop yet")
     if not cfg.recovery.enabled:
-        return Response("observe", "recovery disabled (recovery.enabled = false): watching on")
+        return Response(OBSERVE, "recovery disabled (recovery.enabled = false): watching on")
     if supervised:
-        return Response("recover", "a stall of a supervised job")
+        return Response(RECOVER, "a stall of a supervised job")
     if stop_unsupervised:
-        return Response("observe", "job not registered with the daemon: stopped, no restart hook", stop=True)
-    return Response("observe", "job not registered with the daemon: not stopped, no restart hook")
+        return Response(OBSERVE, "job not registered with the daemon: stopped, no restart hook", stop=True)
+    return Response(OBSERVE, "job not registered with the daemon: not stopped, no restart hook")

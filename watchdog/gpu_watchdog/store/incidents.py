@@ -162,7 +162,7 @@ class IncidentStore:
             "id": iid, "job_id": finding.job_id, "kind": finding.kind, "signature": finding.signature,
             "onset": finding.onset, "detected_at": finding.confirmed_at, "host": host,
             "ranks": list(finding.ranks), "culprit_ranks": list(finding.culprit_ranks), "collective": None,
-            "reason": finding.detail, "finding": finding.detail, "evidence": finding.evidence,
+            "reason": finding.detail, "finding": finding.detail, "evidence": finding.basis,
             "devices": list(finding.devices),
             "stacks_dir": str(d / "stacks"), "actions": [], "fallback": None, "advice": None,
         }, self.journal)
