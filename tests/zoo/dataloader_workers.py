@@ -33,28 +33,16 @@ class Shards(Dataset):
 
 def main() -> None:
     args = zc.parse_args(__doc__)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_step = 8
-    wedge = args.variant == "dead_worker" and rank == args.rank and zc.fault_armed(args)
-    data = Shards(per_step * world * args.steps, per_step * world * args.hang_step if wedge else None, args)
-    loader = DataLoader(data, batch_size=per_step, num_workers=2, persistent_workers=True,
-                        sampler=DistributedSampler(data, shuffle=False))
-    model = DDP(zc.small_model())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    zc.event(args, "start", step=0)
-    for step, (x, y) in enumerate(loader):
-        if step >= args.steps:
-            break
-        zc.slow_phase(args, step, rank)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        zc.straggle(args, rank)
-        zc.step_done(args, step)
-    zc.event(args, "done")
-    dist.destroy_process_group()
+    with zc.process_group() as rank:
+        world = dist.get_world_size()
+        per_step = 8
+        wedge = args.variant == "dead_worker" and rank == args.rank and zc.fault_armed(args)
+        data = Shards(per_step * world * args.steps, per_step * world * args.hang_step if wedge else None, args)
+        loader = DataLoader(data, batch_size=per_step, num_workers=2, persistent_workers=True,
+                            sampler=DistributedSampler(data, shuffle=False))
+        model = DDP(zc.small_model())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        zc.train_loop(args, rank, zc.plain_step(model, opt), batches=loader)
 
 
 if __name__ == "__main__":

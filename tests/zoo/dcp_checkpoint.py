@@ -4,45 +4,47 @@ goes on). Variants: zoo_common."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import zoo_common as zc
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
+class Checkpointer:
+    """Saves the model with DCP, ``dcp.save`` and ``dcp.async_save`` in turn, one async save in flight at a time;
+    the end of training (leaving it) waits for the last."""
+
+    def __init__(self, args: argparse.Namespace, model: DDP) -> None:
+        self.args, self.model, self.pending = args, model, None
+
+    def save(self, step: int) -> None:
+        state = {"model": self.model.module.state_dict(), "step": step}
+        where = str(Path(self.args.workdir) / f"dcp-{step}")
+        if self.pending is not None:
+            self.pending.result()  # one async save in flight at a time
+        if (step // self.args.ckpt_every) % 2:
+            self.pending = dcp.async_save(state, checkpoint_id=where)
+        else:
+            dcp.save(state, checkpoint_id=where)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None and self.pending is not None:
+            self.pending.result()
+
+
 def main() -> None:
     args = zc.parse_args(__doc__)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    model = DDP(zc.small_model())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    pending = None
-    zc.event(args, "start", step=0)
-    for step in range(args.steps):
-        zc.slow_phase(args, step, rank)
-        x, y = zc.batch(16)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        zc.straggle(args, rank)
-        if step % args.ckpt_every == 0:
-            state = {"model": model.module.state_dict(), "step": step}
-            where = str(Path(args.workdir) / f"dcp-{step}")
-            if pending is not None:
-                pending.result()  # one async save in flight at a time
-            if (step // args.ckpt_every) % 2:
-                pending = dcp.async_save(state, checkpoint_id=where)
-            else:
-                dcp.save(state, checkpoint_id=where)
-        zc.step_done(args, step)
-    if pending is not None:
-        pending.result()
-    zc.event(args, "done")
-    dist.destroy_process_group()
+    with zc.process_group() as rank:
+        model = DDP(zc.small_model())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        ckpt = Checkpointer(args, model)
+        zc.train_loop(args, rank, zc.plain_step(model, opt), save=ckpt.save, within=ckpt)
 
 
 if __name__ == "__main__":

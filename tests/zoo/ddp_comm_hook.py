@@ -16,23 +16,11 @@ def average_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future
 
 def main() -> None:
     args = zc.parse_args(__doc__)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    model = DDP(zc.small_model())
-    model.register_comm_hook(state=None, hook=average_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    zc.event(args, "start", step=0)
-    for step in range(args.steps):
-        zc.slow_phase(args, step, rank)
-        x, y = zc.batch(16)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        zc.straggle(args, rank)
-        zc.step_done(args, step)
-    zc.event(args, "done")
-    dist.destroy_process_group()
+    with zc.process_group() as rank:
+        model = DDP(zc.small_model())
+        model.register_comm_hook(state=None, hook=average_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        zc.train_loop(args, rank, zc.plain_step(model, opt))
 
 
 if __name__ == "__main__":

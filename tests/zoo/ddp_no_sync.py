@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 import zoo_common as zc
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -15,28 +14,21 @@ ACCUMULATE = 4
 
 def main() -> None:
     args = zc.parse_args(__doc__)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    model = DDP(zc.small_model())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    start = zc.load_checkpoint(args, model.module, opt)
-    zc.event(args, "start", step=start)
-    for step in range(start, args.steps):
-        zc.slow_phase(args, step, rank)
-        for micro in range(ACCUMULATE):
-            x, y = zc.batch(8)
-            sync = micro == ACCUMULATE - 1
-            with contextlib.nullcontext() if sync else model.no_sync():
-                loss = torch.nn.functional.mse_loss(model(x), y) / ACCUMULATE
-                loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        zc.straggle(args, rank)
-        if step % args.ckpt_every == 0 and rank == 0:
-            zc.save_checkpoint(args, model.module, opt, step)
-        zc.step_done(args, step)
-    zc.event(args, "done")
-    dist.destroy_process_group()
+    with zc.process_group() as rank:
+        model = DDP(zc.small_model())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def train_step(step: int) -> None:
+            for micro in range(ACCUMULATE):
+                x, y = zc.batch(8)
+                sync = micro == ACCUMULATE - 1
+                with contextlib.nullcontext() if sync else model.no_sync():
+                    loss = torch.nn.functional.mse_loss(model(x), y) / ACCUMULATE
+                    loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        zc.train_loop(args, rank, train_step, checkpoint=(model.module, opt))
 
 
 if __name__ == "__main__":

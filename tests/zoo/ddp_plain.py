@@ -23,7 +23,6 @@ from __future__ import annotations
 import threading
 
 import torch
-import torch.distributed as dist
 import zoo_common as zc
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -59,35 +58,26 @@ class Prefetcher:
 
 def main() -> None:
     args = zc.parse_args(__doc__)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = DDP(zc.small_model())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    start = zc.load_checkpoint(args, model.module, opt)
-    die_at = args.hang_step if args.variant == "event_wait" and rank == args.rank and zc.fault_armed(args) else None
-    prefetch = Prefetcher(lambda: zc.batch(16), die_at, lambda step: zc.event(args, "hang_onset", step=step))
-    zc.event(args, "start", step=start)
-    for step in range(start, args.steps):
-        zc.slow_phase(args, step, rank, handled=("event_wait", "desync"))  # poll, slow_reader, eval, busy, recv …
-        x, y = prefetch.next(step)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if args.variant == "desync" and step == args.hang_step and zc.fault_armed(args):
-            zc.event(args, "hang_onset", step=step)
-            t = torch.ones(4)
-            if rank == args.rank:
-                dist.all_gather([torch.zeros(4) for _ in range(world)], t)
-            else:
-                dist.broadcast(t, src=0)
-        zc.straggle(args, rank)
-        if step % args.ckpt_every == 0 and rank == 0:
-            zc.save_checkpoint(args, model.module, opt, step)
-        zc.step_done(args, step)
-    zc.event(args, "done")
-    dist.destroy_process_group()
+    with zc.process_group() as rank:
+        torch.manual_seed(0)
+        model = DDP(zc.small_model())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        dies = args.variant == "event_wait" and rank == args.rank and zc.fault_armed(args)
+        die_at = args.hang_step if dies else None
+        prefetch = Prefetcher(lambda: zc.batch(16), die_at, lambda step: zc.event(args, "hang_onset", step=step))
+
+        def train_step(step: int) -> None:
+            x, y = prefetch.next(step)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if args.variant == "desync" and step == args.hang_step and zc.fault_armed(args):
+                zc.event(args, "hang_onset", step=step)
+                zc.desync(args, rank)  # all_gather on rank --rank, broadcast on the others
+
+        # event_wait and desync are injected above; poll, slow_reader, eval, busy, recv … by zoo_common
+        zc.train_loop(args, rank, train_step, checkpoint=(model.module, opt), handled=("event_wait", "desync"))
 
 
 if __name__ == "__main__":

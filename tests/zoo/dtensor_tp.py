@@ -23,25 +23,18 @@ class MLP(torch.nn.Module):
 
 def main() -> None:
     args = zc.parse_args(__doc__)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0)
-    model = parallelize_module(MLP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    zc.event(args, "start", step=0)
-    for step in range(args.steps):
-        zc.slow_phase(args, step, rank)
-        torch.manual_seed(step)  # every TP rank sees the same batch
-        x, y = zc.batch(16)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        zc.straggle(args, rank)
-        zc.step_done(args, step)
-    zc.event(args, "done")
-    dist.destroy_process_group()
+    with zc.process_group() as rank:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        torch.manual_seed(0)
+        model = parallelize_module(MLP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        plain = zc.plain_step(model, opt, zero_grad_last=True)
+
+        def train_step(step: int) -> None:
+            torch.manual_seed(step)  # every TP rank sees the same batch
+            plain(step)
+
+        zc.train_loop(args, rank, train_step)
 
 
 if __name__ == "__main__":

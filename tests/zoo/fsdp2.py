@@ -5,33 +5,26 @@ zoo_common."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import zoo_common as zc
 from torch.distributed.fsdp import fully_shard
 
 
-def main() -> None:
-    args = zc.parse_args(__doc__)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+def sharded_model() -> torch.nn.Module:
+    """Four blocks, each and then the root wrapped with ``fully_shard`` (the same initial weights on every rank)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()) for _ in range(4)])
     for block in model:
         fully_shard(block)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    zc.event(args, "start", step=0)
-    for step in range(args.steps):
-        zc.slow_phase(args, step, rank)
-        x, y = zc.batch(16)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        zc.straggle(args, rank)
-        zc.step_done(args, step)
-    zc.event(args, "done")
-    dist.destroy_process_group()
+    return model
+
+
+def main() -> None:
+    args = zc.parse_args(__doc__)
+    with zc.process_group() as rank:
+        model = sharded_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        zc.train_loop(args, rank, zc.plain_step(model, opt, zero_grad_last=True))
 
 
 if __name__ == "__main__":

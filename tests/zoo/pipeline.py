@@ -12,30 +12,27 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 def main() -> None:
     args = zc.parse_args(__doc__)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(rank)
-    stage_module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
-    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
-    schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=torch.nn.functional.mse_loss)
-    opt = torch.optim.SGD(stage_module.parameters(), lr=0.01)
-    zc.event(args, "start", step=0)
-    for step in range(args.steps):
-        zc.slow_phase(args, step, rank)
-        torch.manual_seed(step)
-        x, y = zc.batch(16)
-        if rank == 0:
-            schedule.step(x)
-        elif rank == world - 1:
-            schedule.step(target=y)
-        else:
-            schedule.step()
-        opt.step()
-        opt.zero_grad()
-        zc.straggle(args, rank)
-        zc.step_done(args, step)
-    zc.event(args, "done")
-    dist.destroy_process_group()
+    with zc.process_group() as rank:
+        world = dist.get_world_size()
+        torch.manual_seed(rank)
+        stage_module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
+        stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
+        schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=torch.nn.functional.mse_loss)
+        opt = torch.optim.SGD(stage_module.parameters(), lr=0.01)
+
+        def train_step(step: int) -> None:
+            torch.manual_seed(step)
+            x, y = zc.batch(16)
+            if rank == 0:
+                schedule.step(x)
+            elif rank == world - 1:
+                schedule.step(target=y)
+            else:
+                schedule.step()
+            opt.step()
+            opt.zero_grad()
+
+        zc.train_loop(args, rank, train_step)
 
 
 if __name__ == "__main__":

@@ -28,35 +28,33 @@ def generate(prompts: mp.Queue, rollouts: mp.Queue, die_at: int, slow_at: int, s
 
 def main() -> None:
     args = zc.parse_args(__doc__)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dies = args.variant == "dead_worker" and rank == args.rank and zc.fault_armed(args)
-    ctx = mp.get_context("spawn")
-    prompts, rollouts = ctx.Queue(), ctx.Queue()
-    worker = ctx.Process(target=generate, daemon=True, args=(
-        prompts, rollouts, args.hang_step if dies else -1,
-        args.hang_step if args.variant == "slow_generation" else -1, args.pause_s))
-    worker.start()
-    policy = DDP(zc.small_model())
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
-    zc.event(args, "start", step=0)
-    for step in range(args.steps):
-        zc.slow_phase(args, step, rank)
-        if step == args.hang_step and (dies or args.variant == "slow_generation"):
-            zc.event(args, "hang_onset", step=step)
-        prompts.put(step)
-        samples = rollouts.get()  # blocks for good if the worker died
-        reward = samples.mean().reshape(1)
-        rewards = [torch.zeros(1) for _ in range(world)]
-        dist.all_gather(rewards, reward)
-        advantage = reward - torch.cat(rewards).mean()
-        loss = (policy(samples).mean() * advantage).sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        zc.step_done(args, step)
-    zc.event(args, "done")
-    dist.destroy_process_group()
+    with zc.process_group() as rank:
+        world = dist.get_world_size()
+        dies = args.variant == "dead_worker" and rank == args.rank and zc.fault_armed(args)
+        ctx = mp.get_context("spawn")
+        prompts, rollouts = ctx.Queue(), ctx.Queue()
+        worker = ctx.Process(target=generate, daemon=True, args=(
+            prompts, rollouts, args.hang_step if dies else -1,
+            args.hang_step if args.variant == "slow_generation" else -1, args.pause_s))
+        worker.start()
+        policy = DDP(zc.small_model())
+        opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+
+        def train_step(step: int) -> None:
+            if step == args.hang_step and (dies or args.variant == "slow_generation"):
+                zc.event(args, "hang_onset", step=step)
+            prompts.put(step)
+            samples = rollouts.get()  # blocks for good if the worker died
+            reward = samples.mean().reshape(1)
+            rewards = [torch.zeros(1) for _ in range(world)]
+            dist.all_gather(rewards, reward)
+            advantage = reward - torch.cat(rewards).mean()
+            loss = (policy(samples).mean() * advantage).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        zc.train_loop(args, rank, train_step, straggler=False)
 
 
 if __name__ == "__main__":

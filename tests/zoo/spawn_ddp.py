@@ -26,19 +26,7 @@ def demo_basic(rank: int, world_size: int, port: int, args) -> None:  # type: ig
     torch.manual_seed(0)
     model = DDP(zc.small_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    start = zc.load_checkpoint(args, model.module, opt)
-    zc.event(args, "start", step=start)
-    for step in range(start, args.steps):
-        zc.slow_phase(args, step, rank)
-        x, y = zc.batch(16)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % args.ckpt_every == 0 and rank == 0:
-            zc.save_checkpoint(args, model.module, opt, step)
-        zc.step_done(args, step)
-    zc.event(args, "done")
+    zc.train_loop(args, rank, zc.plain_step(model, opt), checkpoint=(model.module, opt), straggler=False)
     dist.destroy_process_group()
 
 

@@ -11,32 +11,29 @@ import zoo_common as zc
 
 def main() -> None:
     args = zc.parse_args(__doc__)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    tp_size = 2
-    tp_groups = [dist.new_group(list(range(i, i + tp_size))) for i in range(0, world, tp_size)]
-    dp_groups = [dist.new_group(list(range(j, world, tp_size))) for j in range(tp_size)]
-    tp, dp = tp_groups[rank // tp_size], dp_groups[rank % tp_size]
-    torch.manual_seed(rank % tp_size)
-    shard = torch.nn.Linear(64, 64)
-    opt = torch.optim.SGD(shard.parameters(), lr=0.01)
-    zc.event(args, "start", step=0)
-    for step in range(args.steps):
-        zc.slow_phase(args, step, rank)
-        torch.manual_seed(1000 + step)
-        x, y = zc.batch(16)
-        out = shard(x)
-        dist.all_reduce(out, group=tp)  # the row-parallel sum of the TP pair
-        loss = torch.nn.functional.mse_loss(out, y)
-        opt.zero_grad()
-        loss.backward()
-        for p in shard.parameters():
-            dist.all_reduce(p.grad, group=dp)
-        opt.step()
-        zc.straggle(args, rank)
-        zc.step_done(args, step)
-    zc.event(args, "done")
-    dist.destroy_process_group()
+    with zc.process_group() as rank:
+        world = dist.get_world_size()
+        tp_size = 2
+        tp_groups = [dist.new_group(list(range(i, i + tp_size))) for i in range(0, world, tp_size)]
+        dp_groups = [dist.new_group(list(range(j, world, tp_size))) for j in range(tp_size)]
+        tp, dp = tp_groups[rank // tp_size], dp_groups[rank % tp_size]
+        torch.manual_seed(rank % tp_size)
+        shard = torch.nn.Linear(64, 64)
+        opt = torch.optim.SGD(shard.parameters(), lr=0.01)
+
+        def train_step(step: int) -> None:
+            torch.manual_seed(1000 + step)
+            x, y = zc.batch(16)
+            out = shard(x)
+            dist.all_reduce(out, group=tp)  # the row-parallel sum of the TP pair
+            loss = torch.nn.functional.mse_loss(out, y)
+            opt.zero_grad()
+            loss.backward()
+            for p in shard.parameters():
+                dist.all_reduce(p.grad, group=dp)
+            opt.step()
+
+        zc.train_loop(args, rank, train_step)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What the zoo's training programs share, so each program file reads like its users' code: arguments, a small
-model and batches, an atomic checkpoint, the events file, and the slow phases and faults each variant injects at
-``--hang-step``. Imported by the programs beside it (a script's own directory is on its sys.path).
+model and batches, the process group, the training loop (``train_loop``) and its plain step, an atomic checkpoint,
+the events file, and the slow phases and faults each variant injects at ``--hang-step``. Imported by the programs
+beside it (a script's own directory is on its sys.path).
 
 Events (``--events FILE``, JSON lines {"rank", "step", "t", "event", ...}): "start", "hang_onset" (the wall time the
 variant's slow phase or fault began), "step", "done". A fault fires only in the first ``--hang-runs`` runs (the
@@ -10,6 +11,8 @@ launcher's GPU_WATCHDOG_RESTART_COUNT), so a restarted run can show the recovery
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import signal
@@ -17,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -105,6 +109,71 @@ def step_done(args: argparse.Namespace, step: int) -> None:
 def straggle(args: argparse.Namespace, r: int) -> None:
     if args.variant == "straggler" and r == 1:
         time.sleep(args.step_s)  # this rank's steps take twice as long
+
+
+@contextlib.contextmanager
+def process_group(backend: str = "gloo") -> Iterator[int]:
+    """``init_process_group`` from torchrun's environment, the rank to the body, ``destroy_process_group`` once the
+    body has run to its end (not after an exception: as a script calling both itself)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend)
+    yield dist.get_rank()
+    dist.destroy_process_group()
+
+
+def train_loop(args: argparse.Namespace, rank: int, step_fn: Callable[..., object], *,
+               checkpoint: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None,
+               save: Callable[[int], object] | None = None, batches: Iterable[object] | None = None,
+               steps: int | None = None, within: contextlib.AbstractContextManager[object] | None = None,
+               handled: tuple[str, ...] = (), straggler: bool = True) -> None:
+    """The training loop of the programs, around each one's own step ``step_fn(step)``. Event "start", then each
+    step: the variant's slow phase or fault (``handled``: see slow_phase), ``step_fn``, a straggler's extra sleep
+    (``straggler=False``: a program without one), the checkpoint every ``--ckpt-every`` steps, event "step"; event
+    "done" once the loop and ``within`` (a context around it: DDP's ``Join``) have ended.
+
+    ``checkpoint`` (model, optimizer): the run resumes from its atomic checkpoint, which rank 0 saves; ``save(step)``:
+    the program's own checkpoint, called on every rank. ``batches``: each step's batch is drawn from it before the
+    slow phase (as ``for x, y in loader`` does) and handed over, ``step_fn(step, batch)``. ``steps``: this rank's
+    number of steps (``--steps``)."""
+    start = load_checkpoint(args, *checkpoint) if checkpoint else 0
+    event(args, "start", step=start)
+    numbers = range(start, args.steps if steps is None else steps)
+    with within if within is not None else contextlib.nullcontext():
+        for step, data in zip(numbers, itertools.repeat(None) if batches is None else batches, strict=False):
+            slow_phase(args, step, rank, handled)
+            if batches is None:
+                step_fn(step)
+            else:
+                step_fn(step, data)
+            if straggler:
+                straggle(args, rank)
+            if step % args.ckpt_every == 0:
+                if checkpoint and rank == 0:
+                    save_checkpoint(args, *checkpoint, step)
+                if save is not None:
+                    save(step)
+            step_done(args, step)
+    event(args, "done")
+
+
+def plain_step(model: Callable[[torch.Tensor], torch.Tensor], opt: torch.optim.Optimizer, *,
+               zero_grad_last: bool = False) -> Callable[..., None]:
+    """The step most programs take, for train_loop: a batch of 16 (unless the loop hands one over), the MSE loss,
+    backward, the optimizer step; gradients zeroed before the backward (DDP's tutorial) or after the step
+    (``zero_grad_last``, as FSDP2's docs write it)."""
+
+    def train_step(step: int, data: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        x, y = batch(16) if data is None else data
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if not zero_grad_last:
+            opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if zero_grad_last:
+            opt.zero_grad()
+
+    return train_step
 
 
 def poll_for_shard(args: argparse.Namespace, step: int) -> None:

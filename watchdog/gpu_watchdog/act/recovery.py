@@ -113,7 +113,7 @@ class Recovery:
             assert plan.decided_elsewhere is not None
             return self._stand_down(inc, target, sample, status, plan.decided_elsewhere, gathered)
         if plan.action == HOLD:
-            return self._hold(inc, finding, gathered)
+            return self._hold_waiting(inc, finding, gathered)
         inc.update(action_evidence=plan.proof)
         if plan.charges_budget:
             self.budget.commit(budget)
@@ -276,7 +276,7 @@ class Recovery:
         return RecoveryResult(inc, give_up=False, level=level, restarted_by="" if gave_up else who,
                               given_up_by=who if gave_up else "")
 
-    def _hold(self, inc: Incident, finding: Finding, gathered: Gathered) -> RecoveryResult:
+    def _hold_waiting(self, inc: Incident, finding: Finding, gathered: Gathered) -> RecoveryResult:
         """No proof the hang is in communication: the job is waiting (every rank asleep, polling, reading, in its
         own code). An observed incident; nothing is interrupted before ``waiting_timeout_s`` after the onset."""
         cfg = self.ctx.cfg

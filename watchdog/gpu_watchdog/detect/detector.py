@@ -176,7 +176,7 @@ def device_signature(d: DeviceSample, cfg: DetectConfig, traffic_bps: float | No
     return "busy"
 
 
-def _observe_rank(p: ProcessSample, prev: _RankObs | None, t: float, device: str | None,
+def _rank_facts(p: ProcessSample, prev: _RankObs | None, t: float, device: str | None,
                   cfg: DetectConfig, in_collective: bool = False) -> _RankObs:
     """The rank's progress verdict and the baseline for the next one.
 
@@ -321,7 +321,7 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
         counts = _comm_now(prev.comm, comm_by_job.get(job_id), t, cfg)
         obs_of: dict[int, _RankObs] = {}
         for rank, p in ranked:
-            obs = _observe_rank(p, state.ranks.get((job_id, rank)), t, _rank_device(p.pid, devs, sigs), cfg,
+            obs = _rank_facts(p, state.ranks.get((job_id, rank)), t, _rank_device(p.pid, devs, sigs), cfg,
                                 _inside_collective(counts, rank, "spin" in sigs))
             ranks_obs[(job_id, rank)] = obs_of[rank] = obs
         prev = replace(prev, comm=comm_by_job.get(job_id) or prev.comm)
@@ -373,7 +373,7 @@ def _inside_collective(counts: CommProgress | None, rank: int, spinning: bool) -
 
 @dataclass(frozen=True)
 class _JobFacts:
-    """What one tick shows of a job, before any state is decided (``_observe_job``)."""
+    """What one tick shows of a job, before any state is decided (``_job_facts``)."""
 
     base: JobStatus  # the previous status with this tick's ranks, pids, devices and stopped ranks
     evidence: tuple[StackEvidence, ...]  # the streak's last two stack dumps
@@ -393,12 +393,12 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
                  evidence_in: Sequence[StackEvidence], cfg: DetectConfig,
                  counts: CommProgress | None = None, counts_new: CommProgress | None = None) -> JobStatus:
     """Observe the job's facts, reduce them to one event, move by the table (detect.states), enter the state."""
-    facts = _observe_job(prev, t, prev_t, ranked, obs, devs, sigs, evidence_in, cfg, counts, counts_new)
+    facts = _job_facts(prev, t, prev_t, ranked, obs, devs, sigs, evidence_in, cfg, counts, counts_new)
     event = _event(prev, facts, t, cfg)
     return _enter(transition(prev.state, event), event, prev, facts, t, cfg)
 
 
-def _observe_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tuple[int, ProcessSample]],
+def _job_facts(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tuple[int, ProcessSample]],
                  obs: Mapping[int, _RankObs], devs: Sequence[DeviceSample], sigs: Sequence[str | None],
                  evidence_in: Sequence[StackEvidence], cfg: DetectConfig, counts: CommProgress | None,
                  counts_new: CommProgress | None) -> _JobFacts:
