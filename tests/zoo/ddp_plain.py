@@ -2,7 +2,7 @@
 an optimizer step, a checkpoint every few steps on rank 0, and a background prefetch thread that reads the
 next batch. Run under torchrun (gloo, CPU).
 
-Variants (``--variant``; ``zoo_common.VARIANTS`` says which are healthy):
+Variants (``--variant``; ``zoo_common.HEALTHY`` and ``zoo_common.FAULTS`` say which are healthy):
   healthy        train to the end
   poll           every rank waits for its next shard with ``while not os.path.exists(...): time.sleep(2)``;
                  the shard appears ``--pause-s`` seconds later (a healthy slow phase)

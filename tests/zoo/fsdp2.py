@@ -1,5 +1,5 @@
 """FSDP2: every block and the root wrapped with ``fully_shard`` (parameters sharded across the ranks, all-gathered
-in forward, gradients reduce-scattered in backward), a DCP-free full-state checkpoint on rank 0. Variants:
+in forward, gradients reduce-scattered in backward); no checkpoint (fsdp2_dcp.py saves one with DCP). Variants:
 zoo_common."""
 
 from __future__ import annotations
