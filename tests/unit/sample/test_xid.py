@@ -31,7 +31,7 @@ from gpu_watchdog.config.load import load_config
 from gpu_watchdog.config.schema import AgentConfig, Config, FaultsConfig, HookSpec, RecoveryConfig
 from gpu_watchdog.detect.detector import DetectorState, step
 from gpu_watchdog.errors import EXIT_GPU_FAULT, ConfigError
-from gpu_watchdog.launch.launcher import Launcher, LaunchTarget
+from gpu_watchdog.launch.launcher import Launcher
 from gpu_watchdog.model import DeviceSample, GpuFault, GpuProcess, JobIdentity, NodeSample, ProcessSample
 from gpu_watchdog.policy.drain import drain_reason
 from gpu_watchdog.policy.ladder import FallbackDecision
@@ -419,7 +419,7 @@ def launcher(cfg: Config, tmp_path: Path, hooks: dict[str, HookSpec] | None = No
 def policy_run(lc: Launcher, sample: NodeSample, child: subprocess.Popen[bytes]) -> tuple[int | None, list]:
     _, findings = step(DetectorState(), sample, lc.cfg.detect)
     [f] = findings
-    outcome = lc.dispatcher(LaunchTarget(lc, child, lc.control, 0)).dispatch([f], sample, {})
+    outcome = lc.dispatcher(lc.target(child, 0)).dispatch([f], sample, {})
     return (outcome.exit_code if outcome is not None else None), findings
 
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,17 +79,20 @@ def resolve_command(cmd: Sequence[str]) -> list[str]:
 
 
 class LaunchTarget:
-    """The launched command as the act stage sees it (act.target.JobTarget)."""
+    """The launched command as the act stage sees it (act.target.JobTarget). Its restart is the next run, which
+    ``launch`` starts once the outcome reaches its loop; ``stop_signal`` says whether ``launch`` is stopping."""
 
     may_signal_checkpoint = True  # whoever runs ``launch`` configures recovery.checkpoint_signal for their job
     run: int | None = None  # launch numbers its own runs; job-wide run records are the daemon's (multi-node jobs)
 
-    def __init__(self, launcher: Launcher, child: subprocess.Popen[bytes], control: ControlDir, attempt: int) -> None:
-        self.launcher = launcher
+    def __init__(self, job_id: str, child: subprocess.Popen[bytes], control: ControlDir, attempt: int,
+                 stop_signal: Callable[[], int | None], say: Callable[[str], None]) -> None:
+        self.job_id = job_id
         self.child = child
         self.control = control
         self.attempt = attempt
-        self.job_id = launcher.job_id
+        self._stop_signal = stop_signal
+        self._say = say
 
     def processes(self) -> list[JobProcess]:
         return job_tree(self.child.pid)
@@ -99,13 +102,13 @@ class LaunchTarget:
 
     def restart(self, inc: Incident, level: int, shown: str) -> bool:
         """The next run starts when the loop gets the outcome; a stop signal that arrived meanwhile wins."""
-        signum = self.launcher.stop_signal
+        signum = self._stop_signal()
         if signum is not None:
             inc.record_action("restart", False, f"skipped: the launcher received {signal.Signals(signum).name}; "
                                                 f"the next launch of job {self.job_id} starts at {shown}")
             return False
         inc.record_action("restart", True, f"run {self.attempt + 1} at {shown}")
-        self.launcher.say(f"restarting (run {self.attempt + 1}) at {shown}")
+        self._say(f"restarting (run {self.attempt + 1}) at {shown}")
         return True
 
 
@@ -205,7 +208,7 @@ class Launcher:
                 # when the run ended under our control, so an internal error still takes the job down with us.
                 guardian = Guardian(child.pid, self.cfg.recovery.stop_grace_s, self._run_marker(attempt))
                 exits = ExitWatch()
-                target = LaunchTarget(self, child, self.control, attempt)
+                target = self.target(child, attempt)
                 try:
                     outcome = self._watch(engine, target, exits)
                 except Exception as e:  # a bug while acting: never leave the job running unsupervised
@@ -254,6 +257,10 @@ class Launcher:
             if self._wake.wait(max(0.0, next_tick - time.monotonic())):
                 self._wake.clear()  # an early tick; the regular schedule resumes after it
                 next_tick -= self.cfg.agent.interval_s
+
+    def target(self, child: subprocess.Popen[bytes], attempt: int) -> LaunchTarget:
+        """Run ``attempt`` of the job (the process ``child``) as the act stage sees it."""
+        return LaunchTarget(self.job_id, child, self.control, attempt, lambda: self.stop_signal, self.say)
 
     def dispatcher(self, target: LaunchTarget) -> Dispatcher[_Outcome]:
         """Findings of this run to ``launch``'s handlers (agent.dispatch): only its own job is supervised."""
