@@ -151,7 +151,8 @@ def test_a_remote_culprit_alive_on_its_node_is_waited_on_a_blocked_one_is_acted_
     polling for data (a wait that ends by itself) the job waits, as it would on one node: no action. If it saw rank
     2 blocked for good, node 1 acts on it."""
     from gpu_watchdog.act.gather import Gathered, _alive
-    from gpu_watchdog.act.recovery import action_proof
+    from gpu_watchdog.act.recovery import stall_facts
+    from gpu_watchdog.policy.plan import action_proof
 
     local = [_stack(0, "collective", "all_reduce"), _stack(1, "collective", "all_reduce")]
     now = time.time()
@@ -162,7 +163,7 @@ def test_a_remote_culprit_alive_on_its_node_is_waited_on_a_blocked_one_is_acted_
         diag = diagnose([*local, *remote])
         assert diag.culprit_ranks == (2,)
         gathered = Gathered(tuple(local), diag, remote[0], "stacks: ranks 0,1 wait in all_reduce", _alive(diag, remote))
-        assert bool(action_proof(finding, gathered, None)) is acts, gathered
+        assert bool(action_proof(finding, stall_facts(gathered, None))) is acts, gathered
 
 
 def _status(*ranks: int) -> JobStatus:

@@ -23,7 +23,6 @@ from gpu_watchdog.model import NodeSample
 from gpu_watchdog.policy.budget import BudgetVerdict, RestartBudget
 from gpu_watchdog.policy.ladder import WAITED_ADVICE, FallbackDecision, diagnostics_env
 from gpu_watchdog.policy.plan import GIVE_UP, HOLD, RESTART, STAND_DOWN, Plan, StallFacts, judge
-from gpu_watchdog.policy.plan import action_proof as plan_proof
 from gpu_watchdog.store.incidents import Incident
 from gpu_watchdog.store.job_runs import JobRuns
 
@@ -44,19 +43,14 @@ class RecoveryResult:
     given_up_by: str = ""  # another node's agent decided the job gets no next run: this one stood down
 
 
-def stall_facts(gathered: Gathered, status: JobStatus | None, finding: Finding | None = None,
-                sample: NodeSample | None = None) -> StallFacts:
-    """What the gathered evidence says, as the judgement (policy.plan) reads it."""
+def stall_facts(gathered: Gathered, status: JobStatus | None, on_gpus: bool = False) -> StallFacts:
+    """What the gathered evidence says, as the judgement (policy.plan) reads it; ``on_gpus``: the job's ranks use
+    real GPUs (``_on_gpus``)."""
     culprit = gathered.culprit
     stopped = sorted({*(status.stopped if status else ()), *(s.rank for s in gathered.stacks if s.state == "stopped")})
     return StallFacts(gathered.communication, culprit.state if culprit else None, culprit.where if culprit else "",
                       bool(gathered.diagnosis and gathered.diagnosis.desync), tuple(stopped), gathered.alive_elsewhere,
-                      finding is not None and sample is not None and _on_gpus(finding, sample))
-
-
-def action_proof(finding: Finding, gathered: Gathered, status: JobStatus | None) -> str:
-    """policy.plan.action_proof on this evidence: why interrupting the job is allowed, "" when it is not."""
-    return plan_proof(finding, stall_facts(gathered, status))
+                      on_gpus)
 
 
 def job_rank_processes(sample: NodeSample, job_id: str, rank_pids: dict[int, int]) -> list[JobProcess]:
@@ -107,8 +101,8 @@ class Recovery:
                                                                                            sample)
         previous = self.ctx.level_record(target.job_id, _run_of(target))
         budget = self._budget_verdict(sample, target)
-        plan = judge(self.ctx.cfg.fallback, finding, stall_facts(gathered, status, finding, sample), previous,
-                     budget, elsewhere)
+        plan = judge(self.ctx.cfg.fallback, finding, stall_facts(gathered, status, _on_gpus(finding, sample)),
+                     previous, budget, elsewhere)
         if plan.action == STAND_DOWN:
             assert plan.decided_elsewhere is not None
             return self._stand_down(inc, target, sample, status, plan.decided_elsewhere, gathered)
