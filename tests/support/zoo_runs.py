@@ -79,6 +79,16 @@ SPAWNED: tuple[Case, ...] = (
     Case("lightning_ddp_spawn", "lock", COMM_HANG, (2,), spawns=True),
     Case("lightning_ddp_spawn", "poll", HEALTHY, args=("--pause-s", "12"), spawns=True),
 )
+# Ray programs (a local ray.init() cluster under the driver): Ray Train's TorchTrainer, and an actor group that forms
+# its own process group (the RLHF frameworks' shape). Their ranks come from Ray's own records (docs/ray.md).
+RAY: tuple[Case, ...] = (
+    Case("ray_train_ddp", "event_wait", COMM_HANG, (1,), collective="ddp_all_reduce", nproc=2, spawns=True,
+         args=("--rank", "1")),
+    Case("ray_train_ddp", "slow_save", HEALTHY, nproc=2, spawns=True, args=("--pause-s", "12")),
+    Case("ray_actor_group", "desync", COMM_HANG, nproc=2, spawns=True, desync=True, args=("--rank", "1")),
+    Case("ray_actor_group", "killed", COMM_HANG, (1,), nproc=2, spawns=True, args=("--rank", "1")),
+    Case("ray_actor_group", "poll", HEALTHY, nproc=2, spawns=True, args=("--pause-s", "12")),
+)
 ACTIONS = ("checkpoint", "stop", "restart", "give_up")  # actions that interrupt the job
 
 

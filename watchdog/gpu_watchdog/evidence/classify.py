@@ -346,24 +346,61 @@ WAITS_IN_USER_CODE = ("unknown", "sleep", "data_wait")
 COMMUNICATION_STATES = ("collective", "device_sync")
 
 
+# A main thread idle here only hands out work (Ray's worker waiting for its next task, while Ray Train runs the user's
+# training function on a thread of its own): the rank's work is on another thread.
+DISPATCH_LOOPS = (("ray/_private/worker.py", "main_loop"),)
+_RUNTIME_FILES = ("/ray/", "/threading.py", "/concurrent/futures/", "/queue.py", "/selectors.py", "/asyncio/")
+
+
+def _dispatching(thread: Mapping[str, Any]) -> bool:
+    py, _ = _frames_in_order(thread)
+    return bool(py) and not thread.get("active") and any(
+        _file(py[0]).endswith(path) and _name(py[0]).endswith(func) for path, func in DISPATCH_LOOPS)
+
+
+def _work_thread(ths: Sequence[Mapping[str, Any]], main: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The thread doing a dispatching main thread's work: Ray Train's ``TrainingThread(…)``, else the first thread
+    with a frame of the job's own code (not Ray's, not the threading or asyncio machinery)."""
+    others = [th for th in ths if th is not main]
+    for th in others:
+        if str(th.get("thread_name") or "").startswith("TrainingThread"):
+            return th
+    for th in others:
+        py, _ = _frames_in_order(th)
+        if any(not any(part in _file(fr) for part in _RUNTIME_FILES) for fr in py):
+            return th
+    return None
+
+
+def _on_thread(rs: RankStack, th: Mapping[str, Any], main: RankStack) -> RankStack:
+    """``rs`` (another thread's classification) as the rank's: ``where`` names the thread, and its own wakeups and
+    I/O (stacks.py reads them per thread) stand for the rank's."""
+    name = th.get("thread_name") or th.get("os_thread_id") or "?"
+    return replace(rs, where=f"{rs.where} [thread {name}]", signature=main.signature + " || " + rs.signature,
+                   wakeups_before=th.get("wakeups_before"), wakeups_after=th.get("wakeups_after"),
+                   io_before=th.get("io_before"), io_after=th.get("io_after"))
+
+
 def classify_threads(threads: Iterable[Mapping[str, Any]], rank: int, pid: int) -> RankStack | None:
-    """Classify a rank from every thread of its dump: its main thread's state, unless the main thread only waits
-    (WAITS_IN_USER_CODE) while another thread is blocked in communication — a training loop run in a thread (Ray
-    Train), a communication thread the main thread waits on: then that thread's, its ``where`` naming the thread.
-    None when the dump has no main thread."""
+    """Classify a rank from every thread of its dump: its main thread's state, unless the main thread only
+    dispatches work (DISPATCH_LOOPS: a Ray worker) — then its work thread's — or only waits (WAITS_IN_USER_CODE)
+    while another thread is blocked in communication — a communication thread the main thread waits on: then that
+    thread's, its ``where`` naming the thread. None when the dump has no main thread."""
     ths = list(threads)
     mt = main_thread(ths, pid)
     if mt is None:
         return None
+    mt = next((th for th in ths if th.get("os_thread_id") == mt.get("os_thread_id")
+               and th.get("thread_name") == mt.get("thread_name")), mt)
     main = classify_thread(mt, rank, pid)
+    if _dispatching(mt) and (work := _work_thread(ths, mt)) is not None:
+        return _on_thread(classify_thread(work, rank, pid), work, main)
     if main.state not in WAITS_IN_USER_CODE:
         return main
     for th in ths:
-        if th.get("os_thread_id") == mt.get("os_thread_id") and th.get("thread_name") == mt.get("thread_name"):
+        if th is mt:
             continue
         other = classify_thread(th, rank, pid)
         if other.state in COMMUNICATION_STATES:
-            name = th.get("thread_name") or th.get("os_thread_id") or "?"
-            return replace(other, where=f"{other.where} [thread {name}]", signature=main.signature + " || "
-                           + other.signature)
+            return _on_thread(other, th, main)
     return main

@@ -122,8 +122,10 @@ def classify_results(results: dict[int, DumpResult]) -> list[RankStack]:
         elif res.ok:
             rs = classify_threads(res.threads, rank, res.pid)
             if rs is not None:
-                out.append(replace(rs, wakeups_before=res.wakeups_before, wakeups_after=res.wakeups_after,
-                                   io_before=res.io_before, io_after=res.io_after))
+                if rs.wakeups_before is None and rs.io_before is None:  # the main thread's (the dump's own)
+                    rs = replace(rs, wakeups_before=res.wakeups_before, wakeups_after=res.wakeups_after,
+                                 io_before=res.io_before, io_after=res.io_after)
+                out.append(rs)
     return out
 
 

@@ -161,6 +161,44 @@ def _add_kernel_waits(threads: list[dict[str, Any]], before: KernelWaits, after:
                 th["wait_left_s"] = wait_left_s(pid, tid, known[-1])
 
 
+ThreadCounters = dict[int, tuple[int | None, int | None]]  # {tid: (voluntary context switches, bytes read+written)}
+
+
+def _thread_counters(pid: int) -> ThreadCounters:
+    """Every thread's own wakeups and I/O bytes (``/proc/PID/task/TID/{status,io}``): a rank whose work runs on a
+    thread other than the main one (Ray Train's training thread) is judged by that thread's."""
+    out: ThreadCounters = {}
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit()]
+    except OSError:
+        return out
+    for tid in tids:
+        wakeups = None
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        wakeups = int(line.split(":", 1)[1])
+                        break
+        except (OSError, ValueError):
+            pass
+        out[tid] = (wakeups, _thread_io(pid, tid))
+    return out
+
+
+def _add_thread_counters(threads: list[dict[str, Any]], before: ThreadCounters, after: ThreadCounters,
+                         paused: bool) -> None:
+    # The same reading as the main thread's (DumpResult.wakeups_*/io_*), per thread: a paused attach may cost each
+    # thread one wakeup as it blocks again, which is the dump's, not the job's.
+    for th in threads:
+        tid = th.get("os_thread_id")
+        if not isinstance(tid, int) or tid not in before or tid not in after:
+            continue
+        (w0, io0), (w1, io1) = before[tid], after[tid]
+        th.update(wakeups_before=w0, wakeups_after=w1 + 1 if w1 is not None and paused else w1,
+                  io_before=io0, io_after=io1)
+
+
 def _wakeups(pid: int) -> int | None:
     try:
         return int(psutil.Process(pid).num_ctx_switches().voluntary)  # /proc/PID/status: the main thread's
@@ -171,8 +209,12 @@ def _wakeups(pid: int) -> int | None:
 def _main_thread_io(pid: int) -> int | None:
     """The main thread's own read and written bytes (``/proc/PID/task/PID/io``): not the process's, whose other
     threads (NCCL's watchdog polling the store, a logger) move bytes while the main thread is stuck."""
+    return _thread_io(pid, pid)
+
+
+def _thread_io(pid: int, tid: int) -> int | None:
     try:
-        with open(f"/proc/{pid}/task/{pid}/io") as f:
+        with open(f"/proc/{pid}/task/{tid}/io") as f:
             fields = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
         return int(fields["rchar"]) + int(fields["wchar"])
     except (OSError, KeyError, ValueError):
@@ -226,6 +268,7 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
     if nonblocking and not native:  # py-spy can only unwind native frames of a paused process
         argv.append("--nonblocking")
     waits_before = _read_kernel_waits(pid)
+    counters_before = _thread_counters(pid)
     wakeups[0] = _wakeups(pid)
     io[0] = _main_thread_io(pid)
     try:
@@ -267,6 +310,7 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
         except ValueError as e:
             return done("error", f"py-spy printed unreadable JSON for pid {pid}: {e}", raw)
         _add_kernel_waits(threads, waits_before, _read_kernel_waits(pid), pid)
+        _add_thread_counters(threads, counters_before, _thread_counters(pid), native or not nonblocking)
         return done("ok", f"{len(threads)} threads", raw, tuple(threads))
     # Failed: decide by the process's fate first (the text differs between versions), then by text.
     if _is_gone(pid):

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 _ESTABLISHED, _LISTEN = "01", "0A"  # /proc/net/tcp state codes
 _SOCKET_LINK = re.compile(r"socket:\[(\d+)\]")
 
 
-def _fd_targets(pid: int) -> list[str]:
+def fd_targets(pid: int) -> list[str]:
     """What each open fd of ``pid`` points at (``socket:[123]``, a path); empty when unreadable (gone, not ours)."""
     try:
         names = os.listdir(f"/proc/{pid}/fd")
@@ -42,7 +42,7 @@ def _fd_targets(pid: int) -> list[str]:
 
 def socket_inodes(pid: int) -> set[int]:
     """The inodes of the sockets ``pid`` holds open; empty when its fds cannot be read (gone, not ours)."""
-    return {int(m.group(1)) for t in _fd_targets(pid) if (m := _SOCKET_LINK.fullmatch(t))}
+    return {int(m.group(1)) for t in fd_targets(pid) if (m := _SOCKET_LINK.fullmatch(t))}
 
 
 def _port(hex_endpoint: str) -> int:
@@ -78,11 +78,12 @@ def _master_port(env: Mapping[str, str]) -> int | None:
     return port if 0 < port < 65536 else None
 
 
-def joined(candidates: Iterable[int], pool: Iterable[int],
-           envs: Mapping[int, Mapping[str, str]]) -> dict[int, frozenset[int]]:
+def joined(candidates: Iterable[int], pool: Iterable[int], envs: Mapping[int, Mapping[str, str]],
+           ignored_ports: Collection[int] = ()) -> dict[int, frozenset[int]]:
     """The ``candidates`` that hold an established TCP connection to a port some process of ``pool`` (the job's
     processes, candidates included) listens on, or to the ``MASTER_PORT`` of their own starting environment: pid →
-    the inodes of those connections (a forked child holds its parent's)."""
+    the inodes of those connections (a forked child holds its parent's). ``ignored_ports``: listeners that are not
+    a process group's (Ray's workers' gRPC servers)."""
     candidates = list(candidates)
     if not candidates:
         return {}
@@ -95,7 +96,7 @@ def joined(candidates: Iterable[int], pool: Iterable[int],
             table = tcp_sockets(pid)
             break
     listening = {table[i][1] for inodes in held.values() for i in inodes
-                 if i in table and table[i][0] == _LISTEN}
+                 if i in table and table[i][0] == _LISTEN} - set(ignored_ports)
     out: dict[int, frozenset[int]] = {}
     for pid in candidates:
         ports = listening | ({p} if (p := _master_port(envs.get(pid, {}))) is not None else set())
@@ -110,7 +111,7 @@ def pipe_rank(pid: int, stem: str) -> int | None:
     if not stem:
         return None
     pattern = re.compile(re.escape(stem) + r"(\d+)\.pipe")
-    return next((int(m.group(1)) for t in _fd_targets(pid) if (m := pattern.fullmatch(t))), None)
+    return next((int(m.group(1)) for t in fd_targets(pid) if (m := pattern.fullmatch(t))), None)
 
 
-__all__ = ["joined", "pipe_rank", "socket_inodes", "tcp_sockets"]
+__all__ = ["fd_targets", "joined", "pipe_rank", "socket_inodes", "tcp_sockets"]

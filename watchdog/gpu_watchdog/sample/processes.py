@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import psutil
 
 from gpu_watchdog.model import JobIdentity, ProcessSample, SampleError
-from gpu_watchdog.sample import group_members
+from gpu_watchdog.sample import group_members, ray_node
 
 log = logging.getLogger("gpu_watchdog.sample.processes")
 
@@ -36,6 +36,8 @@ _RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 _JOB_ID_SOURCES = (JOB_ID_ENV, "SLURM_JOB_ID", _RUN_ID_ENV)
 _SLURM_STEP_ENV = "SLURM_STEP_ID"  # set for an srun task; a batch step's shell (and all it starts) has none
 MEMBER_RECHECK_S = 3.0  # processes of a rankless job that have not joined a process group are looked at this often
+_RAY_LOG_WITHIN_S = 10.0  # a Ray worker opens its core-worker log within its first second
+_DECLARED_RANK = re.compile(r"\brank\s*[=:]\s*(\d+)\b")  # an actor's __repr__ that declares its rank
 _REREAD_YOUNG_S = 30.0  # how long after its start a process without a rank of its own is read again (exec)
 _NO_RUN_ID = "none"  # torchrun's --rdzv-id default: every job launched without one says so
 _LAUNCHED_ID_PREFIX = "torchrun-"
@@ -166,6 +168,9 @@ class _Known:
     member_rank: int | None = None  # that member's rank, once learned
     pipe_stem: str = ""  # TORCH_NCCL_DEBUG_INFO_PIPE_FILE: an NCCL rank's dump pipe names its rank
     master_port: str = ""  # MASTER_PORT from its starting environment
+    ray_service: bool | None = None  # a process of Ray itself (ray_node.is_service; read once, on first use)
+    ray: ray_node.CoreWorker | None = None  # the Ray worker or driver it is, from its own log (ray_node)
+    ray_checked: bool = False  # its Ray facts are final (complete, or it is no Ray core worker)
 
 
 _LINUX = sys.platform.startswith("linux")
@@ -285,6 +290,7 @@ class ProcessScanner:
             known.launcher_cmd, known.member, known.member_rank = old.launcher_cmd, old.member, old.member_rank
             known.member_conns, known.own_conns = old.member_conns, old.own_conns
             known.member_checked = old.member_checked
+            known.ray, known.ray_checked = old.ray, old.ray_checked  # (is it Ray's: from the title it has now)
         self._known[pid] = known
         return known
 
@@ -371,14 +377,61 @@ class ProcessScanner:
             known.launcher_cmd = _is_launcher(known.proc)
         return known.launcher_cmd
 
+    def _command(self, known: _Known) -> tuple[str, ...]:
+        if known.cmdline is None:
+            try:
+                known.cmdline = tuple(known.proc.cmdline())
+            except psutil.Error:
+                return ()
+        return known.cmdline
+
+    def _is_ray_service(self, known: _Known) -> bool:
+        if known.ray_service is None or (known.ray_service and ray_node.idle(self._command(known))):
+            # An idle Ray worker is Ray's until the raylet hands it an actor: its title then names the actor.
+            if known.ray_service is not None:
+                known.cmdline = None
+            known.ray_service = ray_node.is_service(self._command(known))
+        return known.ray_service
+
+    def _ray_facts(self, pid: int, known: _Known) -> ray_node.CoreWorker | None:
+        """The Ray core worker ``pid`` is, read from its log until everything is known (its gRPC port, its actor);
+        a process that opened no core-worker log in its first seconds is none."""
+        if not known.ray_checked:
+            known.ray = ray_node.core_worker(pid, group_members.fd_targets(pid))
+            known.ray_checked = (known.ray.complete if known.ray is not None
+                                 else time.time() - known.create_time > _RAY_LOG_WITHIN_S)
+        return known.ray
+
+    def ray_worker(self, pid: int) -> ray_node.CoreWorker | None:
+        """What Ray says of ``pid`` (its actor, Ray Train rank), when it is a Ray worker of a watched job."""
+        k = self._known.get(pid)
+        return k.ray if k is not None else None
+
+    def _member_rank(self, pid: int, known: _Known) -> int | None:
+        """A member's rank, from the first source that names it: Ray Train's record of its worker, an NCCL rank's
+        dump pipe, the rank a Ray actor's ``__repr__`` declares (``rank=N``), its stack (``rank_finder``)."""
+        ray = known.ray
+        if ray is not None and not ray.driver:
+            if ray.train is None:  # Ray Train logs a worker's rank once it has set up the process group
+                ray = known.ray = replace(ray, train=ray_node.train_rank(ray.logs_dir, ray.worker_id, pid))
+            if ray.train is not None:
+                return ray.train.world_rank
+        rank = group_members.pipe_rank(pid, known.pipe_stem)
+        if rank is None and ray is not None and (m := _DECLARED_RANK.search(ray.actor_repr)):
+            rank = int(m.group(1))
+        return rank if rank is not None else self.rank_finder(pid, known.create_time)
+
     def _spawned_ranks(self, pool: set[int], idents: dict[int, _Known], ppids: Mapping[int, int]) -> None:
         """Ranks of a job that sets them in code: where nothing in ``pool`` has a rank of its own, the topmost
-        processes that joined a process group become ranks once their number is known (in ``idents``, in place)."""
+        processes that joined a process group become ranks once their number is known (in ``idents``, in place).
+        Ray's own processes never join; the ports of Ray's services and of its workers' gRPC servers are Ray's
+        traffic, not a process group's (ray_node)."""
         self.unranked, self.rankless = (), ()
         procs = {pid: idents[pid] for pid in pool if pid in idents}
         if any(k.identity is not None and k.identity.rank is not None and not (k.launcher or k.member)
                for k in procs.values()):
             return  # torchrun, Slurm, a job that exports RANK: the environment says it all
+        procs = {pid: k for pid, k in procs.items() if not self._is_ray_service(k)}
         candidates = [pid for pid, k in procs.items() if not k.member and not self._is_launcher_cmd(k)]
         now = time.monotonic()
         if candidates and (now >= self._members_checked_at + MEMBER_RECHECK_S
@@ -387,9 +440,11 @@ class ProcessScanner:
             # fd of a job's processes each tick would cost more than the rest of the tick. Listeners are held by
             # the candidates, the members that are not forks of members, and launchers (torchrun's store).
             self._members_checked_at = now
+            ray_ports = {w.grpc_port for pid, k in procs.items()
+                         if (w := self._ray_facts(pid, k)) is not None and w.grpc_port is not None}
             holders = [pid for pid, k in procs.items() if not k.member or k.own_conns is not False]
             envs = {pid: {"MASTER_PORT": procs[pid].master_port} for pid in candidates}
-            for pid, conns in group_members.joined(candidates, holders, envs).items():
+            for pid, conns in group_members.joined(candidates, holders, envs, ignored_ports=ray_ports).items():
                 procs[pid].member, procs[pid].member_conns = True, conns
             for pid in candidates:
                 procs[pid].member_checked = True
@@ -408,13 +463,14 @@ class ProcessScanner:
                 rankless.append(pid)
                 continue
             if known.member_rank is None:
-                known.member_rank = group_members.pipe_rank(pid, known.pipe_stem)
-            if known.member_rank is None:
-                known.member_rank = self.rank_finder(pid, known.create_time)
+                known.member_rank = self._member_rank(pid, known)
             if known.member_rank is None:
                 unranked.append(pid)
                 continue
             ident = known.identity or JobIdentity("unknown")
+            train = known.ray.train if known.ray is not None else None
+            if train is not None:
+                ident = replace(ident, local_rank=train.local_rank, world_size=train.world_size)
             known.identity = replace(ident, rank=known.member_rank)
         self.unranked, self.rankless = tuple(sorted(unranked)), tuple(sorted(rankless))
 
@@ -541,9 +597,14 @@ class ProcessScanner:
                     io_total += cio
             except psutil.Error:
                 continue
+        wchan = read_wchan(pid)
+        if known.ray is not None and known.ray.train is not None:
+            # Ray Train runs the training function on a thread of its own while the worker's main thread waits for
+            # Ray's next task, waking ~100 times a second whatever training does: not the rank's wakeups or wait.
+            wakeups, wchan = None, ""
         return ProcessSample(pid=pid, create_time=known.create_time, ppid=ppid, status=status,
                              cpu_time_s=cpu_total, io_bytes=io_total, rss_bytes=rss, cmdline=cmdline,
-                             job=known.identity, wakeups=wakeups, wchan=read_wchan(pid),
+                             job=known.identity, wakeups=wakeups, wchan=wchan,
                              exit_status=read_exit_status(pid) if status == psutil.STATUS_ZOMBIE else None)
 
 

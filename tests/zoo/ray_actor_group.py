@@ -1,0 +1,69 @@
+"""The RLHF frameworks' shape (OpenRLHF, veRL): a driver creates ``--nproc`` ``@ray.remote`` actors, each forms the
+process group itself (``init_process_group("gloo", rank=rank, …)`` in ``__init__``) and the driver calls their
+``train`` method and waits with ``ray.get``. The actor's ``__repr__`` names its rank, as Ray's docs advise for telling
+actors apart in logs. Run as ``python ray_actor_group.py --nproc N`` (a local ``ray.init()`` cluster). Variants:
+zoo_common (``desync``: rank ``--rank`` calls all_gather where the others broadcast; ``crash`` … ), plus
+``killed``: actor ``--rank`` is SIGKILLed mid-step, as the OOM killer does."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+
+import ray_common
+import zoo_common as zc
+
+
+class Trainer:
+    def __init__(self, rank: int, world_size: int, port: int, config: dict) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.rank = rank
+        self.args = argparse.Namespace(**config)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        torch.manual_seed(0)
+        self.model = zc.small_model()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
+
+    def __repr__(self) -> str:
+        return f"Trainer(rank={self.rank})"
+
+    def _step(self, step: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if self.args.variant == "killed" and self.rank == self.args.rank and step == self.args.hang_step \
+                and zc.fault_armed(self.args):
+            zc.event(self.args, "hang_onset", step=step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = zc.batch(16)
+        loss = torch.nn.functional.mse_loss(self.model(x), y)
+        self.opt.zero_grad()
+        loss.backward()
+        for p in self.model.parameters():  # the gradient all-reduce a framework does by hand
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        self.opt.step()
+
+    def train(self) -> None:
+        zc.train_loop(self.args, self.rank, self._step, checkpoint=(self.model, self.opt), straggler=False)
+
+
+def main() -> None:
+    args = zc.parse_args(__doc__, nproc=True)
+    ray_common.start_local_ray(num_cpus=args.nproc)
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    actor = ray.remote(num_cpus=1)(Trainer)
+    group = [actor.remote(r, args.nproc, port, vars(args)) for r in range(args.nproc)]
+    ray.get([a.train.remote() for a in group])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""What Ray itself says about the processes of a Ray node, read from /proc and Ray's own node-local files: no Ray
+import, no dashboard, no connection to the cluster (checked against Ray 2.60; see docs/ray.md).
+
+- **Ray's service processes** (GCS, raylet, dashboard and its agent, the runtime-env agent, log monitor, autoscaler
+  monitor, the job supervisor of ``ray job submit``, idle and I/O workers) are told by their command line or
+  process title. They are never ranks, never members of a job's process group, never signalled as one.
+- **A Ray worker or driver** (a *core worker*) writes ``<session>/logs/python-core-{worker,driver}-<ID>_<PID>.log``
+  and keeps it open: its fds name its session and worker id; the log's head names the port of its gRPC server
+  (``worker server started, listening on port N``) and the actor it hosts (``Actor creation task finished, …,
+  actor_id: …, actor_repr_name: …``). Ray's gRPC ports are Ray's traffic, not a process group's.
+- **Ray Train** (v2) writes one structured log per training worker, ``<session>/logs/train/
+  ray-train-sys-worker-<ID>.log``, whose records carry the worker's ``world_rank``, ``local_rank``, ``node_rank``,
+  ``actor_id`` and ``process`` (pid); its first record is the process group's set-up (``[rank=R, world_size=W]``).
+  Ray Train sets ``RANK`` with ``os.environ[…]`` after the worker started, so ``/proc/PID/environ`` never shows it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Executables and scripts of Ray's own services (argv[0] basename / a script path's tail).
+_SERVICE_BINARIES = ("gcs_server", "raylet", "plasma_store")
+_SERVICE_SCRIPTS = ("ray/dashboard/dashboard.py", "ray/dashboard/agent.py", "ray/_private/log_monitor.py",
+                    "ray/autoscaler/_private/monitor.py", "ray/_private/runtime_env/agent/main.py",
+                    "ray/util/client/server/server.py")
+_SERVICE_MODULES = ("ray.util.client.server",)
+# Process titles (``ray::NAME`` or ``ray::NAME.method``) of Ray's own workers: agents, the job supervisor (the
+# parent of a submitted driver), and workers that hold no actor or task of a job (idle, spilling objects).
+_SERVICE_TITLES = ("DashboardAgent", "RuntimeEnvAgent", "JobSupervisor", "IDLE", "IDLE_SpillWorker",
+                   "IDLE_RestoreWorker", "SpillWorker", "RestoreWorker", "DeleteWorker")
+TITLE_PREFIX = "ray::"
+_CORE_LOG = re.compile(r"(?P<logs>/.+)/python-core-(?P<kind>worker|driver)-(?P<wid>[0-9a-f]+)_(?P<pid>\d+)\.log")
+_PORT = re.compile(r"(?:worker|driver) server started, listening on port (\d+)")
+_ACTOR = re.compile(r"Actor creation task finished, task_id: \S+, actor_id: ([0-9a-f]+), actor_repr_name: ?(.*)$")
+_WORLD = re.compile(r"\[rank=(\d+), world_size=(\d+)\]")
+_HEAD_BYTES = 256 * 1024  # the lines wanted come within a worker's first second; a long-lived log is not read whole
+_TRAIN_HEAD_LINES = 20
+
+
+def title(cmdline: Sequence[str]) -> str:
+    """The ``ray::…`` process title of a Ray worker (argv rewritten, padded with spaces), or ``""``."""
+    first = (cmdline[0] if cmdline else "").strip()
+    return first if first.startswith(TITLE_PREFIX) else ""
+
+
+def actor_class(cmdline: Sequence[str]) -> str:
+    """``RayTrainWorker`` from ``ray::RayTrainWorker.run_train_fn`` (a task's title names its function)."""
+    name = title(cmdline)[len(TITLE_PREFIX):]
+    return name.split(".", 1)[0].split(" ", 1)[0]
+
+
+def idle(cmdline: Sequence[str]) -> bool:
+    """An idle Ray worker (``ray::IDLE``): Ray's own until the raylet hands it an actor or a task, and renames it."""
+    return actor_class(cmdline).startswith("IDLE")
+
+
+def is_service(cmdline: Sequence[str]) -> bool:
+    """A process of Ray itself (see the module docstring), never a rank of a job."""
+    if not cmdline:
+        return False
+    if title(cmdline):
+        return actor_class(cmdline) in _SERVICE_TITLES
+    argv = [a for a in cmdline[:4] if a]
+    if argv and os.path.basename(argv[0]) in _SERVICE_BINARIES:
+        return True
+    for i, arg in enumerate(argv):
+        if arg.endswith(_SERVICE_SCRIPTS):
+            return True
+        if arg == "-m" and i + 1 < len(argv) and argv[i + 1].startswith(_SERVICE_MODULES):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class TrainRank:
+    """A Ray Train worker's place in its group, as Ray Train logged it."""
+
+    world_rank: int
+    local_rank: int | None
+    node_rank: int | None
+    world_size: int | None
+    run_name: str
+
+
+@dataclass(frozen=True)
+class CoreWorker:
+    """A Ray worker or driver process, as its own log describes it."""
+
+    pid: int
+    worker_id: str
+    driver: bool
+    logs_dir: str  # <session>/logs
+    grpc_port: int | None = None
+    actor_id: str = ""
+    actor_repr: str = ""
+    train: TrainRank | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Everything that will ever be learned is known: the port, and for a worker its actor (or Train rank)."""
+        return self.grpc_port is not None and (self.driver or bool(self.actor_id))
+
+
+def _core_log(pid: int, fd_targets: Sequence[str]) -> re.Match[str] | None:
+    for target in fd_targets:
+        m = _CORE_LOG.fullmatch(target)
+        if m is not None and int(m.group("pid")) == pid:
+            return m
+    return None
+
+
+def _head_lines(path: str, max_bytes: int = _HEAD_BYTES) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes)
+    except OSError:
+        return []
+    return data.decode("utf-8", "replace").splitlines()
+
+
+def train_rank(logs_dir: str, worker_id: str, pid: int) -> TrainRank | None:
+    """The Ray Train rank of worker ``worker_id`` (pid ``pid``) from Ray Train's structured log, or None when the
+    worker is not a Ray Train worker (no such log, or no record of this pid with a ``world_rank``)."""
+    path = os.path.join(logs_dir, "train", f"ray-train-sys-worker-{worker_id}.log")
+    for line in _head_lines(path)[:_TRAIN_HEAD_LINES]:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict) or rec.get("process") != pid or not isinstance(rec.get("world_rank"), int):
+            continue
+        m = _WORLD.search(str(rec.get("message") or ""))
+        return TrainRank(world_rank=rec["world_rank"], local_rank=_opt_int(rec.get("local_rank")),
+                         node_rank=_opt_int(rec.get("node_rank")), world_size=int(m.group(2)) if m else None,
+                         run_name=str(rec.get("run_name") or ""))
+    return None
+
+
+def _opt_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def core_worker(pid: int, fd_targets: Sequence[str]) -> CoreWorker | None:
+    """The Ray core worker ``pid`` is (``fd_targets``: what its fds point at), from its own log; None when it is
+    not one (no core-worker log open)."""
+    m = _core_log(pid, fd_targets)
+    if m is None:
+        return None
+    port, actor_id, actor_repr = None, "", ""
+    for line in _head_lines(m.group(0)):
+        if port is None and (p := _PORT.search(line)):
+            port = int(p.group(1))
+        elif not actor_id and (a := _ACTOR.search(line)):
+            actor_id, actor_repr = a.group(1), a.group(2).strip()
+        if port is not None and actor_id:
+            break
+    driver = m.group("kind") == "driver"
+    train = None if driver else train_rank(m.group("logs"), m.group("wid"), pid)
+    return CoreWorker(pid=pid, worker_id=m.group("wid"), driver=driver, logs_dir=m.group("logs"), grpc_port=port,
+                      actor_id=actor_id, actor_repr=actor_repr, train=train)
+
+
+__all__ = ["CoreWorker", "TITLE_PREFIX", "TrainRank", "actor_class", "core_worker", "idle", "is_service", "title",
+           "train_rank"]
