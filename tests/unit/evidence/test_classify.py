@@ -328,3 +328,36 @@ def test_main_thread_selection() -> None:
     assert main_thread([worker], pid=100) is None
     assert classify_threads([worker], 0, 100) is None
     assert signature(thread(native("x", "libc.so.6"))) == "x (libc.so.6)"
+
+
+# Dumps of a real Ray Train job (Ray 2.60, gloo DDP): each worker's main thread idles in Ray's task loop while Ray
+# Train runs the training function on "TrainingThread(…)"; rank 1 blocked in Event.wait, rank 0 in DDP's all-reduce.
+RAY_STACKS = Path(__file__).resolve().parents[2] / "data" / "ray" / "stacks"
+
+
+def _ray_dump(name: str) -> dict[str, Any]:
+    import json
+
+    return json.loads((RAY_STACKS / name).read_text())
+
+
+def test_a_ray_train_worker_is_judged_by_its_training_thread_and_its_counters() -> None:
+    d1 = _ray_dump("ray_train_rank1_in_event_wait.json")
+    rs = classify_threads(d1["threads"], 1, d1["pid"])
+    assert rs is not None and rs.state == "unknown", rs
+    assert "[thread TrainingThread(" in rs.where and rs.where.startswith("Condition.wait"), rs.where
+    train = next(t for t in d1["threads"] if str(t["thread_name"]).startswith("TrainingThread"))
+    main = next(t for t in d1["threads"] if t["thread_name"] == "MainThread")
+    assert main["wakeups_after"] > train["wakeups_after"]  # Ray's task loop wakes all the time; training does not
+    assert (rs.wakeups_before, rs.wakeups_after) == (train["wakeups_before"], train["wakeups_after"])
+    d0 = _ray_dump("ray_train_rank0_in_backward.json")
+    rs0 = classify_threads(d0["threads"], 0, d0["pid"])
+    assert rs0 is not None and (rs0.state, rs0.op) == ("collective", "ddp_all_reduce"), rs0
+
+
+def test_a_main_thread_in_rays_task_loop_with_no_work_thread_is_the_ranks_state() -> None:
+    """An actor between two calls: nothing but Ray's own threads, so the main thread (waiting for work) is judged."""
+    d1 = _ray_dump("ray_train_rank1_in_event_wait.json")
+    ray_only = [t for t in d1["threads"] if not str(t["thread_name"]).startswith("TrainingThread")]
+    rs = classify_threads(ray_only, 1, d1["pid"])
+    assert rs is not None and rs.where.startswith("Worker.main_loop") and "[thread" not in rs.where, rs
