@@ -387,11 +387,11 @@ def classify_threads(threads: Iterable[Mapping[str, Any]], rank: int, pid: int) 
     while another thread is blocked in communication — a communication thread the main thread waits on: then that
     thread's, its ``where`` naming the thread. None when the dump has no main thread."""
     ths = list(threads)
-    mt = main_thread(ths, pid)
-    if mt is None:
+    found = main_thread(ths, pid)
+    if found is None:
         return None
-    mt = next((th for th in ths if th.get("os_thread_id") == mt.get("os_thread_id")
-               and th.get("thread_name") == mt.get("thread_name")), mt)
+    mt: Mapping[str, Any] = next((th for th in ths if th.get("os_thread_id") == found.get("os_thread_id")
+                                  and th.get("thread_name") == found.get("thread_name")), found)
     main = classify_thread(mt, rank, pid)
     if _dispatching(mt) and (work := _work_thread(ths, mt)) is not None:
         return _on_thread(classify_thread(work, rank, pid), work, main)
