@@ -79,3 +79,67 @@ def test_no_ray_service_process_is_ever_a_rank(tmp_path: Path) -> None:
     finally:
         os.killpg(job.pid, 9)
         job.wait()
+
+
+def _ray_cli() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def test_a_ray_node_registered_with_the_daemon_is_watched_and_its_services_are_left_alone() -> None:
+    """The way KubeRay and Slurm run Ray: ``ray start --head --block`` is the pod's (the allocation's) main process,
+    registered with the daemon by its pid; the job is a driver connecting to it (``RAY_ADDRESS``). Ray Train worker 1
+    blocked in its own code is named from Ray Train's records and handed to the restart hook at level 0; the stop
+    hits the job's workers only: the GCS, the raylet, its agents and ``ray start`` itself live on."""
+    import psutil
+    from daemon_helpers import DaemonProc, records, short_dir, wait_for
+    from daemon_helpers import write_config as daemon_config
+    from gpu_watchdog.store.incidents import IncidentStore
+    from launch_harness import base_env, read_events
+
+    base = short_dir()
+    d = DaemonProc(base, daemon_config(base))
+    env = dict(base_env(), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", HOME=str(base))
+    node = driver = None
+    try:
+        d.wait_socket()
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        node = subprocess.Popen([_ray_cli(), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                                 f"--port={port}", "--num-cpus=3", "--include-dashboard=false",
+                                 f"--temp-dir={base}/ray"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        reg = d.cli("hook", "job-start", "--socket", d.socket, "--job-id", "ray-node", "--pid", str(node.pid),
+                    "--restart-hook", "requeue")
+        assert reg.returncode == 0, reg.stdout + reg.stderr
+        wait_for(lambda: any("raylet" in " ".join(p.cmdline()) for p in psutil.Process(node.pid).children()), 60,
+                 "the raylet up")
+        address = f"127.0.0.1:{port}"
+        services = {p.pid: p.create_time() for p in psutil.Process(node.pid).children(recursive=True)
+                    if ray_node.is_service(p.cmdline())}
+        events = base / "events.jsonl"
+        driver = subprocess.Popen([sys.executable, str(ZOO / "ray_train_ddp.py"), "--nproc", "2", "--variant",
+                                   "event_wait", "--rank", "1", "--steps", "40", "--workdir", str(base),
+                                   "--events", str(events)], env=dict(env, RAY_ADDRESS=address), cwd=base,
+                                  stdout=(base / "driver.log").open("w"), stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        wait_for(lambda: any(e["event"] == "hang_onset" for e in read_events(events)) if events.exists() else False,
+                 120, "the hang", log=lambda: (base / "driver.log").read_text()[-3000:])
+        store = IncidentStore(base / "state")
+        incs = wait_for(lambda: [i for i in store.list() if i.get("job_id") == "ray-node" and i.get("outcome")]
+                        or None, 60, "the incident")
+        onset = min(e["t"] for e in read_events(events) if e["event"] == "hang_onset")
+        assert incs[0]["culprit_ranks"] == [1] and incs[0]["collective"] == "ddp_all_reduce", incs
+        assert incs[0]["detected_at"] - onset <= 10.0, incs
+        assert [h["argv"][2] for h in records(base) if "argv" in h] == ["--level=0"], records(base)
+        alive = {pid for pid, ct in services.items() if psutil.pid_exists(pid) and psutil.Process(pid).create_time() == ct}
+        assert alive == set(services) and node.poll() is None, (services, alive)
+    finally:
+        for proc in (driver, node):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        subprocess.run(["pkill", "-9", "-f", f"{base}/ray"], check=False)  # a node's processes outlive ray start's kill
+        d.kill()

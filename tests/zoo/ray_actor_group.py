@@ -54,7 +54,7 @@ class Trainer:
 
 def main() -> None:
     args = zc.parse_args(__doc__, nproc=True)
-    ray_common.start_local_ray(num_cpus=args.nproc)
+    ray_common.start_ray(num_cpus=args.nproc)
     import ray
 
     with socket.socket() as s:

@@ -27,7 +27,7 @@ def train_func(config: dict) -> None:
 
 def main() -> None:
     args = zc.parse_args(__doc__, nproc=True)
-    ray_common.start_local_ray(num_cpus=args.nproc + 1)
+    ray_common.start_ray(num_cpus=args.nproc + 1)
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 

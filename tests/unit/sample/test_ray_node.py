@@ -29,6 +29,7 @@ def _fds(logs: Path, worker: tuple[str, int], kind: str = "worker") -> list[str]
     ["/venv/bin/python", "/venv/lib/python3.11/site-packages/ray/dashboard/dashboard.py", "--host=127.0.0.1"],
     ["/venv/bin/python", "-u", "/venv/lib/python3.11/site-packages/ray/_private/log_monitor.py", "--session-dir=x"],
     ["/venv/bin/python", "-u", "/venv/lib/python3.11/site-packages/ray/autoscaler/_private/monitor.py", "--x"],
+    ["/venv/bin/python", "/venv/bin/ray", "start", "--head", "--block"],
     ["ray::IDLE" + " " * 60], ["ray::DashboardAgent"], ["ray::RuntimeEnvAgent"], ["ray::JobSupervisor.run"],
 ])
 def test_rays_own_processes_are_services(cmdline: list[str]) -> None:
@@ -37,7 +38,7 @@ def test_rays_own_processes_are_services(cmdline: list[str]) -> None:
 
 @pytest.mark.parametrize("cmdline", [
     ["ray::RayTrainWorker" + " " * 60], ["ray::Trainer.train"], ["ray::TrainController.run"],
-    ["/venv/bin/python", "train.py", "--ray"], ["/venv/bin/torchrun", "--nproc-per-node", "2", "train.py"], [],
+    ["/venv/bin/python", "train.py", "--ray"], ["/venv/bin/python", "/venv/bin/ray", "job", "submit", "--"], ["/venv/bin/torchrun", "--nproc-per-node", "2", "train.py"], [],
 ])
 def test_workers_of_a_job_and_other_programs_are_not(cmdline: list[str]) -> None:
     assert not ray_node.is_service(cmdline)

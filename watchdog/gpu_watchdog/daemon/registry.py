@@ -3,7 +3,9 @@ daemon may ever signal.
 
 A job's processes are its registered pids (checked against the create time recorded at registration), their
 descendants, the processes of its cgroup, and the ranks whose environment names the job — and, for a job
-registered by a non-root user, only processes of that user. Never the daemon itself.
+registered by a non-root user, only processes of that user. Never the daemon itself, and never a process of Ray
+itself (sample.ray_node): a Ray node registered as the job (``ray start --block``'s pid) keeps its GCS, raylet and
+agents; what the daemon stops is the job's workers and drivers.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from gpu_watchdog.act.stopper import JobProcess
 from gpu_watchdog.daemon.cgroups import cgroup_pids
 from gpu_watchdog.errors import UsageError
 from gpu_watchdog.model import NodeSample
+from gpu_watchdog.sample import ray_node
 from gpu_watchdog.store.db import Store
 
 
@@ -94,7 +97,7 @@ class Registry:
                 p = psutil.Process(pid)
                 if owner != 0 and p.uids().real != owner:
                     continue
-                if p.status() == psutil.STATUS_ZOMBIE:
+                if p.status() == psutil.STATUS_ZOMBIE or ray_node.is_service(p.cmdline()):
                     continue
                 out.append(JobProcess(pid, p.create_time()))
             except psutil.Error:

@@ -2,7 +2,7 @@
 import, no dashboard, no connection to the cluster (checked against Ray 2.60; see docs/ray.md).
 
 - **Ray's service processes** (GCS, raylet, dashboard and its agent, the runtime-env agent, log monitor, autoscaler
-  monitor, the job supervisor of ``ray job submit``, idle and I/O workers) are told by their command line or
+  monitor, the job supervisor of ``ray job submit``, idle and I/O workers, ``ray start --block`` itself) are told by their command line or
   process title. They are never ranks, never members of a job's process group, never signalled as one.
 - **A Ray worker or driver** (a *core worker*) writes ``<session>/logs/python-core-{worker,driver}-<ID>_<PID>.log``
   and keeps it open: its fds name its session and worker id; the log's head names the port of its gRPC server
@@ -72,6 +72,8 @@ def is_service(cmdline: Sequence[str]) -> bool:
             return True
         if arg == "-m" and i + 1 < len(argv) and argv[i + 1].startswith(_SERVICE_MODULES):
             return True
+        if os.path.basename(arg) == "ray" and argv[i + 1:i + 2] == ["start"]:
+            return True  # ``ray start --block``: the node's processes end with it
     return False
 
 
