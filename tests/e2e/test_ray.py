@@ -133,8 +133,12 @@ def test_a_ray_node_registered_with_the_daemon_is_watched_and_its_services_are_l
         onset = min(e["t"] for e in read_events(events) if e["event"] == "hang_onset")
         assert incs[0]["culprit_ranks"] == [1] and incs[0]["collective"] == "ddp_all_reduce", incs
         assert incs[0]["detected_at"] - onset <= 10.0, incs
+        culprit = incs[0]["ray_workers"]["1"]
+        assert culprit["actor_class"] == "RayTrainWorker" and culprit["world_rank"] == 1, culprit
+        assert culprit["actor_id"] and culprit["train_run"].startswith("ray_train_run"), culprit
         assert [h["argv"][2] for h in records(base) if "argv" in h] == ["--level=0"], records(base)
-        alive = {pid for pid, ct in services.items() if psutil.pid_exists(pid) and psutil.Process(pid).create_time() == ct}
+        alive = {pid for pid, ct in services.items()
+                 if psutil.pid_exists(pid) and psutil.Process(pid).create_time() == ct}
         assert alive == set(services) and node.poll() is None, (services, alive)
     finally:
         for proc in (driver, node):
@@ -143,3 +147,24 @@ def test_a_ray_node_registered_with_the_daemon_is_watched_and_its_services_are_l
                 proc.wait()
         subprocess.run(["pkill", "-9", "-f", f"{base}/ray"], check=False)  # a node's processes outlive ray start's kill
         d.kill()
+
+
+def test_the_runs_fallback_settings_reach_the_ray_train_workers(tmp_path: Path) -> None:
+    """A run at fallback level 1 (the record an earlier hang left for this job id): launch starts the driver with the
+    level's NCCL settings, the local cluster's raylet inherits them and so does every worker it starts — the
+    training function sees them in its own environment."""
+    import json
+
+    from launch_harness import read_events
+
+    level1 = {"NCCL_P2P_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+    jobs = tmp_path / "state" / "jobs"
+    jobs.mkdir(parents=True)
+    (jobs / "zoo-ray_train_ddp-healthy.json").write_text(json.dumps(
+        {"job_id": "zoo-ray_train_ddp-healthy", "level": 1, "name": "p2p_off", "env": level1, "updated_at": 1.0}))
+    row = run_variant(tmp_path, "ray_train_ddp", "healthy", nproc=2, spawns=True, args=("--steps", "3"),
+                      timeout_s=150)
+    assert row.rc == 0 and row.finished and row.incidents == 0, row
+    seen = {e["rank"]: e["env"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "nccl_env"}
+    assert sorted(seen) == [0, 1], seen
+    assert all({k: env.get(k) for k in level1} == level1 for env in seen.values()), seen

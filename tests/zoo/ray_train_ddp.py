@@ -7,6 +7,7 @@ rank 0 saves the zoo's atomic checkpoint, a restarted driver resumes from it."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import ray_common
 import zoo_common as zc
@@ -19,6 +20,8 @@ def train_func(config: dict) -> None:
 
     args = argparse.Namespace(**config)
     rank = ray.train.get_context().get_world_rank()
+    # What reached this worker of the launcher's fallback settings (tests/e2e/test_ray.py).
+    zc.event(args, "nccl_env", env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")})
     torch.manual_seed(0)
     model = prepare_model(zc.small_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -38,7 +38,8 @@ def test_rays_own_processes_are_services(cmdline: list[str]) -> None:
 
 @pytest.mark.parametrize("cmdline", [
     ["ray::RayTrainWorker" + " " * 60], ["ray::Trainer.train"], ["ray::TrainController.run"],
-    ["/venv/bin/python", "train.py", "--ray"], ["/venv/bin/python", "/venv/bin/ray", "job", "submit", "--"], ["/venv/bin/torchrun", "--nproc-per-node", "2", "train.py"], [],
+    ["/venv/bin/python", "train.py", "--ray"], ["/venv/bin/python", "/venv/bin/ray", "job", "submit", "--"],
+    ["/venv/bin/torchrun", "--nproc-per-node", "2", "train.py"], [],
 ])
 def test_workers_of_a_job_and_other_programs_are_not(cmdline: list[str]) -> None:
     assert not ray_node.is_service(cmdline)

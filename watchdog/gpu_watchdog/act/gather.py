@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+import psutil
+
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.evidence import flight_recorder as fr
@@ -29,6 +31,8 @@ from gpu_watchdog.evidence.fr_analysis import FrAnalysis, analyze_traces, rank_t
 from gpu_watchdog.evidence.ras_poll import RasPoller, write_ras_evidence
 from gpu_watchdog.evidence.report import render_report
 from gpu_watchdog.model import NodeSample, RankStack
+from gpu_watchdog.sample import ray_node
+from gpu_watchdog.sample.group_members import fd_targets
 from gpu_watchdog.store.incidents import Incident
 
 
@@ -101,6 +105,7 @@ class EvidenceGatherer:
             culprit = _culprit_stack(diag, [*stacks, *remote])
             if culprit is not None:
                 ctx.say(f"culprit rank {culprit.rank} stack: {culprit.signature}")
+            self._ray_workers(inc, diag, rank_pids)
             behind = self._workers(inc, diag, stacks, rank_pids, job_id)
             out = Gathered(tuple(stacks), diag, behind or culprit, alive_elsewhere=_alive(diag, remote))
         fr = self._flight_recorder(inc, rank_pids, job_id)
@@ -165,6 +170,25 @@ class EvidenceGatherer:
                    desync=desync)
         self.ctx.say(f"culprit: {verdict.reason}")
         return Diagnosis(verdict.culprit_ranks, collective, verdict.reason, desync, diag.groups if diag else ())
+
+    def _ray_workers(self, inc: Incident, diag: Diagnosis, rank_pids: dict[int, int]) -> None:
+        """Ranks that are Ray workers: what Ray calls them (actor class and id, Ray Train run), so that a culprit is
+        named the way its Ray logs and dashboard name it."""
+        named = {}
+        for rank, pid in sorted(rank_pids.items()):
+            try:
+                cmdline = psutil.Process(pid).cmdline()
+            except psutil.Error:
+                continue
+            if (facts := ray_node.describe(pid, cmdline, fd_targets(pid))) is not None:
+                named[str(rank)] = facts
+        if not named:
+            return
+        inc.update(ray_workers=named)
+        for rank in diag.culprit_ranks:
+            if (w := named.get(str(rank))) is not None:
+                self.ctx.say(f"culprit rank {rank} is Ray actor {w['actor_class']} {w['actor_id'] or '?'} "
+                             f"(pid {w['pid']}{', Ray Train run ' + str(w['train_run']) if 'train_run' in w else ''})")
 
     def _workers(self, inc: Incident, diag: Diagnosis, stacks: list[RankStack], rank_pids: dict[int, int],
                  job_id: str) -> RankStack | None:

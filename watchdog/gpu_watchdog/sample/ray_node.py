@@ -2,8 +2,9 @@
 import, no dashboard, no connection to the cluster (checked against Ray 2.60; see docs/ray.md).
 
 - **Ray's service processes** (GCS, raylet, dashboard and its agent, the runtime-env agent, log monitor, autoscaler
-  monitor, the job supervisor of ``ray job submit``, idle and I/O workers, ``ray start --block`` itself) are told by their command line or
-  process title. They are never ranks, never members of a job's process group, never signalled as one.
+  monitor, the job supervisor of ``ray job submit``, idle and I/O workers, ``ray start --block`` itself) are told
+  by their command line or process title. They are never ranks, never members of a job's process group, never
+  signalled as one.
 - **A Ray worker or driver** (a *core worker*) writes ``<session>/logs/python-core-{worker,driver}-<ID>_<PID>.log``
   and keeps it open: its fds name its session and worker id; the log's head names the port of its gRPC server
   (``worker server started, listening on port N``) and the actor it hosts (``Actor creation task finished, …,
@@ -166,5 +167,21 @@ def core_worker(pid: int, fd_targets: Sequence[str]) -> CoreWorker | None:
                       actor_id=actor_id, actor_repr=actor_repr, train=train)
 
 
-__all__ = ["CoreWorker", "TITLE_PREFIX", "TrainRank", "actor_class", "core_worker", "idle", "is_service", "title",
-           "train_rank"]
+def describe(pid: int, cmdline: Sequence[str], fd_targets: Sequence[str]) -> dict[str, object] | None:
+    """What names a Ray worker in an incident (its rank may be unknown to everyone else): its actor's class, id and
+    ``__repr__``, its worker id and title, its Ray Train run; None when ``pid`` is no Ray worker."""
+    w = core_worker(pid, fd_targets)
+    if w is None or w.driver:
+        return None
+    out: dict[str, object] = {"pid": pid, "title": title(cmdline), "actor_class": actor_class(cmdline),
+                              "actor_id": w.actor_id, "worker_id": w.worker_id}
+    if w.actor_repr:
+        out["actor_repr"] = w.actor_repr
+    if w.train is not None:
+        out.update(train_run=w.train.run_name, world_rank=w.train.world_rank, local_rank=w.train.local_rank,
+                   node_rank=w.train.node_rank)
+    return out
+
+
+__all__ = ["CoreWorker", "TITLE_PREFIX", "TrainRank", "actor_class", "core_worker", "describe", "idle", "is_service",
+           "title", "train_rank"]
