@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -72,8 +73,10 @@ socket_group = ""
     return cfg
 
 
-def measure(cfg: Path, warmup_s: float, window_s: float, source: Path | None = None) -> float:
-    """The daemon's CPU over one window, as a percentage of one core (``source``: another release's tree)."""
+def measure(cfg: Path, warmup_s: float, window_s: float, source: Path | None = None,
+            after_start: Callable[[], None] | None = None) -> float:
+    """The daemon's CPU over one window, as a percentage of one core (``source``: another release's tree;
+    ``after_start``: called once the daemon runs, before the warm-up — a registration)."""
     argv = [GW, "run", "--config", str(cfg)]
     env = None
     if source is not None:
@@ -82,6 +85,8 @@ def measure(cfg: Path, warmup_s: float, window_s: float, source: Path | None = N
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     try:
+        if after_start is not None:
+            after_start()
         time.sleep(warmup_s)
         p = psutil.Process(proc.pid)
         c0, t0 = p.cpu_times(), time.monotonic()

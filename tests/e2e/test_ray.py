@@ -168,3 +168,26 @@ def test_the_runs_fallback_settings_reach_the_ray_train_workers(tmp_path: Path) 
     seen = {e["rank"]: e["env"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "nccl_env"}
     assert sorted(seen) == [0, 1], seen
     assert all({k: env.get(k) for k in level1} == level1 for env in seen.values()), seen
+
+
+def test_a_ray_train_job_with_a_failure_config_is_restarted_by_ray_train(tmp_path: Path) -> None:
+    """``FailureConfig(max_failures=2)``: the hung workers alone are ended (after the checkpoint step) and Ray Train
+    restarts its worker group from the latest checkpoint; the driver and its cluster run on — launch never restarts
+    the driver — and the job finishes. The incident says who restarted it."""
+    from launch_harness import read_events
+
+    row = run_variant(tmp_path, "ray_train_ddp", "event_wait", nproc=2, spawns=True, timeout_s=200,
+                      args=("--steps", "12", "--rank", "1", "--max-failures", "2"))
+    assert row.culprit == (1,) and row.detected_after_s is not None and row.detected_after_s <= 10.0, row
+    assert row.rc == 0 and row.finished and row.incidents == 1 and not row.nccl_change, row
+    events = read_events(tmp_path / "events.jsonl")
+    assert sum(e["event"] == "driver_start" for e in events) == 1, events  # one driver, one launch run
+    assert sum(e["event"] == "start" for e in events) == 4, events  # two worker groups of two
+    from gpu_watchdog.store.incidents import IncidentStore
+
+    (inc,) = IncidentStore(tmp_path / "state").list()
+    assert inc["outcome"].startswith("restarted by the job's engine (Ray Train run"), inc["outcome"]
+    restart = [a for a in inc["actions"] if a["action"] == "restart"]
+    assert len(restart) == 1 and "FailureConfig(max_failures=2), 0 used" in restart[0]["detail"], restart
+    stop = [a for a in inc["actions"] if a["action"] == "stop"]
+    assert len(stop) == 1 and stop[0]["ok"] and "the hung ranks" not in inc["outcome"], stop

@@ -1,13 +1,16 @@
 """A Ray Train job the way its users write it: ``TorchTrainer`` runs ``train_func`` on ``--nproc`` workers, which
 wraps the model with ``ray.train.torch.prepare_model`` (DDP on gloo) and trains with ``loss.backward()``. Ray Train
 sets each worker's rank in code (``os.environ``) and runs ``train_func`` on a thread of the worker. Run as
-``python ray_train_ddp.py --nproc N`` (a local ``ray.init()`` cluster, the driver's child). Variants: zoo_common;
-rank 0 saves the zoo's atomic checkpoint, a restarted driver resumes from it."""
+``python ray_train_ddp.py --nproc N`` (a local ``ray.init()`` cluster, the driver's child; ``RAY_ADDRESS``: a running
+one). Variants: zoo_common; rank 0 saves the zoo's atomic checkpoint, a restarted driver or worker group resumes from
+it. ``--max-failures N``: Ray Train's ``FailureConfig(max_failures=N)``; a fault then fires in the first worker group
+only (a marker file in the work directory), as it fires in the first run only otherwise."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import ray_common
 import zoo_common as zc
@@ -20,6 +23,12 @@ def train_func(config: dict) -> None:
 
     args = argparse.Namespace(**config)
     rank = ray.train.get_context().get_world_rank()
+    fired = Path(args.workdir) / "fault-fired"
+    if args.max_failures:  # Ray Train restarts the worker group in the same run: the fault fires in the first only
+        if fired.exists():
+            args.hang_runs = 0
+        elif rank == args.rank:
+            fired.touch()
     # What reached this worker of the launcher's fallback settings (tests/e2e/test_ray.py).
     zc.event(args, "nccl_env", env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")})
     torch.manual_seed(0)
@@ -29,14 +38,18 @@ def train_func(config: dict) -> None:
 
 
 def main() -> None:
-    args = zc.parse_args(__doc__, nproc=True)
+    args = zc.parse_args(__doc__, nproc=True,
+                         more=lambda p: p.add_argument("--max-failures", type=int, default=0,
+                                                       help="Ray Train's FailureConfig(max_failures)"))
+    zc.event(args, "driver_start")
     ray_common.start_ray(num_cpus=args.nproc + 1)
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     trainer = TorchTrainer(train_func, train_loop_config=vars(args),
                            scaling_config=ScalingConfig(num_workers=args.nproc, use_gpu=False),
-                           run_config=RunConfig(storage_path=f"{args.workdir}/ray-results"))
+                           run_config=RunConfig(storage_path=f"{args.workdir}/ray-results",
+                                                failure_config=FailureConfig(max_failures=args.max_failures)))
     trainer.fit()
 
 

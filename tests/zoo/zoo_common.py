@@ -30,9 +30,13 @@ FAULTS = ("event_wait", "lock", "recv", "subprocess_wait", "busy", "desync", "cr
           "dstate")
 
 
-def parse_args(doc: str | None, nproc: bool = False) -> argparse.Namespace:
-    """The variant's arguments; ``nproc``: the program starts its ranks itself (``mp.spawn``), ``--nproc`` many."""
+def parse_args(doc: str | None, nproc: bool = False,
+               more: Callable[[argparse.ArgumentParser], object] | None = None) -> argparse.Namespace:
+    """The variant's arguments; ``nproc``: the program starts its ranks itself (``mp.spawn``), ``--nproc`` many;
+    ``more`` adds a program's own."""
     p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    if more is not None:
+        more(p)
     if nproc:
         p.add_argument("--nproc", type=int, default=3, help="ranks to spawn")
     p.add_argument("--variant", default="healthy")

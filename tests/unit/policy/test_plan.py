@@ -83,3 +83,30 @@ def test_the_job_wide_history_counts_instead_of_this_nodes_own() -> None:
     budget = RestartBudget(RecoveryConfig(max_restarts=2))
     verdict = budget.verdict(NOW, None, job_wide=[NOW - 2, NOW - 1])
     assert not verdict.allowed and "2 restarts" in verdict.why_not
+
+
+RAY_TRAIN = "Ray Train run r: FailureConfig(max_failures=2), 0 used"
+
+
+def test_a_plain_restart_goes_through_the_jobs_engine_when_it_offers_one() -> None:
+    """A culprit in its own code (no NCCL change): Ray Train's FailureConfig restarts the hung worker group."""
+    facts = StallFacts("stacks: rank 0 waits in ddp_all_reduce", "unknown", "Event.wait (x.py:3)",
+                       engine_restart=RAY_TRAIN)
+    plan = judge(CFG, _finding(), facts, {"level": 0}, _allowed().verdict(NOW, None))
+    assert plan.action == RESTART and plan.by_engine == RAY_TRAIN and plan.charges_budget
+    assert plan.decision is not None and plan.decision.level == 0
+
+
+def test_a_restart_that_climbs_the_ladder_never_goes_through_the_engine() -> None:
+    """New NCCL settings reach only a new driver's workers: the engine's restart keeps the raylet's environment."""
+    facts = StallFacts("stacks: ranks 0,1 wait in all_reduce", "collective", "all_reduce", on_gpus=True,
+                       engine_restart=RAY_TRAIN)
+    plan = judge(CFG, _finding(), facts, {"level": 0}, _allowed().verdict(NOW, None))
+    assert plan.action == RESTART and plan.decision is not None and plan.decision.level == 1
+    assert plan.by_engine == ""
+
+
+def test_no_engine_offer_is_a_restart_of_the_job() -> None:
+    facts = StallFacts("stacks: rank 0 waits in ddp_all_reduce", "unknown", "Event.wait (x.py:3)")
+    plan = judge(CFG, _finding(), facts, {"level": 0}, _allowed().verdict(NOW, None))
+    assert plan.action == RESTART and plan.by_engine == ""

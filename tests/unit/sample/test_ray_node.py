@@ -89,3 +89,20 @@ def test_a_worker_not_yet_an_actor_is_incomplete(tmp_path: Path) -> None:
     assert w is not None and w.grpc_port == 35603 and not w.actor_id and not w.complete and w.train is None
     shutil.copytree(LOGS / "train", logs / "train")
     assert ray_node.train_rank(str(logs), wid, pid) is not None
+
+
+FT_RUN = "ray_train_run-2026-11-27_15-02-11"  # tests/data/ray/session/logs/export_events: max_failures=2, 1 attempt
+
+
+def test_a_train_runs_fault_tolerance_is_read_from_its_export_events(tmp_path: Path) -> None:
+    ft = ray_node.train_fault_tolerance(str(LOGS), FT_RUN)
+    assert ft == ray_node.TrainFaultTolerance(FT_RUN, 2, 1) and ft.restarts_left
+    assert ft.describe() == f"Ray Train run {FT_RUN}: FailureConfig(max_failures=2), 0 used"
+    assert ray_node.train_fault_tolerance(str(LOGS), "another-run") is None
+    assert ray_node.train_fault_tolerance(str(tmp_path), FT_RUN) is None  # state tracking off: no events
+
+
+def test_restarts_left_counts_the_worker_groups_started() -> None:
+    assert not ray_node.TrainFaultTolerance("r", 2, 3).restarts_left  # two failures used
+    assert ray_node.TrainFaultTolerance("r", -1, 50).restarts_left  # unlimited
+    assert not ray_node.TrainFaultTolerance("r", 0, 1).restarts_left  # no fault tolerance

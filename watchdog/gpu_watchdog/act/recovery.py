@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_watchdog.act.checkpoint import request_checkpoint
+from gpu_watchdog.act.engine_restart import engine_restart
 from gpu_watchdog.act.gather import EvidenceGatherer, Gathered
 from gpu_watchdog.act.stopper import JobProcess, stop_processes, wait_memory_released
 from gpu_watchdog.act.target import ActContext, JobTarget
@@ -40,17 +41,19 @@ class RecoveryResult:
     held_on: tuple[int, ...] = ()
     held_doing: str = ""
     restarted_by: str = ""  # another node's agent decided (and restarts) the next run: this one stood down
+    by_engine: str = ""  # the job's own engine restarts its ended ranks (Ray Train): the job itself runs on
     given_up_by: str = ""  # another node's agent decided the job gets no next run: this one stood down
 
 
-def stall_facts(gathered: Gathered, status: JobStatus | None, on_gpus: bool = False) -> StallFacts:
+def stall_facts(gathered: Gathered, status: JobStatus | None, on_gpus: bool = False,
+                engine: str = "") -> StallFacts:
     """What the gathered evidence says, as the judgement (policy.plan) reads it; ``on_gpus``: the job's ranks use
-    real GPUs (``_on_gpus``)."""
+    real GPUs (``_on_gpus``); ``engine``: the restart the job's own engine offers (act.engine_restart)."""
     culprit = gathered.culprit
     stopped = sorted({*(status.stopped if status else ()), *(s.rank for s in gathered.stacks if s.state == "stopped")})
     return StallFacts(gathered.communication, culprit.state if culprit else None, culprit.where if culprit else "",
                       bool(gathered.diagnosis and gathered.diagnosis.desync), tuple(stopped), gathered.alive_elsewhere,
-                      on_gpus)
+                      on_gpus, engine)
 
 
 def job_rank_processes(sample: NodeSample, job_id: str, rank_pids: dict[int, int]) -> list[JobProcess]:
@@ -101,7 +104,8 @@ class Recovery:
                                                                                            sample)
         previous = self.ctx.level_record(target.job_id, _run_of(target))
         budget = self._budget_verdict(sample, target)
-        plan = judge(self.ctx.cfg.fallback, finding, stall_facts(gathered, status, _on_gpus(finding, sample)),
+        engine = engine_restart(status.rank_pids) if status and finding.kind == "stall" else ""
+        plan = judge(self.ctx.cfg.fallback, finding, stall_facts(gathered, status, _on_gpus(finding, sample), engine),
                      previous, budget, elsewhere)
         if plan.action == STAND_DOWN:
             assert plan.decided_elsewhere is not None
@@ -153,6 +157,8 @@ class Recovery:
         elif self.before_give_up is not None:
             self.before_give_up(inc, decision.level)
         self._checkpoint(inc, target, sample, status)
+        if plan.by_engine:
+            return self._restart_by_engine(inc, plan, target, sample, status, gathered, restart_env)
         self._stop(inc, target)
         inc.update(advice=decision.advice or None)  # with or without a next run, the advice stands
         if plan.action == GIVE_UP:
@@ -168,6 +174,26 @@ class Recovery:
         restarted = self._restart(inc, target, decision)
         gathered.report(inc)
         return RecoveryResult(inc, False, restart_env, decision.level, restarted)
+
+    def _restart_by_engine(self, inc: Incident, plan: Plan, target: JobTarget, sample: NodeSample,
+                           status: JobStatus | None, gathered: Gathered, restart_env: dict[str, str]) -> RecoveryResult:
+        """Only the hung ranks are ended; the job's own engine (``plan.by_engine``) restarts them from its latest
+        checkpoint, the driver and the cluster running on. No backoff: the engine has its own."""
+        ctx, decision = self.ctx, plan.decision
+        assert decision is not None
+        ranks = job_rank_processes(sample, target.job_id, dict(status.rank_pids) if status else {})
+        stop_job(ctx, inc, target, "the hung ranks: ", procs=ranks)
+        inc.update(advice=decision.advice or None)
+        if decision.advice:
+            ctx.say(f"advice: {decision.advice}")
+        inc.record_action("restart", True, f"by the job's engine: {plan.by_engine}; it restarts the worker group from "
+                                           "its latest checkpoint, the driver and the Ray cluster kept "
+                                           f"(fallback level {decision.level} unchanged)")
+        ctx.say(f"restart by the job's engine: {plan.by_engine}")
+        ctx.metric("restart", target.job_id)
+        ctx.metric("action", "restart", True)
+        gathered.report(inc)
+        return RecoveryResult(inc, False, restart_env, decision.level, True, by_engine=plan.by_engine)
 
     def _restart(self, inc: Incident, target: JobTarget, decision: FallbackDecision) -> bool:
         """The backoff (restarts in a row are spaced), then the target's restart at the decision's level."""
@@ -323,10 +349,11 @@ def _sleep(seconds: float) -> bool:
     return True
 
 
-def stop_job(ctx: ActContext, inc: Incident, target: JobTarget, why: str, *, wait_memory: bool = True) -> bool:
-    """The stop ladder on every process of the job, then (on GPUs, ``wait_memory``) the wait until its memory is
-    free: the next run needs it. Logged in the incident and counted."""
-    procs = target.processes()
+def stop_job(ctx: ActContext, inc: Incident, target: JobTarget, why: str, *, wait_memory: bool = True,
+             procs: list[JobProcess] | None = None) -> bool:
+    """The stop ladder on every process of the job (``procs``: only those), then (on GPUs, ``wait_memory``) the wait
+    until its memory is free: the next run needs it. Logged in the incident and counted."""
+    procs = target.processes() if procs is None else procs
     if not procs and target.poll() is not None:
         inc.record_action("stop", True, f"{why}the job had already exited")
         return True

@@ -160,6 +160,7 @@ class DaemonActs:
             self.engine.hold(job_id, finding.onset, result.held, result.held_on, result.held_doing)
             return
         result.incident.finish("gave up: restart budget spent (no restart hook run)" if result.give_up
+                               else f"restarted by the job's engine ({result.by_engine})" if result.by_engine
                                else f"restarted by {result.restarted_by}" if result.restarted_by
                                else f"given up by {result.given_up_by}" if result.given_up_by
                                else "restarted by another agent (Slurm)" if result.incident.summary.get("restarted_by")

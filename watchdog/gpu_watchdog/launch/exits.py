@@ -40,6 +40,12 @@ class ExitWatch:
         with self._lock:
             self._ranks.update(rank_pids)
 
+    def forget(self) -> None:
+        """The job's engine restarted its ranks in place (Ray Train): the ended ones are no exit of the job's."""
+        with self._lock:
+            self._ranks.clear()
+            self.exits.clear()
+
     def _exited(self, rank: int, pid: int) -> None:
         from gpu_watchdog.sample.processes import read_exit_status
 
@@ -50,13 +56,13 @@ class ExitWatch:
 
         poller = select.poll() if hasattr(os, "pidfd_open") else None
         fds: dict[int, tuple[int, int]] = {}  # pidfd → (rank, pid)
-        known: set[int] = set()
+        known: set[tuple[int, int]] = set()  # (rank, pid): a rank restarted in place has a new pid
         try:
             while not self._stop.is_set():
                 with self._lock:
-                    new = [(r, pid) for r, pid in self._ranks.items() if r not in known]
+                    new = [(r, pid) for r, pid in self._ranks.items() if (r, pid) not in known]
                 for rank, pid in new:
-                    known.add(rank)
+                    known.add((rank, pid))
                     if poller is not None:
                         try:
                             fd = os.pidfd_open(pid)

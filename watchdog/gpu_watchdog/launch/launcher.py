@@ -44,6 +44,7 @@ from gpu_watchdog.model import NodeSample
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.policy.ladder import validate_job_id
 from gpu_watchdog.policy.respond import Response
+from gpu_watchdog.sample import ray_node
 from gpu_watchdog.sample.backends import Backend
 from gpu_watchdog.sample.processes import JOB_ID_ENV, describe_exit
 from gpu_watchdog.store.fallback_levels import FallbackStore
@@ -169,6 +170,8 @@ class Launcher:
         env.update({**self._run_marker(attempt), FALLBACK_LEVEL_ENV: str(level)})
         self.control.create()
         env.update(self._flight_recorder_env(env))
+        # Ray Train keeps its runs' fault tolerance where the agent can read it (docs/ray.md); the job's own wins.
+        env.update({k: v for k, v in ray_node.TRAIN_STATE_ENV.items() if k not in env})
         try:
             child = subprocess.Popen(self.cmd, env=env, start_new_session=True, **self.output.popen_kwargs())
         except OSError as e:
@@ -207,7 +210,7 @@ class Launcher:
                 # Stops the job if this process dies without ending the run (even SIGKILL); released only
                 # when the run ended under our control, so an internal error still takes the job down with us.
                 guardian = Guardian(child.pid, self.cfg.recovery.stop_grace_s, self._run_marker(attempt))
-                exits = ExitWatch()
+                exits = self._exits = ExitWatch()
                 target = self.target(child, attempt)
                 try:
                     outcome = self._watch(engine, target, exits)
@@ -332,6 +335,11 @@ class Launcher:
             self.health.busy(None)
         if result.held:  # observed, not acted on: the job waits (Engine.hold) and is watched on
             self.engine.hold(self.job_id, finding.onset, result.held, result.held_on, result.held_doing)
+            return None
+        if result.by_engine:  # the job runs on: its engine restarts the ranks that were ended, watched afresh
+            result.incident.finish(f"restarted by the job's engine ({result.by_engine})")
+            self.engine.new_run(self.job_id)
+            self._exits.forget()
             return None
         if result.give_up:
             result.incident.finish(f"gave up: restart budget spent; launch exits {EXIT_BUDGET_SPENT}")

@@ -7,7 +7,8 @@ job-wide record of the next run when another node's agent already wrote it, and 
 - ``stand_down``: another node's agent decided the next run (a restart, or none); this node's ranks only stop;
 - ``hold``: no proof that interrupting the job is right (README "How it decides"): it waits, watched on;
 - ``give_up``: a deterministic hang back at the same place after a restart that changed nothing, or the budget spent;
-- ``restart``: at the decision's level (``policy.ladder.decide``), which travels in the plan.
+- ``restart``: at the decision's level (``policy.ladder.decide``), which travels in the plan; by the job's own
+  engine (Ray Train's ``FailureConfig``: only the hung ranks are ended) when it offers one and the level stays.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class StallFacts:
     stopped: tuple[int, ...] = ()  # ranks seen stopped (state T)
     alive_elsewhere: str = ""  # the culprits are other nodes' ranks their agents saw alive
     on_gpus: bool = False  # the ranks use real GPUs (NCCL), not the proc backend's virtual devices
+    engine_restart: str = ""  # the job's own engine restarts its hung ranks (act.engine_restart), "" when none
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Plan:
     charges_budget: bool = False  # the budget's verdict is accounted for (not for a deterministic give-up)
     current_level: int = 0  # the level of the run that hung
     decided_elsewhere: Mapping[str, Any] | None = None  # STAND_DOWN: the other agent's record of the next run
+    by_engine: str = ""  # RESTART by the job's own engine (what offers it): only the hung ranks are ended
 
 
 def action_proof(finding: Finding, facts: StallFacts) -> str:
@@ -93,4 +96,6 @@ def judge(cfg: FallbackConfig, finding: Finding, facts: StallFacts, previous: Ma
         return Plan(GIVE_UP, proof, decision, why, current_level=current)
     if not budget.allowed:
         return Plan(GIVE_UP, proof, decision, f"restart budget spent: {budget.why_not}", True, current)
-    return Plan(RESTART, proof, decision, charges_budget=True, current_level=current)
+    # The engine's restart keeps the environment its workers inherit: it fits only a run at the same level.
+    by_engine = facts.engine_restart if decision.level == current else ""
+    return Plan(RESTART, proof, decision, charges_budget=True, current_level=current, by_engine=by_engine)

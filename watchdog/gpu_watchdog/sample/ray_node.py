@@ -9,6 +9,11 @@ import, no dashboard, no connection to the cluster (checked against Ray 2.60; se
   and keeps it open: its fds name its session and worker id; the log's head names the port of its gRPC server
   (``worker server started, listening on port N``) and the actor it hosts (``Actor creation task finished, …,
   actor_id: …, actor_repr_name: …``). Ray's gRPC ports are Ray's traffic, not a process group's.
+- **Ray Train's fault tolerance**: with ``RAY_TRAIN_ENABLE_STATE_TRACKING=1`` and the export API on for its runs
+  (``RAY_enable_export_api_write_config=EXPORT_TRAIN_RUN,EXPORT_TRAIN_RUN_ATTEMPT``; ``launch`` sets both where the
+  job leaves them unset) Ray Train's state actor writes each run's settings — ``failure_config.max_failures``
+  among them — and each attempt (one per worker group started) to ``<session>/logs/export_events/
+  event_EXPORT_TRAIN_STATE.log``.
 - **Ray Train** (v2) writes one structured log per training worker, ``<session>/logs/train/
   ray-train-sys-worker-<ID>.log``, whose records carry the worker's ``world_rank``, ``local_rank``, ``node_rank``,
   ``actor_id`` and ``process`` (pid); its first record is the process group's set-up (``[rank=R, world_size=W]``).
@@ -143,6 +148,57 @@ def train_rank(logs_dir: str, worker_id: str, pid: int) -> TrainRank | None:
     return None
 
 
+TRAIN_STATE_ENV = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1",
+                   "RAY_enable_export_api_write_config": "EXPORT_TRAIN_RUN,EXPORT_TRAIN_RUN_ATTEMPT"}
+
+
+@dataclass(frozen=True)
+class TrainFaultTolerance:
+    """A Ray Train run's ``FailureConfig`` and how much of it is used."""
+
+    run_name: str
+    max_failures: int  # -1: unlimited
+    attempts: int  # worker groups started so far (the first included)
+
+    @property
+    def restarts_left(self) -> bool:
+        return self.max_failures < 0 or self.attempts - 1 < self.max_failures
+
+    def describe(self) -> str:
+        limit = "unlimited" if self.max_failures < 0 else str(self.max_failures)
+        return (f"Ray Train run {self.run_name}: FailureConfig(max_failures={limit}), "
+                f"{max(self.attempts - 1, 0)} used")
+
+
+def train_fault_tolerance(logs_dir: str, run_name: str) -> TrainFaultTolerance | None:
+    """The fault tolerance of Ray Train run ``run_name`` from its state actor's export events on this node; None
+    when they are not there (state tracking or the export API off, the state actor on another node)."""
+    path = os.path.join(logs_dir, "export_events", "event_EXPORT_TRAIN_STATE.log")
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    run_id, max_failures, attempts = None, None, set()
+    records = []
+    for line in lines:
+        try:
+            data = json.loads(line).get("event_data")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(data, dict):
+            records.append(data)
+    for data in records:
+        if data.get("name") == run_name and isinstance(data.get("run_settings"), dict):
+            run_id = data.get("id")
+            failure = ((data["run_settings"].get("run_config") or {}).get("failure_config") or {})
+            max_failures = _opt_int(failure.get("max_failures"))
+    if run_id is None or max_failures is None:
+        return None
+    attempts = {d.get("attempt_id") for d in records if d.get("run_id") == run_id and d.get("attempt_id")}
+    return TrainFaultTolerance(run_name, max_failures, len(attempts))
+
+
 def _opt_int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -183,5 +239,5 @@ def describe(pid: int, cmdline: Sequence[str], fd_targets: Sequence[str]) -> dic
     return out
 
 
-__all__ = ["CoreWorker", "TITLE_PREFIX", "TrainRank", "actor_class", "core_worker", "describe", "idle", "is_service",
-           "title", "train_rank"]
+__all__ = ["CoreWorker", "TITLE_PREFIX", "TRAIN_STATE_ENV", "TrainFaultTolerance", "TrainRank", "actor_class",
+           "core_worker", "describe", "idle", "is_service", "title", "train_fault_tolerance", "train_rank"]

@@ -1,0 +1,100 @@
+"""The node daemon's own CPU while it watches a Ray node running a healthy Ray Train job, side by side with the same
+daemon watching nothing (docs/ray.md; P3's goal: ≤ 0.5 % of a core with a job on the node).
+
+    .venv/bin/python benchmarks/bench_ray_overhead.py [--window S] [--rounds N] [--workers N]
+
+A real ``ray start --head --block`` on 127.0.0.1 runs a real Ray Train ``TorchTrainer`` job (tests/zoo/ray_train_ddp.py,
+``--workers`` gloo DDP workers, healthy, 0.3 s steps) through ``RAY_ADDRESS``. Two daemon configurations alternate
+window by window: "Ray node registered" (``hook job-start --pid <ray start>`` right after the daemon starts: it reads
+the Ray workers' logs, looks for members, samples the ranks) and "nothing registered" (the same node, the Ray
+processes unowned). CPU is the daemon's user + system time over each window after a warm-up (bench_daemon_overhead's
+``measure``). Prints each window, the medians and the difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+from bench_daemon_overhead import GW, REPO, baseline_config, measure
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--window", type=float, default=40.0, help="seconds measured per window")
+    ap.add_argument("--warmup", type=float, default=10.0, help="seconds after a daemon starts before measuring")
+    ap.add_argument("--rounds", type=int, default=3, help="windows per configuration")
+    ap.add_argument("--workers", type=int, default=4, help="Ray Train workers (ranks)")
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="gw-ray-", dir="/tmp"))
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "HOME": str(base)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+                             "--node-ip-address=127.0.0.1", f"--port={port}", f"--num-cpus={args.workers + 2}",
+                             "--include-dashboard=false", f"--temp-dir={base}/ray"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    steps = int((args.rounds * 2 * (args.window + args.warmup + 5) + 90) / 0.3)
+    driver = None
+    results: dict[str, list[float]] = {"Ray node registered": [], "nothing registered": []}
+    try:
+        time.sleep(10)
+        events = base / "events.jsonl"
+        driver = subprocess.Popen([sys.executable, str(REPO / "tests" / "zoo" / "ray_train_ddp.py"), "--nproc",
+                                   str(args.workers), "--variant", "healthy", "--steps", str(steps), "--step-s", "0.3",
+                                   "--workdir", str(base), "--events", str(events)],
+                                  env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and (not events.exists() or events.read_text().count('"step"') < 10):
+            time.sleep(1)
+        if driver.poll() is not None or not events.exists():
+            raise RuntimeError("the Ray Train job did not start training")
+        for name in ("on", "off"):
+            (base / name).mkdir()
+        configs = {"Ray node registered": baseline_config(base / "on"), "nothing registered":
+                   baseline_config(base / "off")}
+
+        def register(cfg: Path) -> None:
+            sock = cfg.parent / "baseline" / "control.sock"
+            for _ in range(100):
+                if sock.exists():
+                    break
+                time.sleep(0.1)
+            subprocess.run([GW, "hook", "job-start", "--socket", str(sock), "--job-id", "ray-bench", "--pid",
+                            str(node.pid)], check=True, stdout=subprocess.DEVNULL)
+
+        print(f"daemon CPU, % of one core, {args.window:g} s windows ({os.cpu_count()} cores; a healthy "
+              f"{args.workers}-worker Ray Train job on a `ray start` node, 0.3 s steps; "
+              f"{len(psutil.Process(node.pid).children(recursive=True))} Ray processes)")
+        for rnd in range(args.rounds):
+            for name, cfg in configs.items():
+                if driver.poll() is not None:
+                    raise RuntimeError(f"the Ray job exited {driver.returncode} early")
+                after = (lambda c=cfg: register(c)) if name == "Ray node registered" else None
+                pct = measure(cfg, args.warmup, args.window, after_start=after)
+                results[name].append(pct)
+                print(f"  round {rnd + 1}  {name:<22} {pct:6.3f} %")
+    finally:
+        for proc in (driver, node):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        subprocess.run(["pkill", "-9", "-f", f"{base}/ray"], check=False)
+    on, off = statistics.median(results["Ray node registered"]), statistics.median(results["nothing registered"])
+    print(f"median: Ray node registered {on:.3f} %, nothing registered {off:.3f} % (+{on - off:.3f} % of a core); "
+          "goal ≤ 0.5 %")
+    return 0 if on <= 0.5 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
