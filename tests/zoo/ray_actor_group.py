@@ -1,7 +1,8 @@
 """The RLHF frameworks' shape (OpenRLHF, veRL): a driver creates ``--nproc`` ``@ray.remote`` actors, each forms the
 process group itself (``init_process_group("gloo", rank=rank, …)`` in ``__init__``) and the driver calls their
-``train`` method and waits with ``ray.get``. The actor's ``__repr__`` names its rank, as Ray's docs advise for telling
-actors apart in logs. Run as ``python ray_actor_group.py --nproc N`` (a local ``ray.init()`` cluster). Variants:
+``train`` method and waits with ``ray.get``. ``--style repr``: the actor's ``__repr__`` names its rank, as Ray's docs
+advise for telling actors apart in logs; ``--style environ``: OpenRLHF's way, the rank only in ``os.environ`` and
+``init_process_group`` from it (``env://``), no ``__repr__``. Run as ``python ray_actor_group.py --nproc N`` (a local ``ray.init()`` cluster). Variants:
 zoo_common (``desync``: rank ``--rank`` calls all_gather where the others broadcast; ``crash`` … ), plus
 ``killed``: actor ``--rank`` is SIGKILLed mid-step, as the OOM killer does."""
 
@@ -23,13 +24,18 @@ class Trainer:
 
         self.rank = rank
         self.args = argparse.Namespace(**config)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        if self.args.style == "environ":  # OpenRLHF's DistributedTorchRayActor: the rank in os.environ, env://
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         torch.manual_seed(0)
         self.model = zc.small_model()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
 
     def __repr__(self) -> str:
-        return f"Trainer(rank={self.rank})"
+        return f"Trainer(rank={self.rank})" if self.args.style == "repr" else super().__repr__()
 
     def _step(self, step: int) -> None:
         import torch
@@ -53,7 +59,9 @@ class Trainer:
 
 
 def main() -> None:
-    args = zc.parse_args(__doc__, nproc=True)
+    args = zc.parse_args(__doc__, nproc=True, more=lambda p: p.add_argument(
+        "--style", choices=("repr", "environ"), default="repr",
+        help="repr: the rank handed to init_process_group and named by __repr__; environ: set in os.environ only"))
     ray_common.start_ray(num_cpus=args.nproc)
     import ray
 

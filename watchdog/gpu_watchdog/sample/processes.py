@@ -27,6 +27,7 @@ import psutil
 
 from gpu_watchdog.model import JobIdentity, ProcessSample, SampleError
 from gpu_watchdog.sample import group_members, ray_node
+from gpu_watchdog.sample.live_env import live_env
 
 log = logging.getLogger("gpu_watchdog.sample.processes")
 
@@ -36,6 +37,7 @@ _RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 _JOB_ID_SOURCES = (JOB_ID_ENV, "SLURM_JOB_ID", _RUN_ID_ENV)
 _SLURM_STEP_ENV = "SLURM_STEP_ID"  # set for an srun task; a batch step's shell (and all it starts) has none
 MEMBER_RECHECK_S = 3.0  # processes of a rankless job that have not joined a process group are looked at this often
+_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 _RAY_LOG_WITHIN_S = 10.0  # a Ray worker opens its core-worker log within its first second
 _DECLARED_RANK = re.compile(r"\brank\s*[=:]\s*(\d+)\b")  # an actor's __repr__ that declares its rank
 _REREAD_YOUNG_S = 30.0  # how long after its start a process without a rank of its own is read again (exec)
@@ -171,6 +173,7 @@ class _Known:
     ray_service: bool | None = None  # a process of Ray itself (ray_node.is_service; read once, on first use)
     ray: ray_node.CoreWorker | None = None  # the Ray worker or driver it is, from its own log (ray_node)
     ray_checked: bool = False  # its Ray facts are final (complete, or it is no Ray core worker)
+    live_identity: Mapping[str, str] | None = None  # RANK, LOCAL_RANK, WORLD_SIZE as set in code (sample.live_env)
 
 
 _LINUX = sys.platform.startswith("linux")
@@ -409,7 +412,8 @@ class ProcessScanner:
 
     def _member_rank(self, pid: int, known: _Known) -> int | None:
         """A member's rank, from the first source that names it: Ray Train's record of its worker, an NCCL rank's
-        dump pipe, the rank a Ray actor's ``__repr__`` declares (``rank=N``), its stack (``rank_finder``)."""
+        dump pipe, ``RANK`` in the environment it has now (``os.environ[…]`` set in code: sample.live_env), the rank
+        a Ray actor's ``__repr__`` declares (``rank=N``), its stack (``rank_finder``)."""
         ray = known.ray
         if ray is not None and not ray.driver:
             if ray.train is None:  # Ray Train logs a worker's rank once it has set up the process group
@@ -417,6 +421,8 @@ class ProcessScanner:
             if ray.train is not None:
                 return ray.train.world_rank
         rank = group_members.pipe_rank(pid, known.pipe_stem)
+        if rank is None and (env := live_env(pid, _RANK_ENV)) and (rank := rank_from_env(env)) is not None:
+            known.live_identity = env
         if rank is None and ray is not None and (m := _DECLARED_RANK.search(ray.actor_repr)):
             rank = int(m.group(1))
         return rank if rank is not None else self.rank_finder(pid, known.create_time)
@@ -471,6 +477,9 @@ class ProcessScanner:
             train = known.ray.train if known.ray is not None else None
             if train is not None:
                 ident = replace(ident, local_rank=train.local_rank, world_size=train.world_size)
+            elif known.live_identity:
+                ident = replace(ident, local_rank=_int_or_none(known.live_identity.get("LOCAL_RANK")),
+                                world_size=_int_or_none(known.live_identity.get("WORLD_SIZE")))
             known.identity = replace(ident, rank=known.member_rank)
         self.unranked, self.rankless = tuple(sorted(unranked)), tuple(sorted(rankless))
 
