@@ -2,9 +2,9 @@
 process group itself (``init_process_group("gloo", rank=rank, …)`` in ``__init__``) and the driver calls their
 ``train`` method and waits with ``ray.get``. ``--style repr``: the actor's ``__repr__`` names its rank, as Ray's docs
 advise for telling actors apart in logs; ``--style environ``: OpenRLHF's way, the rank only in ``os.environ`` and
-``init_process_group`` from it (``env://``), no ``__repr__``. Run as ``python ray_actor_group.py --nproc N`` (a local ``ray.init()`` cluster). Variants:
-zoo_common (``desync``: rank ``--rank`` calls all_gather where the others broadcast; ``crash`` … ), plus
-``killed``: actor ``--rank`` is SIGKILLed mid-step, as the OOM killer does."""
+``init_process_group`` from it (``env://``), no ``__repr__``. Run as ``python ray_actor_group.py --nproc N`` (a local
+``ray.init()`` cluster). Variants: zoo_common (``desync``: rank ``--rank`` calls all_gather where the others
+broadcast; ``crash`` … ), plus ``killed``: actor ``--rank`` is SIGKILLed mid-step, as the OOM killer does."""
 
 from __future__ import annotations
 
