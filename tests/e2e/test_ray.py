@@ -9,34 +9,28 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from gpu_watchdog.sample import ray_node
 from gpu_watchdog.sample.processes import ProcessScanner
-from zoo_runs import RAY, ZOO, Case, Row, assert_row, run_case, run_variant
+from zoo_runs import RAY, ZOO, Case, Row, assert_row, row_of, run_cases, run_variant
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Row | BaseException]:
-    base = tmp_path_factory.mktemp("ray")
-    with ThreadPoolExecutor(2) as pool:
-        futures = {c.name: pool.submit(run_case, base / c.name, c) for c in RAY}
-        return {name: fut.exception() or fut.result() for name, fut in futures.items()}
+    return run_cases(tmp_path_factory.mktemp("ray"), RAY)
 
 
 @pytest.mark.parametrize("case", RAY, ids=lambda c: c.name)
 def test_ray_row(rows: dict[str, Row | BaseException], case: Case) -> None:
-    """The Ray Train worker blocked in its own code and the actor group's mismatched collectives are confirmed ≤10 s
-    after the onset, the culprit named by its Ray rank, restarted once without an NCCL change, and the job finishes;
-    the slow checkpoint on rank 0 and every actor polling for its shard run to the end untouched."""
-    row = rows[case.name]
-    if isinstance(row, BaseException):
-        raise row
-    assert_row(case, row)
+    """The Ray Train worker blocked in its own code, the actor group's mismatched collectives and the OpenRLHF-style
+    actor blocked on a lock are confirmed ≤10 s after the onset, the culprit named by its Ray rank where one side is
+    the odd one, restarted once without an NCCL change, and the job finishes; the slow checkpoint on rank 0 and
+    every actor polling for its shard run to the end untouched."""
+    assert_row(case, row_of(rows, case))
 
 
 def test_an_actor_killed_mid_step_is_named(tmp_path: Path) -> None:

@@ -5,12 +5,11 @@ and registered with the daemon by their main pid. A job in which ``launch`` find
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from launch_harness import base_env, start_launch, write_config
-from zoo_runs import SPAWNED, ZOO, Case, Row, assert_row, run_case, run_under_daemon
+from zoo_runs import SPAWNED, ZOO, Case, Row, assert_row, row_of, run_cases, run_under_daemon
 
 pytestmark = pytest.mark.slow
 WARNING = "no rank found"
@@ -18,20 +17,14 @@ WARNING = "no rank found"
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Row | BaseException]:
-    base = tmp_path_factory.mktemp("spawned")
-    with ThreadPoolExecutor(2) as pool:
-        futures = {c.name: pool.submit(run_case, base / c.name, c) for c in SPAWNED}
-        return {name: fut.exception() or fut.result() for name, fut in futures.items()}
+    return run_cases(tmp_path_factory.mktemp("spawned"), SPAWNED)
 
 
 @pytest.mark.parametrize("case", SPAWNED, ids=lambda c: c.name)
 def test_spawned_row(rows: dict[str, Row | BaseException], case: Case) -> None:
     """The rank blocked on a lock is confirmed ≤10 s after the onset, named, restarted once without an NCCL change
     and the job finishes; every rank polling for its shard for 12 s runs to the end untouched."""
-    row = rows[case.name]
-    if isinstance(row, BaseException):
-        raise row
-    assert_row(case, row)
+    assert_row(case, row_of(rows, case))
 
 
 def _launch(tmp_path: Path, job: list[str], after_s: float, **sections: object) -> str:

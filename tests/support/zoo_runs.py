@@ -12,7 +12,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,21 @@ def data_service(every_s: float = 2.0, chunks: int = 10) -> Iterator[str]:
     finally:
         proc.kill()
         proc.wait()
+
+
+def run_cases(base: Path, cases: Iterable[Case], parallel: int = 2) -> dict[str, Row | BaseException]:
+    """Each case under ``launch``, ``parallel`` at a time (a case mostly waits on detection windows): its name → its
+    row, or the exception that ended it (``row_of`` raises it in the test of that row)."""
+    with ThreadPoolExecutor(parallel) as pool:
+        futures = {c.name: pool.submit(run_case, base / c.name, c) for c in cases}
+        return {name: fut.exception() or fut.result() for name, fut in futures.items()}
+
+
+def row_of(rows: Mapping[str, Row | BaseException], case: Case) -> Row:
+    row = rows[case.name]
+    if isinstance(row, BaseException):
+        raise row
+    return row
 
 
 def run_case(tmp: Path, case: Case, timeout_s: float = 240.0) -> Row:
