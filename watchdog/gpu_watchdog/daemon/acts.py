@@ -159,6 +159,8 @@ class DaemonActs:
         if result.held:  # observed, not acted on: the job waits (Engine.hold) and is watched on
             self.engine.hold(job_id, finding.onset, result.held, result.held_on, result.held_doing)
             return
+        if result.by_engine:  # its ranks are restarted by the job's own engine: watched afresh from the next tick
+            self.engine.restarted_in_place(job_id)
         result.incident.finish("gave up: restart budget spent (no restart hook run)" if result.give_up
                                else f"restarted by the job's engine ({result.by_engine})" if result.by_engine
                                else f"restarted by {result.restarted_by}" if result.restarted_by

@@ -105,6 +105,7 @@ class Engine:
         self._comm_reads: dict[str, Future[list[CommProgress]]] = {}
         self._comm_seen: dict[str, float] = {}
         self._comm_read_at: dict[str, float] = {}  # monotonic: the next read of a job's shared record
+        self._fresh: list[str] = []  # restarted_in_place() requests for the next tick
         self._holds_lock = threading.Lock()  # the daemon's acts run on worker threads
         # Ranks handed their rank in code (mp.spawn): the scanner asks for each one's rank, read from its stack.
         self.ranks_in_code = SpawnedRanks(cfg.stacks.py_spy, cfg.stacks.timeout_s)
@@ -118,9 +119,18 @@ class Engine:
         with self._holds_lock:
             self._holds.append((job_id, onset, why, on, doing))
 
+    def restarted_in_place(self, job_id: str) -> None:
+        """The job's own engine restarts its ranks (Ray Train): from the next tick it is watched as a new run. Safe
+        from any thread."""
+        with self._holds_lock:
+            self._fresh.append(job_id)
+
     def _apply_holds(self) -> None:
         with self._holds_lock:
             holds, self._holds = self._holds, []
+            fresh, self._fresh = self._fresh, []
+        for job_id in fresh:
+            self.new_run(job_id)
         for job_id, onset, why, on, doing in holds:
             self.state = hold_waiting(self.state, job_id, onset, why, on, doing)
 
