@@ -10,9 +10,17 @@ import time
 _TEARDOWN = (signal.SIGTERM, signal.SIGKILL)  # what torchrun sends the surviving workers
 
 
-def first_to_exit(exits: dict[int, tuple[float, int | None]]) -> tuple[int, ...]:
+_COMMAND = -1  # ExitWatch's key for the launched command itself
+
+
+def first_to_exit(exits: dict[int, tuple[float, int | None]], command_exited_at: float | None = None
+                  ) -> tuple[int, ...]:
     """The rank(s) that failed: of the exits seen within a second of the first, those that did not end by
-    torchrun's teardown signals; else the earliest ones seen."""
+    torchrun's teardown signals; else the earliest ones seen. A rank that exited after the launched command
+    itself (``command_exited_at``) was torn down by the command's end (Ray's workers exit when their driver is
+    gone, with an exit code of their own): never the one that failed, unless every rank did."""
+    if command_exited_at is not None:
+        exits = {r: v for r, v in exits.items() if v[0] <= command_exited_at} or exits
     if not exits:
         return ()
     first_t = min(t for t, _ in exits.values())
@@ -31,6 +39,7 @@ class ExitWatch:
         self.poll_s = poll_s
         self.exits: dict[int, tuple[float, int | None]] = {}  # rank → (when seen exited, its exit status if caught)
         self._ranks: dict[int, int] = {}  # rank → pid, set by the sampling loop
+        self.command_exited_at: float | None = None  # when the launched command itself was seen exiting
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="exit-watch", daemon=True)
@@ -40,14 +49,24 @@ class ExitWatch:
         with self._lock:
             self._ranks.update(rank_pids)
 
+    def watch_command(self, pid: int) -> None:
+        """The launched command: ranks that exit after it were torn down by its end (``first_to_exit``)."""
+        with self._lock:
+            self._ranks[_COMMAND] = pid
+
     def forget(self) -> None:
         """The job's engine restarted its ranks in place (Ray Train): the ended ones are no exit of the job's."""
         with self._lock:
-            self._ranks.clear()
+            self._ranks = {r: p for r, p in self._ranks.items() if r == _COMMAND}
             self.exits.clear()
 
     def _exited(self, rank: int, pid: int) -> None:
         from gpu_watchdog.sample.processes import read_exit_status
+
+        if rank == _COMMAND:
+            if self.command_exited_at is None:
+                self.command_exited_at = time.time()
+            return
 
         self.exits.setdefault(rank, (time.time(), read_exit_status(pid)))
 
@@ -88,7 +107,7 @@ class ExitWatch:
 
     def _read_proc(self) -> None:
         with self._lock:
-            ranks = [(r, pid) for r, pid in self._ranks.items() if r not in self.exits]
+            ranks = [(r, pid) for r, pid in self._ranks.items() if r not in self.exits and r != _COMMAND]
         for rank, pid in ranks:
             try:
                 with open(f"/proc/{pid}/stat", "rb") as f:

@@ -211,6 +211,7 @@ class Launcher:
                 # when the run ended under our control, so an internal error still takes the job down with us.
                 guardian = Guardian(child.pid, self.cfg.recovery.stop_grace_s, self._run_marker(attempt))
                 exits = self._exits = ExitWatch()
+                exits.watch_command(child.pid)
                 target = self.target(child, attempt)
                 try:
                     outcome = self._watch(engine, target, exits)
@@ -361,19 +362,19 @@ class Launcher:
         code = 128 - rc if rc < 0 else rc  # killed by signal N: 128+N, as a shell
         if code != 0 and self.stop_signal is None:
             exits.close()
-            crashed = self._crashed(code, exits.exits, last_seen, attempt)
+            crashed = self._crashed(code, exits.exits, last_seen, attempt, exits.command_exited_at)
             if crashed is not None:
                 return crashed
         return _Outcome(exit_code=code)
 
     def _crashed(self, code: int, exits: dict[int, tuple[float, int | None]], status: JobStatus | None,
-                 attempt: int) -> _Outcome | None:
+                 attempt: int, command_exited_at: float | None = None) -> _Outcome | None:
         """A rank died and took the job down (torchrun tears every rank down within a second): an incident naming
         the rank, how it ended, its last stack if one was taken and the peers' state; then a restart within the
         budget when ``recovery.restart_on_crash``, else None (``launch`` exits with the job's code)."""
         now = time.time()
         ranks = tuple(sorted(status.ranks_seen)) if status else ()
-        first = first_to_exit(exits)
+        first = first_to_exit(exits, command_exited_at)
         if len(ranks) > 1 and set(first) >= set(ranks):
             first = ()  # every rank went at once: which one failed is not known
         how = "; ".join(f"rank {r}: {describe_exit(exits[r][1])}" for r in first) or \
