@@ -23,7 +23,10 @@ from gpu_watchdog.daemon.cgroups import cgroup_pids
 from gpu_watchdog.errors import UsageError
 from gpu_watchdog.model import NodeSample
 from gpu_watchdog.sample import ray_node
+from gpu_watchdog.sample.processes import process_table
 from gpu_watchdog.store.db import Store
+
+_TREE_FRESH_S = 0.25  # well under a tick: a process table read for the tick's first question serves its second
 
 
 class Registry:
@@ -31,6 +34,7 @@ class Registry:
         self.store = store
         self._lock = threading.RLock()
         self._jobs: dict[str, dict[str, Any]] = store.jobs()
+        self._tree: tuple[float, dict[int, list[int]]] | None = None  # (monotonic, ppid → pids): _children
 
     def registrations(self) -> dict[str, dict[str, Any]]:
         with self._lock:
@@ -52,10 +56,22 @@ class Registry:
             self._jobs.pop(job_id, None)
             return self.store.delete_job(job_id)
 
+    def _children(self) -> dict[int, list[int]]:
+        """ppid → pids from one read of the process table, reused within a tick (a tick asks twice: for the pids to
+        sample and to attribute them)."""
+        now = time.monotonic()
+        if self._tree is None or now - self._tree[0] > _TREE_FRESH_S:
+            children: dict[int, list[int]] = {}
+            for pid, (ppid, _start) in process_table().items():
+                children.setdefault(ppid, []).append(pid)
+            self._tree = (now, children)
+        return self._tree[1]
+
     def owned_pids(self) -> dict[int, str]:
         """pid → registered job, for live registered pids (create time checked), their descendants and the
         processes of the job's cgroup."""
         out: dict[int, str] = {}
+        children: dict[int, list[int]] | None = None  # one read of the process table, only when a job has roots
         for job_id, reg in self.registrations().items():
             roots = []
             for rp in reg.get("pids") or []:
@@ -71,13 +87,14 @@ class Registry:
                         roots.append(psutil.Process(pid))
                     except psutil.Error:
                         continue
-            for p in roots:
-                out[p.pid] = job_id
-                try:
-                    for c in p.children(recursive=True):
-                        out[c.pid] = job_id
-                except psutil.Error:
-                    continue
+            if roots and children is None:
+                children = self._children()
+            stack = [p.pid for p in roots]
+            while stack:  # the roots and their descendants
+                pid = stack.pop()
+                if out.get(pid) != job_id:
+                    out[pid] = job_id
+                    stack.extend((children or {}).get(pid, ()))
         return out
 
     def job_processes(self, job_id: str, sample: NodeSample | None) -> list[JobProcess]:

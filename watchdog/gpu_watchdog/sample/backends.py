@@ -107,7 +107,7 @@ class NvmlBackend:
             devices, errors = attach_faults(devices, faults), errors + xerrors
         devices = [self._keep_processes(d) for d in devices]
         gpu_pids = {p.pid for d in devices for p in d.processes}
-        procs, perrors = self.scanner.sample(gpu_pids | set(self._extra_pids()))
+        procs, perrors = self.scanner.sample(gpu_pids | set(self._extra_pids()), gpu_pids)
         return NodeSample(t=t, hostname=self.hostname, backend=self.name, devices=tuple(devices),
                           processes=procs, errors=tuple(errors + perrors))
 

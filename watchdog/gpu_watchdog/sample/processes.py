@@ -20,7 +20,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import psutil
@@ -37,6 +37,8 @@ _RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 _JOB_ID_SOURCES = (JOB_ID_ENV, "SLURM_JOB_ID", _RUN_ID_ENV)
 _SLURM_STEP_ENV = "SLURM_STEP_ID"  # set for an srun task; a batch step's shell (and all it starts) has none
 MEMBER_RECHECK_S = 3.0  # processes of a rankless job that have not joined a process group are looked at this often
+MEMBER_RECHECK_MAX_S = 24.0  # ... in their first minute (_JOINS_WITHIN_S), then less often, down to this
+_JOINS_WITHIN_S = 60.0  # ranks join their group within this of their start (imports, init_process_group)
 _RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 _RAY_LOG_WITHIN_S = 10.0  # a Ray worker opens its core-worker log within its first second
 _DECLARED_RANK = re.compile(r"\brank\s*[=:]\s*(\d+)\b")  # an actor's __repr__ that declares its rank
@@ -167,6 +169,8 @@ class _Known:
     member_conns: frozenset[int] = frozenset()  # the socket inodes that made it one
     own_conns: bool | None = None  # below another member: whether it holds connections of its own (None: not asked)
     member_checked: bool = False  # looked at by group_members at least once
+    member_next_check: float = 0.0  # monotonic: not looked at again before (backs off while it does not join)
+    member_checks: int = 0  # looks that found it outside the group
     member_rank: int | None = None  # that member's rank, once learned
     pipe_stem: str = ""  # TORCH_NCCL_DEBUG_INFO_PIPE_FILE: an NCCL rank's dump pipe names its rank
     master_port: str = ""  # MASTER_PORT from its starting environment
@@ -293,6 +297,7 @@ class ProcessScanner:
             known.launcher_cmd, known.member, known.member_rank = old.launcher_cmd, old.member, old.member_rank
             known.member_conns, known.own_conns = old.member_conns, old.own_conns
             known.member_checked = old.member_checked
+            known.member_next_check, known.member_checks = old.member_next_check, old.member_checks
             known.ray, known.ray_checked = old.ray, old.ray_checked  # (is it Ray's: from the title it has now)
         self._known[pid] = known
         return known
@@ -333,8 +338,10 @@ class ProcessScanner:
         """Whether ``pid`` is in the scanner's per-process cache (a vanished process must leave it)."""
         return pid in self._known
 
-    def sample(self, extra_pids: Iterable[int] = ()) -> tuple[tuple[ProcessSample, ...], list[SampleError]]:
-        """One read of every rank process in scope (plus ``extra_pids``), with tree-aggregated counters."""
+    def sample(self, extra_pids: Iterable[int] = (), gpu_pids: Collection[int] = ()
+               ) -> tuple[tuple[ProcessSample, ...], list[SampleError]]:
+        """One read of every rank process in scope (plus ``extra_pids``, among them ``gpu_pids``: NVML's compute
+        processes), with tree-aggregated counters."""
         errors: list[SampleError] = []
         table = process_table()
         ppids = {pid: v[0] for pid, v in table.items()}
@@ -362,7 +369,12 @@ class ProcessScanner:
             # process that started ranks of its own job (torchrun's agent in an srun task) is none.
             is_rank = known.identity is not None and known.identity.rank is not None and not (
                 parent is not None and parent.identity == known.identity) and pid not in launchers
-            if not is_rank and pid not in extra:
+            if not is_rank and (pid not in extra or self._is_ray_service(known)
+                                or (known.ray is not None and pid not in gpu_pids)):
+                # A registered Ray node's own processes (ray start, GCS, raylet, agents) and the Ray workers that are
+                # not ranks (Ray Train's controller, Ray's library actors) hold no rank and, off the GPUs, nothing
+                # of the job's: sampling them, the node's own each with the whole tree below it, was most of such a
+                # daemon's CPU.
                 continue
             s = self._read(pid, known, ppids.get(pid, 0), children, starts, errors)
             if s is not None:
@@ -438,13 +450,16 @@ class ProcessScanner:
                for k in procs.values()):
             return  # torchrun, Slurm, a job that exports RANK: the environment says it all
         procs = {pid: k for pid, k in procs.items() if not self._is_ray_service(k)}
-        candidates = [pid for pid, k in procs.items() if not k.member and not self._is_launcher_cmd(k)]
         now = time.monotonic()
+        candidates = [pid for pid, k in procs.items()
+                      if not k.member and not self._is_launcher_cmd(k) and now >= k.member_next_check]
         if candidates and (now >= self._members_checked_at + MEMBER_RECHECK_S
                            or any(not procs[pid].member_checked for pid in candidates)):
-            # A new process is looked at at once, the others that have not joined every few seconds: reading every
-            # fd of a job's processes each tick would cost more than the rest of the tick. Listeners are held by
-            # the candidates, the members that are not forks of members, and launchers (torchrun's store).
+            # A new process is looked at at once, the others that have not joined every few seconds; one that stayed
+            # out past its first minute (a Ray node's own actors never join) less and less often, down to every
+            # MEMBER_RECHECK_MAX_S: reading every fd of a job's processes and its TCP table each tick would cost
+            # more than the rest of the tick.
+            # Listeners are held by the candidates, the members that are not forks of members, and launchers.
             self._members_checked_at = now
             ray_ports = {w.grpc_port for pid, k in procs.items()
                          if (w := self._ray_facts(pid, k)) is not None and w.grpc_port is not None}
@@ -453,7 +468,11 @@ class ProcessScanner:
             for pid, conns in group_members.joined(candidates, holders, envs, ignored_ports=ray_ports).items():
                 procs[pid].member, procs[pid].member_conns = True, conns
             for pid in candidates:
-                procs[pid].member_checked = True
+                k = procs[pid]
+                k.member_checked = True
+                if not k.member and time.time() - k.create_time > _JOINS_WITHIN_S:
+                    k.member_checks += 1
+                    k.member_next_check = now + min(MEMBER_RECHECK_S * 2 ** k.member_checks, MEMBER_RECHECK_MAX_S)
         members = {pid for pid, k in procs.items() if k.member}
         unranked, rankless = [], []
         for pid, known in procs.items():
