@@ -171,6 +171,7 @@ class _Known:
     member_checked: bool = False  # looked at by group_members at least once
     member_next_check: float = 0.0  # monotonic: not looked at again before (backs off while it does not join)
     member_checks: int = 0  # looks that found it outside the group
+    sockets_seen: frozenset[int] = frozenset()  # its sockets when last found outside the group
     member_rank: int | None = None  # that member's rank, once learned
     pipe_stem: str = ""  # TORCH_NCCL_DEBUG_INFO_PIPE_FILE: an NCCL rank's dump pipe names its rank
     master_port: str = ""  # MASTER_PORT from its starting environment
@@ -298,6 +299,7 @@ class ProcessScanner:
             known.member_conns, known.own_conns = old.member_conns, old.own_conns
             known.member_checked = old.member_checked
             known.member_next_check, known.member_checks = old.member_next_check, old.member_checks
+            known.sockets_seen = old.sockets_seen
             known.ray, known.ray_checked = old.ray, old.ray_checked  # (is it Ray's: from the title it has now)
         self._known[pid] = known
         return known
@@ -439,6 +441,18 @@ class ProcessScanner:
             rank = int(m.group(1))
         return rank if rank is not None else self.rank_finder(pid, known.create_time)
 
+    def _sockets_changed(self, pid: int, known: _Known) -> bool:
+        """Whether ``pid`` may have joined since it was last found outside the group. Past its first minute, one
+        that opened no socket since cannot have (the TCP table read is most of a look's cost); a young one is
+        always looked at: its connection may have been still connecting, the same socket established now."""
+        if not known.member_checked or time.time() - known.create_time <= _JOINS_WITHIN_S:
+            return True
+        now = frozenset(group_members.socket_inodes(pid))
+        if now == known.sockets_seen:
+            return False
+        known.sockets_seen = now
+        return True
+
     def _spawned_ranks(self, pool: set[int], idents: dict[int, _Known], ppids: Mapping[int, int]) -> None:
         """Ranks of a job that sets them in code: where nothing in ``pool`` has a rank of its own, the topmost
         processes that joined a process group become ranks once their number is known (in ``idents``, in place).
@@ -452,7 +466,8 @@ class ProcessScanner:
         procs = {pid: k for pid, k in procs.items() if not self._is_ray_service(k)}
         now = time.monotonic()
         candidates = [pid for pid, k in procs.items()
-                      if not k.member and not self._is_launcher_cmd(k) and now >= k.member_next_check]
+                      if not k.member and not self._is_launcher_cmd(k) and now >= k.member_next_check
+                      and self._sockets_changed(pid, k)]
         if candidates and (now >= self._members_checked_at + MEMBER_RECHECK_S
                            or any(not procs[pid].member_checked for pid in candidates)):
             # A new process is looked at at once, the others that have not joined every few seconds; one that stayed
@@ -469,6 +484,8 @@ class ProcessScanner:
                 procs[pid].member, procs[pid].member_conns = True, conns
             for pid in candidates:
                 k = procs[pid]
+                if not k.member_checked or not k.sockets_seen:
+                    k.sockets_seen = frozenset(group_members.socket_inodes(pid))
                 k.member_checked = True
                 if not k.member and time.time() - k.create_time > _JOINS_WITHIN_S:
                     k.member_checks += 1
