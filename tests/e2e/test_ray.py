@@ -29,7 +29,8 @@ def test_ray_row(rows: dict[str, Row | BaseException], case: Case) -> None:
     """The Ray Train worker blocked in its own code, the actor group's mismatched collectives and the OpenRLHF-style
     actor blocked on a lock are confirmed ≤10 s after the onset, the culprit named by its Ray rank where one side is
     the odd one, restarted once without an NCCL change, and the job finishes; the slow checkpoint on rank 0 and
-    every actor polling for its shard run to the end untouched."""
+    every actor polling for its shard and a 12 s generate-like phase on actor 0 while actor 1 waits run to the end
+    untouched."""
     assert_row(case, row_of(rows, case))
 
 

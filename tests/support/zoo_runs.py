@@ -89,6 +89,8 @@ RAY: tuple[Case, ...] = (
     # 2 ranks in different collectives (broadcast vs all_gather): the desync is named, neither side is the odd one.
     Case("ray_actor_group", "desync", COMM_HANG, nproc=2, spawns=True, desync=True, args=("--rank", "1")),
     Case("ray_actor_group", "poll", HEALTHY, nproc=2, spawns=True, args=("--pause-s", "12")),
+    # A long generate-like phase on actor 0 (12 s of compute) while actor 1 waits in the barrier after it.
+    Case("ray_actor_group", "eval", HEALTHY, nproc=2, spawns=True, args=("--pause-s", "12")),
     # OpenRLHF's actors: the rank only in os.environ (read from the process's live environment).
     Case("ray_actor_group", "lock", COMM_HANG, (1,), nproc=2, spawns=True, collective="all_reduce",
          args=("--rank", "1", "--style", "environ")),
