@@ -419,11 +419,6 @@ class ProcessScanner:
                                  else time.time() - known.create_time > _RAY_LOG_WITHIN_S)
         return known.ray
 
-    def ray_worker(self, pid: int) -> ray_node.CoreWorker | None:
-        """What Ray says of ``pid`` (its actor, Ray Train rank), when it is a Ray worker of a watched job."""
-        k = self._known.get(pid)
-        return k.ray if k is not None else None
-
     def _member_rank(self, pid: int, known: _Known) -> int | None:
         """A member's rank, from the first source that names it: Ray Train's record of its worker, an NCCL rank's
         dump pipe, ``RANK`` in the environment it has now (``os.environ[…]`` set in code: sample.live_env), the rank
