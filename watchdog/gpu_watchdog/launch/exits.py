@@ -11,6 +11,7 @@ _TEARDOWN = (signal.SIGTERM, signal.SIGKILL)  # what torchrun sends the survivin
 
 
 _COMMAND = -1  # ExitWatch's key for the launched command itself
+_ALONE_S = 0.05  # an exit this much before every other was seen on its own (not in the same wakeup as the rest)
 
 
 def first_to_exit(exits: dict[int, tuple[float, int | None]], command_exited_at: float | None = None
@@ -23,6 +24,12 @@ def first_to_exit(exits: dict[int, tuple[float, int | None]], command_exited_at:
         exits = {r: v for r, v in exits.items() if v[0] <= command_exited_at} or exits
     if not exits:
         return ()
+    order = sorted(exits.items(), key=lambda kv: kv[1][0])
+    if order[0][1][1] is None and (len(order) == 1 or order[1][1][0] - order[0][1][0] >= _ALONE_S):
+        # Reaped by its parent before its status could be read (Ray's raylet reaps at once), and alone first: a
+        # teardown never comes first, and the later exits' codes of their own (Ray's workers exiting as their
+        # driver shuts down) are no evidence against it.
+        return (order[0][0],)
     first_t = min(t for t, _ in exits.values())
     early = {r: st for r, (t, st) in exits.items() if t - first_t < 1.0}
     own = tuple(sorted(r for r, st in early.items() if st is not None and (st & 0x7F) not in _TEARDOWN))

@@ -37,8 +37,8 @@ _RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 _JOB_ID_SOURCES = (JOB_ID_ENV, "SLURM_JOB_ID", _RUN_ID_ENV)
 _SLURM_STEP_ENV = "SLURM_STEP_ID"  # set for an srun task; a batch step's shell (and all it starts) has none
 MEMBER_RECHECK_S = 3.0  # processes of a rankless job that have not joined a process group are looked at this often
-MEMBER_RECHECK_MAX_S = 24.0  # ... in their first minute (_JOINS_WITHIN_S), then less often, down to this
-_JOINS_WITHIN_S = 60.0  # ranks join their group within this of their start (imports, init_process_group)
+MEMBER_RECHECK_MAX_S = 24.0  # ... in their first minute as candidates (_JOINS_WITHIN_S), then down to this
+_JOINS_WITHIN_S = 60.0  # ranks join their group within this of becoming candidates (imports, init_process_group)
 _RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 _RAY_LOG_WITHIN_S = 10.0  # a Ray worker opens its core-worker log within its first second
 _DECLARED_RANK = re.compile(r"\brank\s*[=:]\s*(\d+)\b")  # an actor's __repr__ that declares its rank
@@ -172,6 +172,7 @@ class _Known:
     member_next_check: float = 0.0  # monotonic: not looked at again before (backs off while it does not join)
     member_checks: int = 0  # looks that found it outside the group
     sockets_seen: frozenset[int] = frozenset()  # its sockets when last found outside the group
+    candidate_since: float | None = None  # monotonic: first looked at as a possible member
     member_rank: int | None = None  # that member's rank, once learned
     pipe_stem: str = ""  # TORCH_NCCL_DEBUG_INFO_PIPE_FILE: an NCCL rank's dump pipe names its rank
     master_port: str = ""  # MASTER_PORT from its starting environment
@@ -299,7 +300,7 @@ class ProcessScanner:
             known.member_conns, known.own_conns = old.member_conns, old.own_conns
             known.member_checked = old.member_checked
             known.member_next_check, known.member_checks = old.member_next_check, old.member_checks
-            known.sockets_seen = old.sockets_seen
+            known.sockets_seen, known.candidate_since = old.sockets_seen, old.candidate_since
             known.ray, known.ray_checked = old.ray, old.ray_checked  # (is it Ray's: from the title it has now)
         self._known[pid] = known
         return known
@@ -436,16 +437,16 @@ class ProcessScanner:
             rank = int(m.group(1))
         return rank if rank is not None else self.rank_finder(pid, known.create_time)
 
-    def _sockets_changed(self, pid: int, known: _Known) -> bool:
-        """Whether ``pid`` may have joined since it was last found outside the group. Past its first minute, one
-        that opened no socket since cannot have (the TCP table read is most of a look's cost); a young one is
-        always looked at: its connection may have been still connecting, the same socket established now."""
-        if not known.member_checked or time.time() - known.create_time <= _JOINS_WITHIN_S:
+    def _sockets_changed(self, pid: int, known: _Known, now: float) -> bool:
+        """Whether ``pid`` may have joined since it was last found outside the group. Past its first minute as a
+        candidate, one that opened no socket since cannot have (the TCP table read is most of a look's cost); in
+        it, always: its connection may have been still connecting, the same socket established now."""
+        if not known.member_checked or not _settled_out(known, now):
             return True
-        now = frozenset(group_members.socket_inodes(pid))
-        if now == known.sockets_seen:
+        sockets = frozenset(group_members.socket_inodes(pid))
+        if sockets == known.sockets_seen:
             return False
-        known.sockets_seen = now
+        known.sockets_seen = sockets
         return True
 
     def _spawned_ranks(self, pool: set[int], idents: dict[int, _Known], ppids: Mapping[int, int]) -> None:
@@ -460,9 +461,12 @@ class ProcessScanner:
             return  # torchrun, Slurm, a job that exports RANK: the environment says it all
         procs = {pid: k for pid, k in procs.items() if not self._is_ray_service(k)}
         now = time.monotonic()
+        for k in procs.values():
+            if k.candidate_since is None and not k.member:
+                k.candidate_since = now
         candidates = [pid for pid, k in procs.items()
                       if not k.member and not self._is_launcher_cmd(k) and now >= k.member_next_check
-                      and self._sockets_changed(pid, k)]
+                      and self._sockets_changed(pid, k, now)]
         if candidates and (now >= self._members_checked_at + MEMBER_RECHECK_S
                            or any(not procs[pid].member_checked for pid in candidates)):
             # A new process is looked at at once, the others that have not joined every few seconds; one that stayed
@@ -482,7 +486,7 @@ class ProcessScanner:
                 if not k.member_checked or not k.sockets_seen:
                     k.sockets_seen = frozenset(group_members.socket_inodes(pid))
                 k.member_checked = True
-                if not k.member and time.time() - k.create_time > _JOINS_WITHIN_S:
+                if not k.member and _settled_out(k, now):
                     k.member_checks += 1
                     k.member_next_check = now + min(MEMBER_RECHECK_S * 2 ** k.member_checks, MEMBER_RECHECK_MAX_S)
         members = {pid for pid, k in procs.items() if k.member}
@@ -646,6 +650,12 @@ class ProcessScanner:
                              cpu_time_s=cpu_total, io_bytes=io_total, rss_bytes=rss, cmdline=cmdline,
                              job=known.identity, wakeups=wakeups, wchan=wchan,
                              exit_status=read_exit_status(pid) if status == psutil.STATUS_ZOMBIE else None)
+
+
+def _settled_out(known: _Known, now: float) -> bool:
+    """Out of the group for longer than ranks take to join it, counted from when it became a candidate (a Ray worker
+    may idle for minutes before the raylet hands it the actor that joins)."""
+    return known.candidate_since is not None and now - known.candidate_since > _JOINS_WITHIN_S
 
 
 def _member_above(pid: int, members: set[int], ppids: Mapping[int, int]) -> int | None:
