@@ -358,10 +358,9 @@ def _dispatching(thread: Mapping[str, Any]) -> bool:
         _file(py[0]).endswith(path) and _name(py[0]).endswith(func) for path, func in DISPATCH_LOOPS)
 
 
-def _work_thread(ths: Sequence[Mapping[str, Any]], main: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The thread doing a dispatching main thread's work: Ray Train's ``TrainingThread(…)``, else the first thread
-    with a frame of the job's own code (not Ray's, not the threading or asyncio machinery)."""
-    others = [th for th in ths if th is not main]
+def _work_thread(others: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """Of the threads besides a dispatching main thread, the one doing its work: Ray Train's ``TrainingThread(…)``,
+    else the first with a frame of the job's own code (not Ray's, not the threading or asyncio machinery)."""
     for th in others:
         if str(th.get("thread_name") or "").startswith("TrainingThread"):
             return th
@@ -387,19 +386,17 @@ def classify_threads(threads: Iterable[Mapping[str, Any]], rank: int, pid: int) 
     while another thread is blocked in communication — a communication thread the main thread waits on: then that
     thread's, its ``where`` naming the thread. None when the dump has no main thread."""
     ths = list(threads)
-    found = main_thread(ths, pid)
-    if found is None:
+    mt = main_thread(ths, pid)
+    if mt is None:
         return None
-    mt: Mapping[str, Any] = next((th for th in ths if th.get("os_thread_id") == found.get("os_thread_id")
-                                  and th.get("thread_name") == found.get("thread_name")), found)
     main = classify_thread(mt, rank, pid)
-    if _dispatching(mt) and (work := _work_thread(ths, mt)) is not None:
+    others = [th for th in ths if (th.get("os_thread_id"), th.get("thread_name"))
+              != (mt.get("os_thread_id"), mt.get("thread_name"))]
+    if _dispatching(mt) and (work := _work_thread(others)) is not None:
         return _on_thread(classify_thread(work, rank, pid), work, main)
     if main.state not in WAITS_IN_USER_CODE:
         return main
-    for th in ths:
-        if th is mt:
-            continue
+    for th in others:
         other = classify_thread(th, rank, pid)
         if other.state in COMMUNICATION_STATES:
             return _on_thread(other, th, main)

@@ -180,6 +180,7 @@ class _Known:
     ray: ray_node.CoreWorker | None = None  # the Ray worker or driver it is, from its own log (ray_node)
     ray_checked: bool = False  # its Ray facts are final (complete, or it is no Ray core worker)
     live_identity: Mapping[str, str] | None = None  # RANK, LOCAL_RANK, WORLD_SIZE as set in code (sample.live_env)
+    env_read_at: float = 0.0  # monotonic: its live environment is not read again before
 
 
 _LINUX = sys.platform.startswith("linux")
@@ -301,6 +302,7 @@ class ProcessScanner:
             known.member_checked = old.member_checked
             known.member_next_check, known.member_checks = old.member_next_check, old.member_checks
             known.sockets_seen, known.candidate_since = old.sockets_seen, old.candidate_since
+            known.env_read_at = old.env_read_at
             known.ray, known.ray_checked = old.ray, old.ray_checked  # (is it Ray's: from the title it has now)
         self._known[pid] = known
         return known
@@ -431,8 +433,11 @@ class ProcessScanner:
             if ray.train is not None:
                 return ray.train.world_rank
         rank = group_members.pipe_rank(pid, known.pipe_stem)
-        if rank is None and (env := live_env(pid, _RANK_ENV)) and (rank := rank_from_env(env)) is not None:
-            known.live_identity = env
+        now = time.monotonic()
+        if rank is None and now >= known.env_read_at:  # read from its memory every few seconds, not each tick
+            known.env_read_at = now + MEMBER_RECHECK_S
+            if (env := live_env(pid, _RANK_ENV)) and (rank := rank_from_env(env)) is not None:
+                known.live_identity = env
         if rank is None and ray is not None and (m := _DECLARED_RANK.search(ray.actor_repr)):
             rank = int(m.group(1))
         return rank if rank is not None else self.rank_finder(pid, known.create_time)
