@@ -5,13 +5,18 @@ never ranks. The rows are asserted the zoo's way (tests/support/zoo_runs.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+from gpu_watchdog.model import unknown_rank
 from gpu_watchdog.sample import ray_node
 from gpu_watchdog.sample.processes import ProcessScanner
 from zoo_runs import RAY, ZOO, Case, Row, assert_row, row_of, run_cases, run_variant
@@ -41,6 +46,20 @@ def test_an_actor_killed_mid_step_is_named(tmp_path: Path) -> None:
                       args=("--steps", "40", "--hang-step", "20", "--rank", "1"))
     assert row.culprit == (1,) and row.detected_after_s is not None and row.detected_after_s <= 10.0, row
     assert row.rc == 1 and row.actions == ("restart",), row  # recovery.restart_on_crash is off by default
+
+
+def test_an_actor_whose_rank_no_source_gives_is_watched_and_named_by_its_pid(tmp_path: Path) -> None:
+    """The actor group with the rank only in each actor's attribute and the actor's own loop (no environment, no
+    ``__repr__``, no frame naming a rank): each actor is watched as rank unknown (pid N); actor 1 blocked on a lock
+    is confirmed ≤10 s after the onset and named by its pid, the job restarted once and finished."""
+    from launch_harness import read_events
+
+    row = run_variant(tmp_path, "ray_actor_group", "lock", nproc=2, spawns=True, timeout_s=200,
+                      args=("--steps", "80", "--hang-step", "60", "--rank", "1", "--style", "opaque"))
+    onset = next(e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "hang_onset")
+    assert row.culprit == (unknown_rank(onset["pid"]),) and row.collective == "all_reduce", row
+    assert row.detected_after_s is not None and row.detected_after_s <= 10.0, row
+    assert row.rc == 0 and row.finished and "restart" in row.actions and not row.nccl_change, row
 
 
 def test_no_ray_service_process_is_ever_a_rank(tmp_path: Path) -> None:
@@ -80,25 +99,66 @@ def _ray_cli() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
-def test_a_ray_node_registered_with_the_daemon_is_watched_and_its_services_are_left_alone() -> None:
+@dataclass
+class RayNode:
+    """A ``ray start --head --block`` node registered with a daemon (job id ``ray-node``, restart hook: the tests')."""
+
+    base: Path
+    daemon: Any
+    address: str
+    services: dict[int, float]  # Ray's own processes: pid → start time
+    node: subprocess.Popen[bytes]
+    env: dict[str, str]
+    drivers: list[subprocess.Popen[bytes]] = field(default_factory=list)  # killed with the node
+
+    def drive(self, program: str, *args: str) -> tuple[Path, subprocess.Popen[bytes]]:
+        """A driver of ``program`` connecting to the node (RAY_ADDRESS); its events file and process."""
+        events = self.base / "events.jsonl"
+        driver = subprocess.Popen([sys.executable, str(ZOO / f"{program}.py"), *args, "--workdir", str(self.base),
+                                   "--events", str(events)], env=dict(self.env, RAY_ADDRESS=self.address),
+                                  cwd=self.base, stdout=(self.base / "driver.log").open("w"),
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        return events, driver
+
+    def incident_after_onset(self, events: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The node's first finished incident once the job's fault fired, and the job's events."""
+        from daemon_helpers import wait_for
+        from gpu_watchdog.store.incidents import IncidentStore
+        from launch_harness import read_events
+
+        wait_for(lambda: any(e["event"] == "hang_onset" for e in read_events(events)) if events.exists() else False,
+                 120, "the hang", log=lambda: (self.base / "driver.log").read_text()[-3000:])
+        store = IncidentStore(self.base / "state")
+        incs = wait_for(lambda: [i for i in store.list() if i.get("job_id") == "ray-node" and i.get("outcome")]
+                        or None, 60, "the incident")
+        return incs[0], read_events(events)
+
+    def services_alive(self) -> bool:
+        import psutil
+
+        alive = {pid for pid, ct in self.services.items()
+                 if psutil.pid_exists(pid) and psutil.Process(pid).create_time() == ct}
+        return alive == set(self.services) and self.node.poll() is None
+
+
+@contextlib.contextmanager
+def ray_node_under_daemon() -> Iterator[RayNode]:
     """The way KubeRay and Slurm run Ray: ``ray start --head --block`` is the pod's (the allocation's) main process,
-    registered with the daemon by its pid; the job is a driver connecting to it (``RAY_ADDRESS``). Ray Train worker 1
-    blocked in its own code is named from Ray Train's records and handed to the restart hook at level 0; the stop
-    hits the job's workers only: the GCS, the raylet, its agents and ``ray start`` itself live on."""
+    registered with the daemon by its pid; jobs are drivers connecting to it. Everything it started is killed after."""
+    import socket
+
     import psutil
-    from daemon_helpers import DaemonProc, records, short_dir, wait_for
+    from daemon_helpers import DaemonProc, short_dir, wait_for
     from daemon_helpers import write_config as daemon_config
-    from gpu_watchdog.store.incidents import IncidentStore
-    from launch_harness import base_env, read_events
+    from launch_harness import base_env
 
     base = short_dir()
     d = DaemonProc(base, daemon_config(base))
     env = dict(base_env(), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", HOME=str(base))
-    node = driver = None
+    node = None
+    ray = RayNode(base, d, "", {}, None, env)  # type: ignore[arg-type]  # the node is set below
     try:
         d.wait_socket()
-        import socket
-
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -111,37 +171,62 @@ def test_a_ray_node_registered_with_the_daemon_is_watched_and_its_services_are_l
         assert reg.returncode == 0, reg.stdout + reg.stderr
         wait_for(lambda: any("raylet" in " ".join(p.cmdline()) for p in psutil.Process(node.pid).children()), 60,
                  "the raylet up")
-        address = f"127.0.0.1:{port}"
-        services = {p.pid: p.create_time() for p in psutil.Process(node.pid).children(recursive=True)
-                    if ray_node.is_service(p.cmdline())}
-        events = base / "events.jsonl"
-        driver = subprocess.Popen([sys.executable, str(ZOO / "ray_train_ddp.py"), "--nproc", "2", "--variant",
-                                   "event_wait", "--rank", "1", "--steps", "40", "--workdir", str(base),
-                                   "--events", str(events)], env=dict(env, RAY_ADDRESS=address), cwd=base,
-                                  stdout=(base / "driver.log").open("w"), stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-        wait_for(lambda: any(e["event"] == "hang_onset" for e in read_events(events)) if events.exists() else False,
-                 120, "the hang", log=lambda: (base / "driver.log").read_text()[-3000:])
-        store = IncidentStore(base / "state")
-        incs = wait_for(lambda: [i for i in store.list() if i.get("job_id") == "ray-node" and i.get("outcome")]
-                        or None, 60, "the incident")
-        onset = min(e["t"] for e in read_events(events) if e["event"] == "hang_onset")
-        assert incs[0]["culprit_ranks"] == [1] and incs[0]["collective"] == "ddp_all_reduce", incs
-        assert incs[0]["detected_at"] - onset <= 10.0, incs
-        culprit = incs[0]["ray_workers"]["1"]
-        assert culprit["actor_class"] == "RayTrainWorker" and culprit["world_rank"] == 1, culprit
-        assert culprit["actor_id"] and culprit["train_run"].startswith("ray_train_run"), culprit
-        assert [h["argv"][2] for h in records(base) if "argv" in h] == ["--level=0"], records(base)
-        alive = {pid for pid, ct in services.items()
-                 if psutil.pid_exists(pid) and psutil.Process(pid).create_time() == ct}
-        assert alive == set(services) and node.poll() is None, (services, alive)
+        ray.node, ray.address = node, f"127.0.0.1:{port}"
+        ray.services = {p.pid: p.create_time() for p in psutil.Process(node.pid).children(recursive=True)
+                        if ray_node.is_service(p.cmdline())}
+        yield ray
     finally:
-        for proc in (driver, node):
+        for proc in (node, *ray.drivers):
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, 9)
                 proc.wait()
         subprocess.run(["pkill", "-9", "-f", f"{base}/ray"], check=False)  # a node's processes outlive ray start's kill
         d.kill()
+
+
+def test_a_ray_node_registered_with_the_daemon_is_watched_and_its_services_are_left_alone() -> None:
+    """A Ray Train job on a registered ``ray start`` node: worker 1 blocked in its own code is named from Ray Train's
+    records and handed to the restart hook at level 0; the stop hits the job's workers only: the GCS, the raylet,
+    its agents and ``ray start`` itself live on."""
+    from daemon_helpers import records
+
+    with ray_node_under_daemon() as ray:
+        events, driver = ray.drive("ray_train_ddp", "--nproc", "2", "--variant", "event_wait", "--rank", "1",
+                                   "--steps", "40")
+        ray.drivers.append(driver)
+        inc, evs = ray.incident_after_onset(events)
+        onset = min(e["t"] for e in evs if e["event"] == "hang_onset")
+        assert inc["culprit_ranks"] == [1] and inc["collective"] == "ddp_all_reduce", inc
+        assert inc["detected_at"] - onset <= 10.0, inc
+        culprit = inc["ray_workers"]["1"]
+        assert culprit["actor_class"] == "RayTrainWorker" and culprit["world_rank"] == 1, culprit
+        assert culprit["actor_id"] and culprit["train_run"].startswith("ray_train_run"), culprit
+        assert [h["argv"][2] for h in records(ray.base) if "argv" in h] == ["--level=0"], records(ray.base)
+        assert ray.services_alive(), ray.services
+
+
+def test_an_actor_group_on_a_registered_ray_node_with_mismatched_collectives_is_named_by_its_actors() -> None:
+    """The RLHF frameworks' actor group on a registered ``ray start`` node, the rank only in each actor's attribute
+    (no source outside the job can tell it): actor 1 calls all_gather where actor 0 broadcasts. Both members are
+    watched with their rank unknown, the desync is confirmed ≤10 s after the onset, each side is named by its pid and
+    Ray actor, the restart hook gets level 0 (no NCCL change for a desync) and Ray's services live on."""
+    from daemon_helpers import records
+
+    with ray_node_under_daemon() as ray:
+        events, driver = ray.drive("ray_actor_group", "--nproc", "2", "--variant", "desync", "--rank", "1",
+                                   "--style", "opaque", "--steps", "120", "--hang-step", "60")
+        ray.drivers.append(driver)
+        inc, evs = ray.incident_after_onset(events)
+        onset = min(e["t"] for e in evs if e["event"] == "hang_onset")
+        actors = {e["pid"] for e in evs if e["event"] == "start"}
+        assert inc["desync"] and inc["detected_at"] - onset <= 10.0, inc
+        assert sorted(inc["ranks"]) == sorted(unknown_rank(p) for p in actors), (inc["ranks"], actors)
+        named = inc["unknown_ranks"]
+        assert {v["pid"] for v in named.values()} == actors, named
+        assert all(v["ray"]["actor_class"] == "Trainer" and v["ray"]["actor_id"] for v in named.values()), named
+        assert all(f"pid {p}" in inc["reason"] for p in actors), inc["reason"]
+        assert [h["argv"][2] for h in records(ray.base) if "argv" in h] == ["--level=0"], records(ray.base)
+        assert ray.services_alive(), ray.services
 
 
 def test_the_runs_fallback_settings_reach_the_ray_train_workers(tmp_path: Path) -> None:

@@ -2,7 +2,9 @@
 process group itself (``init_process_group("gloo", rank=rank, …)`` in ``__init__``) and the driver calls their
 ``train`` method and waits with ``ray.get``. ``--style repr``: the actor's ``__repr__`` names its rank, as Ray's docs
 advise for telling actors apart in logs; ``--style environ``: OpenRLHF's way, the rank only in ``os.environ`` and
-``init_process_group`` from it (``env://``), no ``__repr__``. Run as ``python ray_actor_group.py --nproc N`` (a local
+``init_process_group`` from it (``env://``), no ``__repr__``; ``--style opaque``: the rank only in the actor's own
+attribute, handed to ``init_process_group`` as an argument, and the actor's own training loop (no frame names a
+rank): nothing outside the job can tell its number. Run as ``python ray_actor_group.py --nproc N`` (a local
 ``ray.init()`` cluster). Variants: zoo_common (``desync``: rank ``--rank`` calls all_gather where the others
 broadcast; ``crash`` … ), plus ``killed``: actor ``--rank`` is SIGKILLed mid-step, as the OOM killer does."""
 
@@ -18,18 +20,19 @@ import zoo_common as zc
 
 
 class Trainer:
-    def __init__(self, rank: int, world_size: int, port: int, config: dict) -> None:
+    def __init__(self, index: int, world_size: int, port: int, config: dict) -> None:
         import torch
         import torch.distributed as dist
 
-        self.rank = rank
+        self.rank = index  # (not called rank: py-spy's locals would name it while __init__ runs)
         self.args = argparse.Namespace(**config)
         if self.args.style == "environ":  # OpenRLHF's DistributedTorchRayActor: the rank in os.environ, env://
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+            os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(world_size),
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             dist.init_process_group("gloo")
         else:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
+                                    world_size=world_size)
         torch.manual_seed(0)
         self.model = zc.small_model()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
@@ -55,13 +58,22 @@ class Trainer:
         self.opt.step()
 
     def train(self) -> None:
-        zc.train_loop(self.args, self.rank, self._step, checkpoint=(self.model, self.opt), straggler=False)
+        if self.args.style != "opaque":
+            zc.train_loop(self.args, self.rank, self._step, checkpoint=(self.model, self.opt), straggler=False)
+            return
+        zc.event(self.args, "start", step=0)  # a framework's own loop: the rank lives in self alone
+        for step in range(self.args.steps):
+            zc.slow_phase(self.args, step, self.rank)
+            self._step(step)
+            zc.step_done(self.args, step)
+        zc.event(self.args, "done")
 
 
 def main() -> None:
     args = zc.parse_args(__doc__, nproc=True, more=lambda p: p.add_argument(
-        "--style", choices=("repr", "environ"), default="repr",
-        help="repr: the rank handed to init_process_group and named by __repr__; environ: set in os.environ only"))
+        "--style", choices=("repr", "environ", "opaque"), default="repr",
+        help="repr: the rank handed to init_process_group and named by __repr__; environ: set in os.environ only; "
+             "opaque: in the actor's attribute only"))
     ray_common.start_ray(num_cpus=args.nproc)
     import ray
 

@@ -65,7 +65,7 @@ def rank() -> int:
 def event(args: argparse.Namespace, name: str, **fields: object) -> None:
     if not args.events:
         return
-    line = json.dumps({"rank": rank(), "t": time.time(), "event": name, **fields})
+    line = json.dumps({"rank": rank(), "pid": os.getpid(), "t": time.time(), "event": name, **fields})
     with open(args.events, "a") as f:
         f.write(line + "\n")
 

@@ -29,6 +29,7 @@ from gpu_watchdog.model import (
     ProcessSample,
     RankStack,
     StackEvidence,
+    unknown_rank,
 )
 
 GIB = 1 << 30
@@ -282,6 +283,40 @@ def test_waiting_rank_then_everyone_stops() -> None:
     r = run(samples)
     (f,) = r.findings
     assert f.signature == "idle_held" and f.onset == samples[24].t  # the busy rank's last progress
+
+
+def _rank_unknown(samples: list[NodeSample], r: int) -> list[NodeSample]:
+    """Rank ``r`` as a member whose rank no source gave (model.unknown_rank), off the GPUs: a helper that joined
+    the group, or an actor that hands init_process_group its rank as an argument."""
+    out = []
+    for s in samples:
+        procs = tuple(dataclasses.replace(p, job=dataclasses.replace(p.job, rank=unknown_rank(p.pid)))
+                      if p.job is not None and p.job.rank == r else p for p in s.processes)
+        devs = tuple(d for d in s.devices if d.index != r)
+        out.append(dataclasses.replace(s, processes=procs, devices=devs))
+    return out
+
+
+def test_a_member_of_unknown_rank_that_idles_never_makes_the_job_wait() -> None:
+    """Ranks 0 and 1 train, the member of unknown rank idles (it may be no rank at all): no waiting, so no
+    waiting_timeout restart however long it lasts."""
+    node = Node(n=3)
+    samples = _rank_unknown([node.tick(cpu_cores=[1.0, 1.0, 0.0]) for _ in range(120)], 2)
+    r = run(samples, dataclasses.replace(CFG, waiting_timeout_s=60.0))
+    assert r.findings == [] and r.job().state == RUNNING
+    assert unknown_rank(node.pids[2]) in r.job().ranks
+
+
+def test_a_member_of_unknown_rank_is_watched_and_named_when_the_job_stops() -> None:
+    """Every rank idle with its GPU held: the job stalls; the member of unknown rank is one of its ranks, and the
+    one named when it is the one that exited."""
+    node = Node(n=3)
+    samples = _rank_unknown(node.healthy(10) + [node.tick(util=0.0, power_w=70.0, cpu_cores=0.0, traffic_bps=0.0,
+                                                          present=(0, 1)) for _ in range(40)], 2)
+    (f,) = run(samples).findings
+    gone = unknown_rank(node.pids[2])
+    assert (f.signature, f.culprit_ranks, f.ranks) == ("rank_exited", (gone,), (gone, 0, 1))
+    assert f"rank(s) unknown (pid {node.pids[2]}) exited" in f.detail
 
 
 # -- rank exited ----------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from gpu_watchdog.evidence.analyze import analyze_dirs, write_rank_stacks
 from gpu_watchdog.evidence.classify import classify_threads
 from gpu_watchdog.evidence.diagnosis import RankContext, diagnose, format_ranks, stacks_progressed
 from gpu_watchdog.evidence.stacks import DumpResult, dump_stacks
-from gpu_watchdog.model import RankStack, StackEvidence
+from gpu_watchdog.model import RankStack, StackEvidence, unknown_rank
 
 AR = "all_reduce (torch/distributed/distributed_c10d.py:3252)"
 BAR = "barrier (torch/distributed/distributed_c10d.py:5356)"
@@ -36,6 +36,9 @@ def test_format_ranks() -> None:
     assert format_ranks([3]) == "rank 3"
     assert format_ranks([3, 1, 0]) == "ranks 0,1,3"
     assert format_ranks([0, 1, 2, 4, 6, 7, 8, 9]) == "ranks 0-2,4,6-9"
+    assert format_ranks([unknown_rank(4321)]) == "rank unknown (pid 4321)"
+    assert format_ranks([1, unknown_rank(9), 0, unknown_rank(4321)]) == \
+        "ranks 0,1, rank unknown (pid 9), rank unknown (pid 4321)"
 
 
 def test_straggler_not_in_collective() -> None:

@@ -11,7 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+from gpu_watchdog.evidence import spawned_ranks
 from gpu_watchdog.evidence.spawned_ranks import SpawnedRanks, no_rank_warning, rank_from_stack
 from repo_paths import REPO
 
@@ -105,6 +107,28 @@ def test_a_real_spawned_process_is_read_in_the_background(tmp_path: Path) -> Non
     finally:
         os.killpg(main.pid, signal.SIGKILL)  # the spawned ranks are in its session
         main.wait()
+
+
+def test_the_finder_gives_up_after_its_last_look_names_no_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process whose frames name no rank: unknown while looks remain, then given up (the scanner then watches it
+    with its rank unknown); a real py-spy dump each time."""
+    monkeypatch.setattr(spawned_ranks, "RETRY_S", 0.2)
+    proc = subprocess.Popen([sys.executable, "-c", "import time\ndef serve(port):\n    time.sleep(60)\nserve(1)"])
+    finder = SpawnedRanks(timeout_s=20.0)
+    try:
+        ctime = psutil.Process(proc.pid).create_time()
+        assert not finder.gave_up(proc.pid, ctime)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not finder.gave_up(proc.pid, ctime):
+            assert finder(proc.pid, ctime) is None
+            time.sleep(0.1)
+        assert finder.gave_up(proc.pid, ctime), finder.why(proc.pid)
+        assert "no frame names a rank" in finder.why(proc.pid)
+        assert not finder.gave_up(proc.pid, ctime + 1)  # another process under a reused pid is not
+    finally:
+        finder.close()
+        proc.kill()
+        proc.wait()
 
 
 def test_the_no_rank_warning_says_what_was_seen_and_what_to_do() -> None:

@@ -14,9 +14,27 @@ from pathlib import Path
 
 import psutil
 import pytest
+from gpu_watchdog.model import rank_label, unknown_rank
 from gpu_watchdog.sample import group_members
 from gpu_watchdog.sample.processes import ProcessScanner
 from waiting import wait_for
+
+
+class Finder:
+    """A rank finder (evidence.spawned_ranks) with fixed answers; ``gives_up``: on every process it has none for."""
+
+    def __init__(self, ranks: dict[int, int] | None = None, gives_up: bool = False, fail: bool = False) -> None:
+        self.ranks, self.gives_up, self.fail = dict(ranks or {}), gives_up, fail
+        self.asked: list[int] = []
+
+    def __call__(self, pid: int, create_time: float) -> int | None:
+        if self.fail:
+            pytest.fail(f"asked for pid {pid}")
+        self.asked.append(pid)
+        return self.ranks.get(pid)
+
+    def gave_up(self, pid: int, create_time: float) -> bool:
+        return self.gives_up and pid not in self.ranks
 
 # A job shaped like mp.spawn without torch: the main process starts "ranks" that hand their rank around in code.
 # The first hosts the store (listens, connects to itself), the next connect to it, "loner" connects nowhere, and
@@ -126,13 +144,8 @@ def _ranks(scanner: ProcessScanner) -> dict[int, int]:
 
 def test_the_scanner_makes_the_topmost_members_ranks_once_their_rank_is_known(job) -> None:
     proc, pids = job
-    known = {pids["store"]: 0, pids["client"]: 1}  # "forker"'s rank is not learned (yet)
-    asked: list[int] = []
-
-    def finder(pid: int, create_time: float) -> int | None:
-        asked.append(pid)
-        return known.get(pid)
-
+    finder = Finder({pids["store"]: 0, pids["client"]: 1})  # "forker"'s rank is not learned (yet)
+    known, asked = finder.ranks, finder.asked
     scanner = ProcessScanner(root_pid=proc.pid)
     scanner.rank_finder = finder
     ranks = wait_for(lambda: _ranks(scanner) or None, 10, "ranks")
@@ -147,6 +160,26 @@ def test_the_scanner_makes_the_topmost_members_ranks_once_their_rank_is_known(jo
     asked.clear()
     _ranks(scanner)
     assert asked == []  # a learned rank is kept; nobody is asked again
+
+
+def test_a_member_no_source_names_is_watched_with_its_rank_unknown(job) -> None:
+    """"forker" joined the group, but its live environment names no rank and it is no Ray worker: while the stack
+    reader still looks it stays unranked; once it gave up, it is watched all the same, as rank unknown (pid N), never
+    a guessed number; the others keep theirs."""
+    proc, pids = job
+    scanner = ProcessScanner(root_pid=proc.pid)
+    finder = scanner.rank_finder = Finder({pids["store"]: 0, pids["client"]: 1}, gives_up=False)
+    deadline = time.monotonic() + 11  # past the 10 s after which its Ray facts are final
+    while time.monotonic() < deadline:
+        assert pids["forker"] not in _ranks(scanner)
+        time.sleep(0.5)
+    assert scanner.unranked == (pids["forker"],)
+    finder.gives_up = True
+    ranks = _ranks(scanner)
+    assert ranks == {pids["store"]: 0, pids["client"]: 1, pids["forker"]: unknown_rank(pids["forker"])}
+    assert rank_label(ranks[pids["forker"]]) == f"rank unknown (pid {pids['forker']})"
+    assert scanner.unranked == ()
+    assert pids["forker-child"] not in ranks  # its fork is still its work
 
 
 # A hand-written mp.Process loop whose parent is rank 0: it hosts the store, connects to it, then starts ranks 1
@@ -178,7 +211,7 @@ def test_ranks_a_rank_starts_itself_are_ranks_not_its_workers(tmp_path: Path) ->
         kids = wait_for(connected, 30, "the two ranks it starts, connected")
         scanner = ProcessScanner(root_pid=proc.pid)
         order = {proc.pid: 0, kids[0]: 1, kids[1]: 2}
-        scanner.rank_finder = lambda pid, ct: order.get(pid)
+        scanner.rank_finder = Finder(order)
 
         def three() -> dict[int, int] | None:
             ranks = _ranks(scanner)
@@ -208,7 +241,7 @@ def test_where_the_environment_names_a_rank_nobody_is_made_a_member(tmp_path: Pa
     conns = [srv.accept()[0], srv.accept()[0]]
     try:
         scanner = ProcessScanner(root_pid=agent.pid)
-        scanner.rank_finder = lambda pid, ct: pytest.fail(f"asked for pid {pid}")
+        scanner.rank_finder = Finder(fail=True)
         deadline = time.monotonic() + 5
         ranks: dict[int, int] = {}
         while time.monotonic() < deadline and not ranks:

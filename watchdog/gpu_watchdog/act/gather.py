@@ -30,7 +30,7 @@ from gpu_watchdog.evidence.diagnosis import Diagnosis, communication_evidence, d
 from gpu_watchdog.evidence.fr_analysis import FrAnalysis, analyze_traces, rank_trace
 from gpu_watchdog.evidence.ras_poll import RasPoller, write_ras_evidence
 from gpu_watchdog.evidence.report import render_report
-from gpu_watchdog.model import NodeSample, RankStack
+from gpu_watchdog.model import NodeSample, RankStack, rank_known, rank_label
 from gpu_watchdog.sample import ray_node
 from gpu_watchdog.sample.group_members import fd_targets
 from gpu_watchdog.store.incidents import Incident
@@ -60,7 +60,7 @@ def _alive(diag: Diagnosis, remote: list[RankStack]) -> str:
     if not culprits or any(rs is None or not (rs.timed or rs.state == "io" or (rs.state == "compute" and rs.active))
                            for rs in culprits):
         return ""
-    return ", ".join(f"rank {rs.rank}: {rs.state} at {rs.where}" for rs in culprits if rs is not None)
+    return ", ".join(f"{rank_label(rs.rank)}: {rs.state} at {rs.where}" for rs in culprits if rs is not None)
 
 
 def _culprit_stack(diag: Diagnosis, stacks: list[RankStack]) -> RankStack | None:
@@ -91,7 +91,7 @@ class EvidenceGatherer:
             stacks = classify_results(results)
             ok = sum(r.ok for r in results.values())
             inc.end_action(entry, ok > 0, f"{ok}/{len(results)} ranks dumped in {time.monotonic() - t0:.2f}s"
-                           + "".join(f"; rank {r}: {res.detail}" for r, res in results.items() if not res.ok))
+                           + "".join(f"; {rank_label(r)}: {res.detail}" for r, res in results.items() if not res.ok))
             missing = set(finding.ranks) - set(rank_pids)
             elsewhere = set(range(world or 0)) - set(rank_pids) - missing  # other nodes' ranks
             diag = diagnose(stacks, None, missing, elsewhere)
@@ -104,8 +104,8 @@ class EvidenceGatherer:
             ctx.say(f"culprit: {diag.reason}")
             culprit = _culprit_stack(diag, [*stacks, *remote])
             if culprit is not None:
-                ctx.say(f"culprit rank {culprit.rank} stack: {culprit.signature}")
-            self._ray_workers(inc, diag, rank_pids)
+                ctx.say(f"culprit {rank_label(culprit.rank)} stack: {culprit.signature}")
+            self._identities(inc, diag, rank_pids)
             behind = self._workers(inc, diag, stacks, rank_pids, job_id)
             out = Gathered(tuple(stacks), diag, behind or culprit, alive_elsewhere=_alive(diag, remote))
         fr = self._flight_recorder(inc, rank_pids, job_id)
@@ -171,24 +171,33 @@ class EvidenceGatherer:
         self.ctx.say(f"culprit: {verdict.reason}")
         return Diagnosis(verdict.culprit_ranks, collective, verdict.reason, desync, diag.groups if diag else ())
 
-    def _ray_workers(self, inc: Incident, diag: Diagnosis, rank_pids: dict[int, int]) -> None:
-        """Ranks that are Ray workers: what Ray calls them (actor class and id, Ray Train run), so that a culprit is
-        named the way its Ray logs and dashboard name it."""
-        named = {}
+    def _identities(self, inc: Incident, diag: Diagnosis, rank_pids: dict[int, int]) -> None:
+        """What names each rank besides its number: for Ray workers what Ray calls them (actor class and id, Ray
+        Train run), as its Ray logs and dashboard do; for ranks no source gave a number (model.unknown_rank) the
+        host, pid and command, so that such a culprit is named all the same."""
+        named, unknown = {}, {}
         for rank, pid in sorted(rank_pids.items()):
             try:
                 cmdline = psutil.Process(pid).cmdline()
             except psutil.Error:
                 continue
-            if (facts := ray_node.describe(pid, cmdline, fd_targets(pid))) is not None:
+            facts = ray_node.describe(pid, cmdline, fd_targets(pid))
+            if facts is not None:
                 named[str(rank)] = facts
-        if not named:
-            return
-        inc.update(ray_workers=named)
+            if not rank_known(rank):
+                command = " ".join(" ".join(cmdline).split())[:200]  # a Ray title is padded with spaces
+                unknown[str(rank)] = {"host": self.ctx.host, "pid": pid, "command": command,
+                                      **({"ray": facts} if facts is not None else {})}
+        if named:
+            inc.update(ray_workers=named)
+        if unknown:
+            inc.update(unknown_ranks=unknown)
         for rank in diag.culprit_ranks:
             if (w := named.get(str(rank))) is not None:
-                self.ctx.say(f"culprit rank {rank} is Ray actor {w['actor_class']} {w['actor_id'] or '?'} "
+                self.ctx.say(f"culprit {rank_label(rank)} is Ray actor {w['actor_class']} {w['actor_id'] or '?'} "
                              f"(pid {w['pid']}{', Ray Train run ' + str(w['train_run']) if 'train_run' in w else ''})")
+            elif (u := unknown.get(str(rank))) is not None:
+                self.ctx.say(f"culprit {rank_label(rank)} on {u['host']}: {u['command']}")
 
     def _workers(self, inc: Incident, diag: Diagnosis, stacks: list[RankStack], rank_pids: dict[int, int],
                  job_id: str) -> RankStack | None:

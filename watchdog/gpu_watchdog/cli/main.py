@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 from gpu_watchdog import __version__
 from gpu_watchdog.cli.args import add_common_options, checked_overrides, pid_arg, positive_float
 from gpu_watchdog.errors import EXIT_CODES, EXIT_PIPE_CLOSED, EXIT_USAGE, UsageError, WatchdogError
+from gpu_watchdog.model import rank_tag
 
 DESCRIPTION = ("Find hung distributed PyTorch jobs (stalled NCCL/gloo collectives), name the culprit rank from "
                "its stack, checkpoint, stop and restart the job with fallback NCCL settings. "
@@ -159,7 +160,7 @@ def cmd_incidents(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     for s in items:
-        culprit = ",".join(map(str, s.get("culprit_ranks") or [])) or "?"
+        culprit = ",".join(rank_tag(r) for r in s.get("culprit_ranks") or []) or "?"
         print(f"{s['id']}  {s['kind']:<9} {s.get('signature') or '':<14} job={s.get('job_id')} culprit={culprit} "
               f"collective={s.get('collective') or '-'}")
     if not items:

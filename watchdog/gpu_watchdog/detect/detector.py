@@ -36,7 +36,15 @@ from gpu_watchdog.config.schema import DetectConfig
 from gpu_watchdog.detect.states import RUNNING, STALLED, SUSPECT, WAITING, Event, JobState, transition
 from gpu_watchdog.evidence.classify import kernel_wait
 from gpu_watchdog.evidence.diagnosis import RankContext, stacks_progressed
-from gpu_watchdog.model import CommProgress, DeviceSample, NodeSample, ProcessSample, StackEvidence
+from gpu_watchdog.model import (
+    CommProgress,
+    DeviceSample,
+    NodeSample,
+    ProcessSample,
+    StackEvidence,
+    rank_known,
+    rank_label,
+)
 
 
 @dataclass(frozen=True)
@@ -279,7 +287,7 @@ def _lasted(elapsed: float, threshold: float) -> bool:
 
 
 def _fmt_ranks(ranks: Iterable[int]) -> str:
-    return ",".join(str(r) for r in sorted(ranks))
+    return ",".join(str(r) if rank_known(r) else rank_label(r)[len("rank "):] for r in sorted(ranks))
 
 
 def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
@@ -434,7 +442,9 @@ def _job_facts(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tuple[
         quiet, progressing = False, sorted(moving)
     facts = _JobFacts(base, evidence, quiet, onset, "rank_exited" if missing else device_sig, stack_quiet,
                       devices_busy)
-    if quiet or not _some_wait(ranks, progressing, slow_movers, devices_busy, sigs):
+    known_pids = {p.pid for rank, p in ranked if rank_known(rank)}
+    known_sigs = [s for d, s in zip(devs, sigs, strict=True) if d.pids & known_pids]
+    if quiet or not _some_wait(ranks, progressing, slow_movers, devices_busy, known_sigs):
         return facts
     waiting_since = prev.waiting_since if prev.waiting_since is not None else (onset if slow_movers else prev_t)
     return _waiting_facts(facts, prev, waiting_since, progressing, moving, obs, devs, sigs)
@@ -456,13 +466,16 @@ def _progress_and_devices(ranks: Sequence[int], obs: Mapping[int, _RankObs], sig
 
 
 def _some_wait(ranks: Sequence[int], progressing: Sequence[int], slow_movers: bool, devices_busy: bool,
-               sigs: Sequence[str | None]) -> bool:
+               known_sigs: Sequence[str | None]) -> bool:
     """Whether a job that is not quiet waits on some of its ranks: some progress while others idle, ranks that only
     moved slowly (stacks, not counters: a job that polls or reads slowly everywhere waits, until
-    waiting_timeout_s, it is not running), or a busy GPU beside idle ones."""
-    idle = [r for r in ranks if r not in progressing]
+    waiting_timeout_s, it is not running), or a busy GPU beside idle ones (``known_sigs``: the GPUs of ranks whose
+    number is known). A member whose rank no source gave idling (or its idle GPU) does not make the job wait: it may
+    be no rank at all (a helper that joined), and a wait times out into a restart; its hang still shows when the
+    others stop too."""
+    idle = [r for r in ranks if r not in progressing and rank_known(r)]
     return bool((idle and progressing and len(ranks) > 1) or slow_movers
-                or (devices_busy and any(s != "busy" for s in sigs)))
+                or (devices_busy and any(s != "busy" for s in known_sigs)))
 
 
 def _stack_progress(prev: JobStatus, evidence_in: Sequence[StackEvidence], obs: Mapping[int, _RankObs],
@@ -488,8 +501,8 @@ def _waiting_facts(facts: _JobFacts, prev: JobStatus, waiting_since: float, prog
                    sigs: Sequence[str | None]) -> _JobFacts:
     """A job some of whose ranks wait on the others: on whom, doing what, since when."""
     kernel = {r: obs[r].doing for r in progressing if obs[r].doing}
-    doing = ", ".join(f"rank {r}: {moving[r]}" for r in sorted(moving)) if moving else (
-        ", ".join(f"rank {r}: {d}" for r, d in sorted(kernel.items())) or prev.waiting_doing)
+    doing = ", ".join(f"{rank_label(r)}: {moving[r]}" for r in sorted(moving)) if moving else (
+        ", ".join(f"{rank_label(r)}: {d}" for r, d in sorted(kernel.items())) or prev.waiting_doing)
     # No rank's process progresses but some GPUs work: the job waits on the ranks on those GPUs.
     busy_pids = {pid for d, s in zip(devs, sigs, strict=True) if s == "busy" for pid in d.pids}
     gpu_busy = tuple(r for r, pid in sorted(facts.base.rank_pids.items()) if pid in busy_pids)

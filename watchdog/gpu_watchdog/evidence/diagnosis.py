@@ -35,7 +35,7 @@ from gpu_watchdog.evidence.classify import (
     collective_family,
     is_ddp_op,
 )
-from gpu_watchdog.model import RankStack, StackEvidence
+from gpu_watchdog.model import RankStack, StackEvidence, rank_known, rank_label
 
 WAITING_STATES = ("collective",)
 SYNC_STATES = ("device_sync",)  # waiting on the GPU, which may be waiting on a collective kernel
@@ -51,8 +51,13 @@ class Diagnosis:
 
 
 def format_ranks(ranks: Iterable[int]) -> str:
-    """``rank 3`` / ``ranks 0,1,3`` / ``ranks 0-3`` (runs of three or more are compressed)."""
-    rs = sorted(set(ranks))
+    """``rank 3`` / ``ranks 0,1,3`` / ``ranks 0-3`` (runs of three or more are compressed); a rank no source gave
+    as ``rank unknown (pid N)`` (model.unknown_rank)."""
+    every = set(ranks)
+    unknown = [rank_label(r) for r in sorted(every, reverse=True) if not rank_known(r)]
+    rs = sorted(r for r in every if rank_known(r))
+    if unknown:
+        return ", ".join(([format_ranks(rs)] if rs else []) + unknown)
     if len(rs) == 1:
         return f"rank {rs[0]}"
     parts: list[str] = []

@@ -29,8 +29,11 @@ RANK_NAMES = ("global_rank", "rank")
 SPAWN_INDEX = (("torch/multiprocessing/spawn.py", "_wrap", "i"),
                ("strategies/launchers/multiprocessing.py", "_wrapping_function", "process_idx"))
 _PRUNE_AT = 1024  # lookups kept before those of ended processes are dropped (a long-lived daemon)
-MAX_TRIES = 5  # a process may not have reached a frame that names its rank yet (imports, a slow start)
-RETRY_S = 5.0
+# Asked only about processes that joined the process group (past their imports), so a few looks settle it: a frame
+# may still be missing (a dump that caught init_process_group's own frame with its default rank -1). After the last
+# one the scanner watches the process with its rank unknown.
+MAX_TRIES = 3
+RETRY_S = 3.0
 
 
 def _int(text: Any) -> int | None:
@@ -112,6 +115,15 @@ class SpawnedRanks:
                 lk.next_at = time.monotonic() + RETRY_S
                 lk.future = self._pool.submit(self._look, pid)
             return lk.rank
+
+    def gave_up(self, pid: int, create_time: float) -> bool:
+        """Every look at ``pid`` is done and none named its rank."""
+        with self._lock:
+            lk = self._lookups.get(pid)
+            if lk is None or lk.create_time != create_time:
+                return False
+            _settle(lk)
+            return lk.rank is None and lk.future is None and lk.tries >= MAX_TRIES
 
     def why(self, pid: int) -> str:
         """Why ``pid`` has no rank yet (the last dump's answer)."""

@@ -40,7 +40,7 @@ from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV, RESTA
 from gpu_watchdog.launch.exits import ExitWatch, first_to_exit
 from gpu_watchdog.launch.guardian import Guardian
 from gpu_watchdog.launch.output import JobOutput
-from gpu_watchdog.model import NodeSample
+from gpu_watchdog.model import NodeSample, rank_label
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.policy.ladder import validate_job_id
 from gpu_watchdog.policy.respond import Response
@@ -377,7 +377,7 @@ class Launcher:
         first = first_to_exit(exits, command_exited_at)
         if len(ranks) > 1 and set(first) >= set(ranks):
             first = ()  # every rank went at once: which one failed is not known
-        how = "; ".join(f"rank {r}: {describe_exit(exits[r][1])}" for r in first) or \
+        how = "; ".join(f"{rank_label(r)}: {describe_exit(exits[r][1])}" for r in first) or \
             "no rank was seen exiting first (torchrun reaps and tears down within its monitor interval)"
         onset = min((t for t, _ in exits.values()), default=now)
         finding = Finding("rank_exited", "rank_exited", self.job_id, ranks, first, onset, now, status.devices

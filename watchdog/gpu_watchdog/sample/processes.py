@@ -22,10 +22,11 @@ import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import psutil
 
-from gpu_watchdog.model import JobIdentity, ProcessSample, SampleError
+from gpu_watchdog.model import JobIdentity, ProcessSample, SampleError, rank_label, unknown_rank
 from gpu_watchdog.sample import group_members, ray_node
 from gpu_watchdog.sample.live_env import live_env
 
@@ -214,12 +215,25 @@ def process_table() -> dict[int, tuple[int, float]]:
     return out
 
 
-RankFinder = Callable[[int, float], "int | None"]  # (pid, create time) → its rank once learned (never blocks)
+class RankFinder(Protocol):
+    """Reads the rank of a process handed its rank in code (evidence.spawned_ranks). Never blocks."""
+
+    def __call__(self, pid: int, create_time: float) -> int | None:
+        """Its rank once learned, None meanwhile."""
+
+    def gave_up(self, pid: int, create_time: float) -> bool:
+        """Every look is done and none named its rank."""
+
+
+class _NoRankFinder:
+    def __call__(self, pid: int, create_time: float) -> int | None:
+        return None
+
+    def gave_up(self, pid: int, create_time: float) -> bool:
+        return True
+
+
 PIPE_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
-
-
-def _no_rank_finder(pid: int, create_time: float) -> int | None:
-    return None
 
 
 class ProcessScanner:
@@ -249,7 +263,7 @@ class ProcessScanner:
         # launcher has ranks, so that a split job keeps one id after the other claimant ends.
         self._split: dict[tuple[str, int, float | None], str] = {}
         self._dup_warned: set[tuple[str, int, tuple[int, ...]]] = set()  # (job, rank, pids) logged once
-        self.rank_finder: RankFinder = _no_rank_finder
+        self.rank_finder: RankFinder = _NoRankFinder()
         # Without a root (the daemon): the processes whose group membership is looked at (registered jobs).
         self.member_pool = member_pool
         self.unranked: tuple[int, ...] = ()  # group members whose rank is not known yet (last tick)
@@ -442,6 +456,16 @@ class ProcessScanner:
             rank = int(m.group(1))
         return rank if rank is not None else self.rank_finder(pid, known.create_time)
 
+    def _no_source_names(self, pid: int, known: _Known) -> bool:
+        """Every source of a member's rank was asked and none can name it: its live environment was read, its Ray facts
+        are final, the stack reader gave up. A Ray Train worker always gets its rank from Ray Train's log."""
+        ray = self._ray_facts(pid, known)
+        if not known.ray_checked or known.env_read_at == 0.0:
+            return False
+        if ray is not None and ray_node.actor_class(self._command(known)) == ray_node.TRAIN_WORKER_CLASS:
+            return False
+        return self.rank_finder.gave_up(pid, known.create_time)
+
     def _sockets_changed(self, pid: int, known: _Known, now: float) -> bool:
         """Whether ``pid`` may have joined since it was last found outside the group. Past its first minute as a
         candidate, one that opened no socket since cannot have (the TCP table read is most of a look's cost); in
@@ -510,6 +534,12 @@ class ProcessScanner:
                 continue
             if known.member_rank is None:
                 known.member_rank = self._member_rank(pid, known)
+            if known.member_rank is None and self._no_source_names(pid, known):
+                # Watched all the same, named by what identifies it: a member left out would leave its job's hangs
+                # unseen (an actor group whose code hands init_process_group the rank as an argument).
+                known.member_rank = unknown_rank(pid)
+                log.warning("pid %d (%s) joined its job's process group but no source names its rank: watched as "
+                            "%s", pid, " ".join(self._command(known))[:120], rank_label(known.member_rank))
             if known.member_rank is None:
                 unranked.append(pid)
                 continue

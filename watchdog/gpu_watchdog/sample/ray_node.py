@@ -39,6 +39,7 @@ _SERVICE_MODULES = ("ray.util.client.server",)
 _SERVICE_TITLES = ("DashboardAgent", "RuntimeEnvAgent", "JobSupervisor", "IDLE", "IDLE_SpillWorker",
                    "IDLE_RestoreWorker", "SpillWorker", "RestoreWorker", "DeleteWorker")
 TITLE_PREFIX = "ray::"
+TRAIN_WORKER_CLASS = "RayTrainWorker"  # the actor hosting a Ray Train worker (it logs its rank: train_rank)
 _CORE_LOG = re.compile(r"(?P<logs>/.+)/python-core-(?P<kind>worker|driver)-(?P<wid>[0-9a-f]+)_(?P<pid>\d+)\.log")
 _PORT = re.compile(r"(?:worker|driver) server started, listening on port (\d+)")
 _ACTOR = re.compile(r"Actor creation task finished, task_id: \S+, actor_id: ([0-9a-f]+), actor_repr_name: ?(.*)$")
