@@ -36,6 +36,9 @@ class Finder:
     def gave_up(self, pid: int, create_time: float) -> bool:
         return self.gives_up and pid not in self.ranks
 
+    def why(self, pid: int) -> str:
+        return "no frame names a rank"
+
 # A job shaped like mp.spawn without torch: the main process starts "ranks" that hand their rank around in code.
 # The first hosts the store (listens, connects to itself), the next connect to it, "loner" connects nowhere, and
 # "forker" connects, then forks a child that inherits the socket (a DataLoader worker).

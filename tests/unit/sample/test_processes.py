@@ -276,7 +276,7 @@ def test_a_rank_vanishing_in_the_middle_of_a_tick(procs: Procs, monkeypatch: pyt
     fresh = procs.start(SLEEP, RANK="2", GPU_WATCHDOG_JOB_ID="race")  # not cached yet
     real_table = processes_mod.process_table
 
-    def table_then_kill() -> dict[int, tuple[int, float]]:
+    def table_then_kill(**_: bool) -> dict[int, tuple[int, float]]:
         listed = real_table()
         procs.kill(victims[1])  # gone after the listing, before its stats are read
         procs.kill(fresh)  # gone before its environment is read
@@ -302,6 +302,18 @@ def test_pid_reuse_is_caught_by_the_start_time(procs: Procs) -> None:
     s = mine(scanner.sample()[0], p)[p.pid]
     assert s.job == JobIdentity("new-job", 1) and s.create_time == psutil.Process(p.pid).create_time()
     assert s.cmdline[:2] == (sys.executable, "-c")
+
+
+def test_a_process_table_handed_over_serves_one_scan_of_the_same_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's registry reads the table just before the tick's scan and hands it over: the scan takes it once;
+    the next scan, or one after half a second, reads /proc again."""
+    handed = processes_mod.process_table(hand_over=True)
+    assert processes_mod.process_table(take_handed_over=True) is handed
+    assert processes_mod.process_table(take_handed_over=True) is not handed  # taken once only
+    assert processes_mod.process_table() is not processes_mod.process_table()  # without either: always a read
+    handed = processes_mod.process_table(hand_over=True)
+    monkeypatch.setattr(processes_mod, "_HANDED_OVER_FOR_S", -1.0)  # already older than its time
+    assert processes_mod.process_table(take_handed_over=True) is not handed  # a stale one: another tick's
 
 
 def testprocess_table_matches_psutil() -> None:

@@ -57,15 +57,15 @@ class Registry:
             return self.store.delete_job(job_id)
 
     def _children(self) -> dict[int, list[int]]:
-        """ppid → pids from one read of the process table, reused within a tick (a tick asks twice: for the pids to
-        sample and to attribute them)."""
-        now = time.monotonic()
-        if self._tree is None or now - self._tree[0] > _TREE_FRESH_S:
-            children: dict[int, list[int]] = {}
-            for pid, (ppid, _start) in process_table().items():
-                children.setdefault(ppid, []).append(pid)
-            self._tree = (now, children)
-        return self._tree[1]
+        """ppid → pids from the tick's one read of the process table (a tick asks twice, for the pids to sample and to
+        attribute them, and the scan reads the same table)."""
+        if self._tree is not None and time.monotonic() - self._tree[0] <= _TREE_FRESH_S:
+            return self._tree[1]
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _start) in process_table(hand_over=True).items():
+            children.setdefault(ppid, []).append(pid)
+        self._tree = (time.monotonic(), children)
+        return children
 
     def owned_pids(self) -> dict[int, str]:
         """pid → registered job, for live registered pids (create time checked), their descendants and the

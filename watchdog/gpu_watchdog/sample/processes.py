@@ -187,13 +187,34 @@ class _Known:
 _LINUX = sys.platform.startswith("linux")
 
 
-def process_table() -> dict[int, tuple[int, float]]:
-    """pid → (ppid, start token) for every process on the node; the token changes when a pid is reused.
+_handed_over: tuple[float, dict[int, tuple[int, float]]] | None = None  # (monotonic, table): process_table
+_HANDED_OVER_FOR_S = 0.5  # well under a tick: a table handed over is the same tick's, or stale
+
+
+def process_table(hand_over: bool = False, take_handed_over: bool = False) -> dict[int, tuple[int, float]]:
+    """pid → (ppid, start token) for every process on the node; the token changes when a pid is reused. Read-only.
+
+    ``hand_over``: keep this read for the next call that takes one (the daemon's registry reads the table just before
+    the tick's scan, which then need not read it again: a read of every process was the largest part of a tick);
+    ``take_handed_over``: use such a read, once, if it is from the last half second, instead of reading.
 
     Linux: one read of /proc/PID/stat per process (token: its start time in clock ticks). psutil's
     ``process_iter(["ppid"])`` costs about three file reads per process and was most of a tick's CPU.
     Elsewhere: psutil, with the create time as the token.
     """
+    global _handed_over
+    if take_handed_over:
+        handed, _handed_over = _handed_over, None
+        if handed is not None and time.monotonic() - handed[0] <= _HANDED_OVER_FOR_S:
+            return handed[1]
+    read_at = time.monotonic()
+    table = _read_process_table()
+    if hand_over:
+        _handed_over = (read_at, table)
+    return table
+
+
+def _read_process_table() -> dict[int, tuple[int, float]]:
     if not _LINUX:
         return {p.pid: (p.info["ppid"] or 0, p.info["create_time"] or 0.0)
                 for p in psutil.process_iter(["ppid", "create_time"])}
@@ -224,6 +245,9 @@ class RankFinder(Protocol):
     def gave_up(self, pid: int, create_time: float) -> bool:
         """Every look is done and none named its rank."""
 
+    def why(self, pid: int) -> str:
+        """Why it has no rank (the last look's answer)."""
+
 
 class _NoRankFinder:
     def __call__(self, pid: int, create_time: float) -> int | None:
@@ -231,6 +255,9 @@ class _NoRankFinder:
 
     def gave_up(self, pid: int, create_time: float) -> bool:
         return True
+
+    def why(self, pid: int) -> str:
+        return "no stack reader"
 
 
 PIPE_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
@@ -362,7 +389,7 @@ class ProcessScanner:
         """One read of every rank process in scope (plus ``extra_pids``, among them ``gpu_pids``: NVML's compute
         processes), with tree-aggregated counters."""
         errors: list[SampleError] = []
-        table = process_table()
+        table = process_table(take_handed_over=True)
         ppids = {pid: v[0] for pid, v in table.items()}
         starts = {pid: v[1] for pid, v in table.items()}
         # Forget vanished pids so the cache stays bounded.
@@ -474,6 +501,7 @@ class ProcessScanner:
             return True
         sockets = frozenset(group_members.socket_inodes(pid))
         if sockets == known.sockets_seen:
+            _back_off(known, now)  # not looked at again before its next look is due (its fds were listed each tick)
             return False
         known.sockets_seen = sockets
         return True
@@ -517,7 +545,7 @@ class ProcessScanner:
                 k.member_checked = True
                 if not k.member and _settled_out(k, now):
                     k.member_checks += 1
-                    k.member_next_check = now + min(MEMBER_RECHECK_S * 2 ** k.member_checks, MEMBER_RECHECK_MAX_S)
+                    _back_off(k, now)
         members = {pid for pid, k in procs.items() if k.member}
         unranked, rankless = [], []
         for pid, known in procs.items():
@@ -538,8 +566,9 @@ class ProcessScanner:
                 # Watched all the same, named by what identifies it: a member left out would leave its job's hangs
                 # unseen (an actor group whose code hands init_process_group the rank as an argument).
                 known.member_rank = unknown_rank(pid)
-                log.warning("pid %d (%s) joined its job's process group but no source names its rank: watched as "
-                            "%s", pid, " ".join(self._command(known))[:120], rank_label(known.member_rank))
+                log.warning("pid %d (%s) joined its job's process group but no source names its rank (its stack: %s): "
+                            "watched as %s", pid, " ".join(" ".join(self._command(known)).split())[:120],
+                            self.rank_finder.why(pid), rank_label(known.member_rank))
             if known.member_rank is None:
                 unranked.append(pid)
                 continue
@@ -691,6 +720,11 @@ def _settled_out(known: _Known, now: float) -> bool:
     """Out of the group for longer than ranks take to join it, counted from when it became a candidate (a Ray worker
     may idle for minutes before the raylet hands it the actor that joins)."""
     return known.candidate_since is not None and now - known.candidate_since > _JOINS_WITHIN_S
+
+
+def _back_off(known: _Known, now: float) -> None:
+    """The next look at a candidate settled outside the group: later and later, up to MEMBER_RECHECK_MAX_S."""
+    known.member_next_check = now + min(MEMBER_RECHECK_S * 2 ** known.member_checks, MEMBER_RECHECK_MAX_S)
 
 
 def _member_above(pid: int, members: set[int], ppids: Mapping[int, int]) -> int | None:
