@@ -11,17 +11,13 @@ from dataclasses import dataclass, field
 def unknown_rank(pid: int) -> int:
     """The stand-in rank of a process that joined its job's process group but whose number no source gives: minus
     its pid, unique on the node for the process's life and never a real rank. Watched like a rank, shown as
-    ``rank unknown (pid N)`` and written as ``null`` with its pid (docs/json-contract.md), never guessed."""
+    ``rank unknown (pid N)``, written as the negative number itself, with ``unknown_ranks`` naming the process
+    (docs/json-contract.md); never a guessed number."""
     return -pid
 
 
 def rank_known(rank: int) -> bool:
     return rank >= 0
-
-
-def rank_json(rank: int) -> int | None:
-    """A rank as the JSON contract writes it: the number, or null for a rank no source gave."""
-    return rank if rank >= 0 else None
 
 
 def rank_label(rank: int) -> str:
@@ -30,7 +26,7 @@ def rank_label(rank: int) -> str:
 
 
 def rank_tag(rank: int) -> str:
-    """A rank in file names and metric labels: ``3``, or ``unknown-pid1234``."""
+    """A rank in one word (the incident list): ``3``, or ``unknown-pid1234``."""
     return str(rank) if rank >= 0 else f"unknown-pid{-rank}"
 
 
