@@ -33,6 +33,7 @@ from gpu_watchdog.evidence.report import render_report
 from gpu_watchdog.model import NodeSample, RankStack, rank_known, rank_label
 from gpu_watchdog.sample import ray_node
 from gpu_watchdog.sample.group_members import fd_targets
+from gpu_watchdog.sample.processes import command_text
 from gpu_watchdog.store.incidents import Incident
 
 
@@ -185,8 +186,7 @@ class EvidenceGatherer:
             if facts is not None:
                 named[str(rank)] = facts
             if not rank_known(rank):
-                command = " ".join(" ".join(cmdline).split())[:200]  # a Ray title is padded with spaces
-                unknown[str(rank)] = {"host": self.ctx.host, "pid": pid, "command": command,
+                unknown[str(rank)] = {"host": self.ctx.host, "pid": pid, "command": command_text(cmdline, 200),
                                       **({"ray": facts} if facts is not None else {})}
         if named:
             inc.update(ray_workers=named)

@@ -23,6 +23,7 @@ from typing import Any
 import psutil
 
 from gpu_watchdog.evidence.stacks import dump_stacks
+from gpu_watchdog.sample.processes import command_text
 
 RANK_NAMES = ("global_rank", "rank")
 # (file path suffix, function name suffix, argument): the index a spawning launcher hands each process.
@@ -151,8 +152,7 @@ def _command(pid: int) -> str:
         argv = psutil.Process(pid).cmdline()
     except psutil.Error:
         return "(gone)"
-    text = " ".join(argv)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return command_text(argv, 80)
 
 
 def no_rank_warning(job_id: str, waited_s: float, unranked: Iterable[int], rankless: Iterable[int],

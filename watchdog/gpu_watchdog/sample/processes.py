@@ -568,7 +568,7 @@ class ProcessScanner:
                 # unseen (an actor group whose code hands init_process_group the rank as an argument).
                 known.member_rank = unknown_rank(pid)
                 log.warning("pid %d (%s) joined its job's process group but no source names its rank (its stack: %s): "
-                            "watched as %s", pid, " ".join(" ".join(self._command(known)).split())[:120],
+                            "watched as %s", pid, command_text(self._command(known), 120),
                             self.rank_finder.why(pid), rank_label(known.member_rank))
             if known.member_rank is None:
                 unranked.append(pid)
@@ -762,6 +762,13 @@ def _split_job_id(job_id: str, launcher: int) -> str:
     """``JOB@LAUNCHER_PID``, cut to fit a job id's 128 characters."""
     suffix = f"@{launcher}"
     return job_id[:_MAX_JOB_ID - len(suffix)] + suffix
+
+
+def command_text(argv: Iterable[str], limit: int) -> str:
+    """A command line on one line, at most ``limit`` characters (``...`` where cut); runs of spaces collapsed (a Ray
+    worker's title is padded with hundreds)."""
+    text = " ".join(" ".join(argv).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def read_exit_status(pid: int) -> int | None:
