@@ -185,6 +185,37 @@ def test_a_member_no_source_names_is_watched_with_its_rank_unknown(job) -> None:
     assert pids["forker-child"] not in ranks  # its fork is still its work
 
 
+def test_an_actor_whose_repr_is_logged_after_it_joined_gets_that_rank_not_a_stand_in(job, monkeypatch,
+                                                                                      tmp_path: Path) -> None:
+    """A Ray actor joins its process group inside ``__init__``; Ray logs the ``__repr__`` naming its rank only once
+    ``__init__`` returned. Even with the stack reader given up, the look on which those facts become final must
+    take the rank they name (CI once watched both actors of a healthy group as rank unknown)."""
+    from gpu_watchdog.sample import processes, ray_node
+
+    proc, pids = job
+    logged = False
+
+    def core_worker(pid: int, fd_targets) -> ray_node.CoreWorker | None:
+        if pid != pids["forker"]:
+            return None
+        return ray_node.CoreWorker(pid=pid, worker_id="ab", driver=False, logs_dir=str(tmp_path), grpc_port=1,
+                                   actor_id="cd" if logged else "", actor_repr="Trainer(rank=2)" if logged else "")
+
+    monkeypatch.setattr(ray_node, "core_worker", core_worker)
+    scanner = ProcessScanner(root_pid=proc.pid)
+    scanner.rank_finder = Finder({pids["store"]: 0, pids["client"]: 1}, gives_up=True)
+
+    def forker_unranked() -> bool | None:
+        _ranks(scanner)
+        return scanner.unranked == (pids["forker"],) or None
+
+    wait_for(forker_unranked, 10, "forker joined, its rank unknown yet")
+    monkeypatch.setattr(processes, "MEMBER_RECHECK_S", 1e9)  # no look at the candidates reads the facts first
+    _ranks(scanner)
+    logged = True
+    assert _ranks(scanner)[pids["forker"]] == 2
+
+
 # A hand-written mp.Process loop whose parent is rank 0: it hosts the store, connects to it, then starts ranks 1
 # and 2, which connect on their own.
 RANK0_STARTS = r"""

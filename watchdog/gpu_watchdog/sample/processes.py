@@ -467,8 +467,9 @@ class ProcessScanner:
     def _member_rank(self, pid: int, known: _Known) -> int | None:
         """A member's rank, from the first source that names it: Ray Train's record of its worker, an NCCL rank's
         dump pipe, ``RANK`` in the environment it has now (``os.environ[…]`` set in code: sample.live_env), the rank
-        a Ray actor's ``__repr__`` declares (``rank=N``), its stack (``rank_finder``)."""
-        ray = known.ray
+        a Ray actor's ``__repr__`` declares (``rank=N``), its stack (``rank_finder``). Its Ray facts are read afresh
+        here, once per look: ``_no_source_names`` must judge the same facts this look asked."""
+        ray = self._ray_facts(pid, known)
         if ray is not None and not ray.driver:
             if ray.train is None:  # Ray Train logs a worker's rank once it has set up the process group
                 ray = known.ray = replace(ray, train=ray_node.train_rank(ray.logs_dir, ray.worker_id, pid))
@@ -486,8 +487,10 @@ class ProcessScanner:
 
     def _no_source_names(self, pid: int, known: _Known) -> bool:
         """Every source of a member's rank was asked and none can name it: its live environment was read, its Ray facts
-        are final, the stack reader gave up. A Ray Train worker always gets its rank from Ray Train's log."""
-        ray = self._ray_facts(pid, known)
+        are final, the stack reader gave up. A Ray Train worker always gets its rank from Ray Train's log. Judged on
+        the facts ``_member_rank`` just read: facts completed between the two (the actor's ``__repr__`` logged) would
+        give up on a rank they name."""
+        ray = known.ray
         if not known.ray_checked or known.env_read_at == 0.0:
             return False
         if ray is not None and ray_node.actor_class(self._command(known)) == ray_node.TRAIN_WORKER_CLASS:
