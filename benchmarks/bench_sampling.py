@@ -93,6 +93,10 @@ def fake_pynvml(n_gpus: int, n_procs: int) -> types.SimpleNamespace:
     fn("nvmlDeviceGetProcessUtilization", lambda h, since: putil[h])
     fn("nvmlDeviceGetMaxPcieLinkGeneration", lambda h: 5)  # read once per GPU, not per tick: not in the bare tick
     fn("nvmlDeviceGetMaxPcieLinkWidth", lambda h: 16)
+    fn("nvmlDeviceGetMaxClockInfo", lambda h, c: 1980)  # read once per GPU too
+    fn("nvmlDeviceGetCurrentClocksEventReasons", lambda h: 0)
+    fn("nvmlDeviceGetCurrPcieLinkGeneration", lambda h: 5)
+    fn("nvmlDeviceGetCurrPcieLinkWidth", lambda h: 16)
     return lib
 
 
@@ -108,6 +112,9 @@ def bare_nvml_tick(lib: Any, n_gpus: int) -> None:
         lib.nvmlDeviceGetFieldValues(h, list(TRAFFIC_FIELDS))
         lib.nvmlDeviceGetComputeRunningProcesses(h)
         lib.nvmlDeviceGetProcessUtilization(h, 0)
+        lib.nvmlDeviceGetCurrentClocksEventReasons(h)
+        lib.nvmlDeviceGetCurrPcieLinkGeneration(h)
+        lib.nvmlDeviceGetCurrPcieLinkWidth(h)
 
 
 def bench_nvml(min_s: float) -> list[tuple[str, float, float]]:

@@ -64,7 +64,8 @@ def test_promtool_unit_tests() -> None:
 def test_every_alert_is_unit_tested_firing_and_not_firing() -> None:
     expected = {"GpuWatchdogStallConfirmed", "GpuWatchdogWaitingOnRankTooLong", "GpuWatchdogAgentDown",
                 "GpuWatchdogNotSampling", "GpuWatchdogRestartLoop", "GpuWatchdogHighFallbackLevel",
-                "GpuWatchdogGpuFault", "GpuWatchdogJobConfigMismatch"}
+                "GpuWatchdogGpuFault", "GpuWatchdogJobConfigMismatch", "GpuWatchdogStraggler",
+                "GpuWatchdogStragglerAcrossNodes"}
     assert set(alert_names()) == expected
     text = prom.ALERTS_TEST.read_text()
     # each alert_rule_test entry: alertname followed by exp_alerts, either [] (not firing) or a list (firing)

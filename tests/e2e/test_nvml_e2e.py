@@ -317,8 +317,10 @@ def test_gpu_lost_mid_run_is_a_gpu_fault_without_nccl_fallback(nvml_standin, tmp
 UNSUPPORTED_GPU: dict[str, Any] = {
     "power_mw": None, "power_limit_mw": None, "temperature_c": None, "clock_graphics_mhz": None,
     "clock_sm_mhz": None, "clock_mem_mhz": None, "clock_video_mhz": None, "fields": {},
+    "clocks_event_reasons": None, "clock_sm_max_mhz": None,
 }
-UNSUPPORTED_NAMES = ("power", "power_limit", "temperature", "sm_clock", "traffic", "process_utilization")
+UNSUPPORTED_NAMES = ("power", "power_limit", "temperature", "sm_clock", "traffic", "process_utilization",
+                     "pcie_replay", "clock_event_reasons", "sm_clock_max")
 
 
 @pytest.mark.slow

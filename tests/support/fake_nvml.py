@@ -12,15 +12,24 @@ from collections.abc import Callable
 from typing import Any
 
 import pynvml
-from gpu_watchdog.sample.nvml import FI_NVLINK_RX_KIB, FI_NVLINK_TX_KIB, FI_PCIE_RX_BYTES, FI_PCIE_TX_BYTES, NvmlReader
+from gpu_watchdog.sample.nvml import (
+    FI_NVLINK_RX_KIB,
+    FI_NVLINK_TX_KIB,
+    FI_PCIE_REPLAY_COUNTER,
+    FI_PCIE_RX_BYTES,
+    FI_PCIE_TX_BYTES,
+    NvmlReader,
+)
 
 GIB = 1 << 30
 QUERIES = ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetPowerUsage",
            "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetTemperature", "nvmlDeviceGetClockInfo",
            "nvmlDeviceGetFieldValues", "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetProcessUtilization",
-           "nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetMaxPcieLinkWidth")
-# Answered too, though NvmlReader does not ask: the current link (lower while idle), to show it is not read.
-CURRENT_LINK = ("nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth")
+           "nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetMaxPcieLinkWidth",
+           "nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth", "nvmlDeviceGetMaxClockInfo",
+           "nvmlDeviceGetCurrentClocksEventReasons")
+# Answered too, though NvmlReader asks it only where the newer clocks event reasons function is missing.
+OLD_NAMES = ("nvmlDeviceGetCurrentClocksThrottleReasons",)
 
 
 def nvml_error(code: int) -> pynvml.NVMLError:
@@ -38,18 +47,20 @@ class FakeNvml(types.SimpleNamespace):
         self.fail: dict[tuple[str, int | None], BaseException] = {}  # (function, gpu or None=all) → error
         self.init_error: BaseException | None = None
         self.gpus = [self._gpu(i, procs_per_gpu) for i in range(n_gpus)]
-        for name in (*QUERIES, *CURRENT_LINK, "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetUUID", "nvmlDeviceGetName"):
+        for name in (*QUERIES, *OLD_NAMES, "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetUUID", "nvmlDeviceGetName"):
             setattr(self, name, self._wrap(name, getattr(self, "_" + name)))
 
     @staticmethod
     def _gpu(i: int, nprocs: int) -> dict[str, Any]:
         return {
             "util": 97, "mem_util": 10, "mem_used": 40 * GIB, "mem_total": 80 * GIB, "power_mw": 450_000,
-            "limit_mw": 700_000, "temp": 61, "sm_clock": 1980,
+            "limit_mw": 700_000, "temp": 61, "sm_clock": 1980, "sm_clock_max": 1980,
+            "clocks_event_reasons": 0,  # nothing holds the clocks down
             # The stand-in's names (docs/nvml-standin.md); an H100 SXM's PCIe 5.0 x16.
             "pcie_link_gen_current": 5, "pcie_link_gen_max": 5,
             "pcie_link_width_current": 16, "pcie_link_width_max": 16,
-            "fields": {FI_NVLINK_TX_KIB: 10, FI_NVLINK_RX_KIB: 20, FI_PCIE_TX_BYTES: 30, FI_PCIE_RX_BYTES: 40},
+            "fields": {FI_NVLINK_TX_KIB: 10, FI_NVLINK_RX_KIB: 20, FI_PCIE_TX_BYTES: 30, FI_PCIE_RX_BYTES: 40,
+                       FI_PCIE_REPLAY_COUNTER: 0},
             "procs": [(10_000 + 100 * i + j, 4 * GIB) for j in range(nprocs)],
             "proc_util": [(10_000 + 100 * i + j, 90 - j, 1_000 + j) for j in range(nprocs)],
         }
@@ -110,6 +121,16 @@ class FakeNvml(types.SimpleNamespace):
     def _nvmlDeviceGetClockInfo(self, h: int, clock: int) -> int:  # noqa: N802
         assert clock == pynvml.NVML_CLOCK_SM
         return self.gpus[h]["sm_clock"]
+
+    def _nvmlDeviceGetMaxClockInfo(self, h: int, clock: int) -> int:  # noqa: N802
+        assert clock == pynvml.NVML_CLOCK_SM
+        return self.gpus[h]["sm_clock_max"]
+
+    def _nvmlDeviceGetCurrentClocksEventReasons(self, h: int) -> int:  # noqa: N802
+        return self.gpus[h]["clocks_event_reasons"]
+
+    def _nvmlDeviceGetCurrentClocksThrottleReasons(self, h: int) -> int:  # noqa: N802
+        return self.gpus[h]["clocks_event_reasons"]
 
     def _nvmlDeviceGetMaxPcieLinkGeneration(self, h: int) -> int:  # noqa: N802
         return self.gpus[h]["pcie_link_gen_max"]

@@ -331,6 +331,7 @@ def populated_metrics(t: float | None = None) -> Any:
     m.gpu_fault("GPU-0001", 79)
     m.detection_latency(12.5)
     m.job_config("train-a", "3f2a9c0d")
+    m.straggler_scores({"train-b": {2: (0.6, 0.0, False), 3: (0.05, 0.55, True)}})
     return m
 
 

@@ -97,6 +97,12 @@ class DeviceSample:
     power_limit_w: float | None = None
     temperature_c: float | None = None
     sm_clock_mhz: float | None = None
+    # The SM clock's maximum (NVML max clock info, read once per GPU): the current clock over it is how far the GPU
+    # runs below full speed. None when NVML does not tell (proc backend, traces recorded before these fields).
+    sm_clock_max_mhz: float | None = None
+    # NVML's clocks event reasons (formerly "throttle reasons"), a bitmask of nvmlClocksEventReason* values read every
+    # tick: why the clocks are where they are (gpu_watchdog.sample.nvml.clock_slowdowns names the slowdowns).
+    clock_event_reasons: int | None = None
     # Cumulative traffic counters (NVML field values); None when not supported.
     pcie_tx_bytes_total: int | None = None
     pcie_rx_bytes_total: int | None = None
@@ -105,6 +111,15 @@ class DeviceSample:
     # What the PCIe link can carry per direction (its maximum generation x width: the current ones drop while the
     # GPU idles), to judge traffic against; None when NVML does not tell (proc backend, old traces).
     pcie_link_bytes_per_s: float | None = None
+    # The PCIe link: its current generation and width (per tick; they drop while the GPU idles, and a link that
+    # trained below its maximum, e.g. a bad riser at x8, stays below under load) and their maxima (read once).
+    pcie_link_gen: int | None = None
+    pcie_link_width: int | None = None
+    pcie_link_gen_max: int | None = None
+    pcie_link_width_max: int | None = None
+    # Cumulative PCIe replays (NVML field NVML_FI_DEV_PCIE_REPLAY_COUNTER): link-level retransmissions, each one a
+    # corrupted packet sent again; a counter that climbs marks a bad link.
+    pcie_replay_total: int | None = None
     processes: tuple[GpuProcess, ...] = ()
     fault: GpuFault | None = None
     unsupported: tuple[str, ...] = ()  # metrics this device could not report (NotSupported)

@@ -88,9 +88,15 @@ REQUIRED_SYMBOLS: tuple[str, ...] = (
     "nvmlDeviceGetSupportedEventTypes",
     "nvmlDeviceGetMaxPcieLinkGeneration",
     "nvmlDeviceGetMaxPcieLinkWidth",
-    # The current link, which the agent does not read (it may drop while the GPU idles): for tests of that choice.
     "nvmlDeviceGetCurrPcieLinkGeneration",
     "nvmlDeviceGetCurrPcieLinkWidth",
+    "nvmlDeviceGetMaxClockInfo",
+    "nvmlDeviceGetCurrentClocksEventReasons",
+    # The deprecated name of the same bitmask: the agent falls back to it where a driver lacks the newer symbol.
+    "nvmlDeviceGetCurrentClocksThrottleReasons",
+    # The agent reads the replay counter as a field value (NVML_FI_DEV_PCIE_REPLAY_COUNTER); the function answers
+    # the same counter, for tests that compare the two.
+    "nvmlDeviceGetPcieReplayCounter",
 )
 
 #: Exported besides REQUIRED_SYMBOLS: resets the library's process-local state (in-process use only).
@@ -103,6 +109,7 @@ FI_NVLINK_THROUGHPUT_DATA_TX = 138
 FI_NVLINK_THROUGHPUT_DATA_RX = 139
 FI_PCIE_COUNT_TX_BYTES = 197
 FI_PCIE_COUNT_RX_BYTES = 198
+FI_PCIE_REPLAY_COUNTER = 94  # NVML_FI_DEV_PCIE_REPLAY_COUNTER; nvmlDeviceGetPcieReplayCounter answers it too
 
 #: Per-GPU scalar keys.  Absent or null means the query returns NVML_ERROR_NOT_SUPPORTED.
 SCALAR_KEYS = frozenset(
@@ -124,6 +131,11 @@ SCALAR_KEYS = frozenset(
         "pcie_link_gen_max",
         "pcie_link_width_current",
         "pcie_link_width_max",
+        "clock_graphics_max_mhz",
+        "clock_sm_max_mhz",
+        "clock_mem_max_mhz",
+        "clock_video_max_mhz",
+        "clocks_event_reasons",
     }
 )
 GPU_KEYS = SCALAR_KEYS | {"uuid", "name", "fields", "processes", "process_samples"}
@@ -337,6 +349,11 @@ class StandinState:
             "clock_sm_mhz": 1980,
             "clock_mem_mhz": 2619,
             "clock_video_mhz": 1545,
+            "clock_graphics_max_mhz": 1980,  # an H100 SXM's boost clocks: the current ones run at them
+            "clock_sm_max_mhz": 1980,
+            "clock_mem_max_mhz": 2619,
+            "clock_video_max_mhz": 1545,
+            "clocks_event_reasons": 0,  # nothing holds the clocks down
             "supported_event_types": DEFAULT_SUPPORTED_EVENTS,
             "pcie_link_gen_current": 5,  # an H100 SXM's link: PCIe 5.0 x16
             "pcie_link_gen_max": 5,
@@ -347,6 +364,7 @@ class StandinState:
                 str(FI_NVLINK_THROUGHPUT_DATA_RX): 0,
                 str(FI_PCIE_COUNT_TX_BYTES): 0,
                 str(FI_PCIE_COUNT_RX_BYTES): 0,
+                str(FI_PCIE_REPLAY_COUNTER): 0,
             },
             "processes": [],
             "process_samples": [],
@@ -403,6 +421,30 @@ class StandinState:
             _check_field_value(key, value)
             fields[key] = value
         self.write()
+
+    def throttle(
+        self,
+        gpu: int,
+        reasons: int,
+        *,
+        sm_clock_mhz: int | None = None,
+        sm_clock_max_mhz: int | None = None,
+    ) -> None:
+        """Play a GPU whose clocks are held down: ``clocks_event_reasons`` (both clocks event reasons functions)
+        becomes ``reasons``, an nvmlClocksEventReason* bitmask (prefer pynvml's names, e.g.
+        ``pynvml.nvmlClocksEventReasonSwThermalSlowdown``; 0 clears), and, when given, the SM clock (the graphics
+        clock follows it, as on a real GPU) and its maximum.  One write."""
+        fields: dict[str, Any] = {"clocks_event_reasons": reasons}
+        if sm_clock_mhz is not None:
+            fields.update(clock_sm_mhz=sm_clock_mhz, clock_graphics_mhz=sm_clock_mhz)
+        if sm_clock_max_mhz is not None:
+            fields["clock_sm_max_mhz"] = sm_clock_max_mhz
+        self.set(gpu, **fields)
+
+    def set_pcie_replays(self, gpu: int, count: int | None) -> None:
+        """The GPU's cumulative PCIe replay count (field NVML_FI_DEV_PCIE_REPLAY_COUNTER and
+        ``nvmlDeviceGetPcieReplayCounter``); None: NOT_SUPPORTED."""
+        self.set_field(gpu, FI_PCIE_REPLAY_COUNTER, count)
 
     # -- processes
     def place_process(self, gpu: int, pid: int, mem_bytes: int | None) -> None:

@@ -208,13 +208,16 @@ static int jvalue(jparser *P, int depth)
 enum {
     S_MEM_TOTAL, S_MEM_USED, S_MEM_RESERVED, S_UTIL_GPU, S_UTIL_MEM, S_POWER, S_POWER_LIMIT,
     S_TEMP, S_CLK_GRAPHICS, S_CLK_SM, S_CLK_MEM, S_CLK_VIDEO, S_EVENT_TYPES,
-    S_PCIE_GEN_CUR, S_PCIE_GEN_MAX, S_PCIE_WIDTH_CUR, S_PCIE_WIDTH_MAX, N_SCALARS
+    S_PCIE_GEN_CUR, S_PCIE_GEN_MAX, S_PCIE_WIDTH_CUR, S_PCIE_WIDTH_MAX,
+    S_CLK_GRAPHICS_MAX, S_CLK_SM_MAX, S_CLK_MEM_MAX, S_CLK_VIDEO_MAX, S_CLOCKS_EVENT_REASONS, N_SCALARS
 };
 static const char *const scalar_names[N_SCALARS] = {
     "memory_total", "memory_used", "memory_reserved", "utilization_gpu", "utilization_memory",
     "power_mw", "power_limit_mw", "temperature_c", "clock_graphics_mhz", "clock_sm_mhz",
     "clock_mem_mhz", "clock_video_mhz", "supported_event_types",
-    "pcie_link_gen_current", "pcie_link_gen_max", "pcie_link_width_current", "pcie_link_width_max"};
+    "pcie_link_gen_current", "pcie_link_gen_max", "pcie_link_width_current", "pcie_link_width_max",
+    "clock_graphics_max_mhz", "clock_sm_max_mhz", "clock_mem_max_mhz", "clock_video_max_mhz",
+    "clocks_event_reasons"};
 
 typedef struct {
     unsigned id, scope;
@@ -870,16 +873,54 @@ nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperature_t *t
     return NVML_SUCCESS;
 }
 
-nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, nvmlClockType_t type, unsigned int *clock)
+/* which[]: the scalar of each nvmlClockType_t (graphics, SM, memory, video), current or maximum. */
+static nvmlReturn_t clock_info(const char *fn, nvmlDevice_t device, nvmlClockType_t type, unsigned int *clock,
+                               const int which[NVML_CLOCK_COUNT])
 {
-    static const int which[NVML_CLOCK_COUNT] = {S_CLK_GRAPHICS, S_CLK_SM, S_CLK_MEM, S_CLK_VIDEO};
     const gpu_t *g;
-    nvmlReturn_t r = enter_dev(__func__, device, &g);
+    nvmlReturn_t r = enter_dev(fn, device, &g);
     if (r != NVML_SUCCESS) return r;
     if (!clock || (unsigned)type >= NVML_CLOCK_COUNT) return leave(NVML_ERROR_INVALID_ARGUMENT);
     if (!g->has[which[type]]) return leave(NVML_ERROR_NOT_SUPPORTED);
     *clock = (unsigned int)g->v[which[type]];
     return leave(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, nvmlClockType_t type, unsigned int *clock)
+{
+    static const int which[NVML_CLOCK_COUNT] = {S_CLK_GRAPHICS, S_CLK_SM, S_CLK_MEM, S_CLK_VIDEO};
+    return clock_info(__func__, device, type, clock, which);
+}
+
+/* The maximum a clock can reach (the boost clock), independent of the current one: a throttled GPU's
+ * clock_sm_mhz sits below clock_sm_max_mhz. */
+nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t device, nvmlClockType_t type, unsigned int *clock)
+{
+    static const int which[NVML_CLOCK_COUNT] = {S_CLK_GRAPHICS_MAX, S_CLK_SM_MAX, S_CLK_MEM_MAX, S_CLK_VIDEO_MAX};
+    return clock_info(__func__, device, type, clock, which);
+}
+
+/* Both names answer the same bitmask (nvmlClocksEventReason* = nvmlClocksThrottleReason*); the older one is
+ * deprecated in NVML 13 but still exported, and an agent falls back to it on drivers without the newer. */
+static nvmlReturn_t clocks_event_reasons(const char *fn, nvmlDevice_t device, unsigned long long *reasons)
+{
+    unsigned long long v;
+    nvmlReturn_t r = get_scalar(fn, device, S_CLOCKS_EVENT_REASONS, &v);
+    if (r == NVML_SUCCESS) {
+        if (!reasons) return NVML_ERROR_INVALID_ARGUMENT;
+        *reasons = v;
+    }
+    return r;
+}
+
+nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device, unsigned long long *clocksEventReasons)
+{
+    return clocks_event_reasons(__func__, device, clocksEventReasons);
+}
+
+nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device, unsigned long long *clocksThrottleReasons)
+{
+    return clocks_event_reasons(__func__, device, clocksThrottleReasons);
 }
 
 nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvmlFieldValue_t *values)
@@ -907,6 +948,24 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvml
         else v->value.ullVal = f->u;
     }
     return leave(NVML_SUCCESS);
+}
+
+/* The same counter as field NVML_FI_DEV_PCIE_REPLAY_COUNTER (its plain "<id>" entry in "fields"), so a test
+ * sets it once; an {"error": code} entry is returned as the call's result. */
+nvmlReturn_t nvmlDeviceGetPcieReplayCounter(nvmlDevice_t device, unsigned int *value)
+{
+    const gpu_t *g;
+    nvmlReturn_t r = enter_dev(__func__, device, &g);
+    if (r != NVML_SUCCESS) return r;
+    if (!value) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    for (int k = 0; k < g->nfields; k++) {
+        const field_t *f = &g->fields[k];
+        if (f->id != NVML_FI_DEV_PCIE_REPLAY_COUNTER || f->scoped) continue;
+        if (f->ret != NVML_SUCCESS) return leave(f->ret);
+        *value = f->is_double ? (unsigned int)f->d : (unsigned int)f->u;
+        return leave(NVML_SUCCESS);
+    }
+    return leave(NVML_ERROR_NOT_SUPPORTED);
 }
 
 nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos)

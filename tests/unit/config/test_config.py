@@ -25,6 +25,7 @@ from gpu_watchdog.config.schema import (
     RasConfig,
     RecoveryConfig,
     StacksConfig,
+    StragglerConfig,
 )
 from gpu_watchdog.errors import EXIT_CONFIG, EXIT_USAGE, ConfigError, NoInputError
 
@@ -293,6 +294,16 @@ def test_drain_hook_is_checked_against_the_hooks(tmp_path: Path) -> None:
         load_config(write(tmp_path, '[faults]\ndrain_hook = "d"\n'))
 
 
+def test_a_straggler_window_too_short_for_its_slices_is_refused() -> None:
+    cfg = config_from_dict({"straggler": {"interval_s": 2.0, "window_s": 40.0, "slices": 5}})
+    assert cfg.straggler.window_s == 40.0  # 5 slices x 4 samples x 2 s
+    with pytest.raises(ConfigError, match=r"straggler\.window_s must hold 4 samples per slice: at least slices x 4 x "
+                                          r"interval_s = 40, got 39"):
+        config_from_dict({"straggler": {"interval_s": 2.0, "window_s": 39.0, "slices": 5}})
+    with pytest.raises(ConfigError, match=r"straggler\.max_share_ratio must be between 0 and 1"):
+        config_from_dict({"straggler": {"max_share_ratio": 1.5}})
+
+
 # -- `config show` round trip --------------------------------------------------------------------------
 WEIRD = 'we"ird\\ \'q\' \u00e9\U0001f600\x7f\t\n\x01'  # quotes, backslash, unicode, DEL, control characters
 
@@ -324,6 +335,8 @@ FULL = Config(
     ras=RasConfig(enabled="on", addr="[::1]:28029", timeout_s=3.5, poll_interval_s=2.0, confirm_gap_s=0.5,
                   watch_interval_s=0.0),
     flight_recorder=FlightRecorderConfig(enabled=False, buffer_size=20000, dump_on_suspect=False),
+    straggler=StragglerConfig(enabled=False, interval_s=10.0, window_s=600.0, slices=4, min_peer_wait_share=0.3,
+                              max_share_ratio=0.4),
     daemon=DaemonSettings(control_socket="/tmp/gw/c.sock", socket_group="", allowed_uids=(1000, 1001),
                           allowed_gids=(2000,), allow_root=False, max_request_bytes=4096, preempt_timeout_s=5.0,
                           peer_timeout_s=7.0, stop_unregistered=True, incident_max_age_days=1.5,

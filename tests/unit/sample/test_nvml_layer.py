@@ -21,9 +21,16 @@ import pynvml
 import pytest
 from fake_nvml import GIB, QUERIES, FakeNvml, nvml_error, started
 from gpu_watchdog.errors import EXIT_UNAVAILABLE, BackendUnavailable
-from gpu_watchdog.model import GpuFault
+from gpu_watchdog.model import DeviceSample, GpuFault
 from gpu_watchdog.sample.backends import NvmlBackend, ProcBackend, choose_backend
-from gpu_watchdog.sample.nvml import FI_PCIE_RX_BYTES, FI_PCIE_TX_BYTES, PCIE_LANE_BYTES_PER_S, NvmlReader
+from gpu_watchdog.sample.nvml import (
+    FI_PCIE_REPLAY_COUNTER,
+    FI_PCIE_RX_BYTES,
+    FI_PCIE_TX_BYTES,
+    PCIE_LANE_BYTES_PER_S,
+    NvmlReader,
+    clock_slowdowns,
+)
 from gpu_watchdog.sample.processes import ProcessScanner
 from nvml_standin import NvmlStandin
 from nvml_standin.fixtures import nvml_standin as _nvml_standin_fixture  # noqa: F401
@@ -46,6 +53,8 @@ def test_a_full_read_maps_every_value_with_units() -> None:
     assert (d.nvlink_tx_bytes_total, d.nvlink_rx_bytes_total) == (10 * 1024, 20 * 1024)  # KiB → bytes
     assert (d.pcie_tx_bytes_total, d.pcie_rx_bytes_total) == (30, 40)
     assert d.mem_util_percent == 10.0 and d.pcie_link_bytes_per_s == pytest.approx(GEN5_X16)
+    assert (d.sm_clock_max_mhz, d.clock_event_reasons, d.pcie_replay_total) == (1980.0, 0, 0)
+    assert (d.pcie_link_gen, d.pcie_link_width, d.pcie_link_gen_max, d.pcie_link_width_max) == (5, 16, 5, 16)
     assert [(p.pid, p.used_memory_bytes, p.util_percent) for p in d.processes] == [
         (10_100, 4 * GIB, 90.0), (10_101, 4 * GIB, 89.0)]
     assert d.fault is None and d.unsupported == () and not d.virtual
@@ -71,25 +80,33 @@ def test_no_process_samples_yet_is_not_an_error() -> None:
 
 
 # -- NotSupported → None, listed ----------------------------------------------------------------------
-@pytest.mark.parametrize(("fn", "metric", "attrs"), [
+@pytest.mark.parametrize(("fn", "metrics", "attrs"), [
     ("nvmlDeviceGetPowerUsage", "power", ("power_w",)),
     ("nvmlDeviceGetEnforcedPowerLimit", "power_limit", ("power_limit_w",)),
     ("nvmlDeviceGetClockInfo", "sm_clock", ("sm_clock_mhz",)),
     ("nvmlDeviceGetTemperature", "temperature", ("temperature_c",)),
     ("nvmlDeviceGetUtilizationRates", "utilization", ("util_percent", "mem_util_percent")),
     ("nvmlDeviceGetMemoryInfo", "memory", ("mem_used_bytes", "mem_total_bytes")),
-    ("nvmlDeviceGetFieldValues", "traffic", ("pcie_tx_bytes_total", "pcie_rx_bytes_total",
-                                             "nvlink_tx_bytes_total", "nvlink_rx_bytes_total")),
+    ("nvmlDeviceGetFieldValues", ("traffic", "pcie_replay"), (
+        "pcie_tx_bytes_total", "pcie_rx_bytes_total", "nvlink_tx_bytes_total", "nvlink_rx_bytes_total",
+        "pcie_replay_total")),
     ("nvmlDeviceGetProcessUtilization", "process_utilization", ()),
-    ("nvmlDeviceGetMaxPcieLinkGeneration", "pcie_link", ("pcie_link_bytes_per_s",)),
-    ("nvmlDeviceGetMaxPcieLinkWidth", "pcie_link", ("pcie_link_bytes_per_s",)),
+    ("nvmlDeviceGetMaxPcieLinkGeneration", "pcie_link", ("pcie_link_bytes_per_s", "pcie_link_gen_max",
+                                                         "pcie_link_width_max")),
+    ("nvmlDeviceGetMaxPcieLinkWidth", "pcie_link", ("pcie_link_bytes_per_s", "pcie_link_width_max")),
+    ("nvmlDeviceGetMaxClockInfo", "sm_clock_max", ("sm_clock_max_mhz",)),
+    ("nvmlDeviceGetCurrentClocksEventReasons", "clock_event_reasons", ("clock_event_reasons",)),
+    ("nvmlDeviceGetCurrPcieLinkGeneration", "pcie_link_current", ("pcie_link_gen",)),
+    ("nvmlDeviceGetCurrPcieLinkWidth", "pcie_link_current", ("pcie_link_width",)),
 ])
-def test_not_supported_is_none_and_listed(fn: str, metric: str, attrs: tuple[str, ...]) -> None:
+def test_not_supported_is_none_and_listed(fn: str, metrics: str | tuple[str, ...], attrs: tuple[str, ...]) -> None:
     fake = FakeNvml(n_gpus=2)
     fake.fail[(fn, 1)] = pynvml.NVMLError_NotSupported()
     devices, errors = started(fake).read_all()
     assert errors == []
-    assert devices[1].unsupported == (metric,) and devices[0].unsupported == ()
+    metric = metrics if isinstance(metrics, str) else metrics[0]
+    assert devices[1].unsupported == ((metrics,) if isinstance(metrics, str) else metrics)
+    assert devices[0].unsupported == ()
     for a in attrs:
         assert getattr(devices[1], a) is None and getattr(devices[0], a) is not None
     if metric == "process_utilization":
@@ -129,18 +146,24 @@ def test_an_unknown_generation_or_no_lanes_is_no_capacity(gen: int, width: int) 
 
 
 def test_pcie_link_is_the_maximum_read_once_per_gpu() -> None:
-    """An idle GPU's link drops (gen 1 here): the maximum is what it carries under load, and it is read once."""
+    """An idle GPU's link drops (gen 1 here): the maximum is what it carries under load, and it is read once.
+    The current link is read every tick, apart, and never enters the capacity."""
     fake = FakeNvml(n_gpus=2)
     fake.gpus[1].update(pcie_link_gen_current=1, pcie_link_width_current=16)
     reader = started(fake)
     for _ in range(3):
         devices, _ = reader.read_all()
         assert [d.pcie_link_bytes_per_s for d in devices] == [pytest.approx(GEN5_X16)] * 2
+        assert [(d.pcie_link_gen, d.pcie_link_width) for d in devices] == [(5, 16), (1, 16)]
+        assert [(d.pcie_link_gen_max, d.pcie_link_width_max) for d in devices] == [(5, 16), (5, 16)]
     assert fake.calls.count("nvmlDeviceGetMaxPcieLinkGeneration") == 2
     assert fake.calls.count("nvmlDeviceGetMaxPcieLinkWidth") == 2
-    assert not {"nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth"} & set(fake.calls)
+    assert fake.calls.count("nvmlDeviceGetCurrPcieLinkGeneration") == 6  # 2 GPUs x 3 ticks
+    assert fake.calls.count("nvmlDeviceGetCurrPcieLinkWidth") == 6
     fake.gpus[0]["pcie_link_width_max"] = 1  # not asked again
-    assert reader.read_all()[0][0].pcie_link_bytes_per_s == pytest.approx(GEN5_X16)
+    fake.gpus[0]["pcie_link_width_current"] = 8  # asked again: a link that retrained narrower shows
+    d = reader.read_all()[0][0]
+    assert d.pcie_link_bytes_per_s == pytest.approx(GEN5_X16) and (d.pcie_link_width, d.pcie_link_width_max) == (8, 16)
 
 
 def test_pcie_link_not_supported_is_remembered_and_listed_every_tick() -> None:
@@ -172,12 +195,164 @@ def test_field_values_not_supported_per_field() -> None:
     fake = FakeNvml(n_gpus=1)
     fake.gpus[0]["fields"] = {}  # the call works but every field answers NOT_SUPPORTED (no NVLink, old GPU)
     devices, errors = started(fake).read_all()
-    assert devices[0].unsupported == ("traffic",) and errors == []
+    assert devices[0].unsupported == ("traffic", "pcie_replay") and errors == []
     assert devices[0].pcie_tx_bytes_total is None and devices[0].nvlink_rx_bytes_total is None
-    fake.gpus[0]["fields"] = {FI_PCIE_TX_BYTES: 5, FI_PCIE_RX_BYTES: 6}  # PCIe only
+    assert devices[0].pcie_replay_total is None
+    fake.gpus[0]["fields"] = {FI_PCIE_TX_BYTES: 5, FI_PCIE_RX_BYTES: 6}  # PCIe only, no replay counter
     devices, _ = started(fake).read_all()
-    assert devices[0].unsupported == () and devices[0].pcie_rx_bytes_total == 6
-    assert devices[0].nvlink_tx_bytes_total is None
+    assert devices[0].unsupported == ("pcie_replay",) and devices[0].pcie_rx_bytes_total == 6
+    assert devices[0].nvlink_tx_bytes_total is None and devices[0].pcie_replay_total is None
+    fake.gpus[0]["fields"] = {FI_PCIE_REPLAY_COUNTER: 17}  # the replay counter alone: traffic is unsupported
+    devices, _ = started(fake).read_all()
+    assert devices[0].unsupported == ("traffic",) and devices[0].pcie_replay_total == 17
+
+
+def test_pcie_replays_ride_in_the_batched_field_values_call() -> None:
+    fake = FakeNvml(n_gpus=1)
+    fake.gpus[0]["fields"][FI_PCIE_REPLAY_COUNTER] = 3
+    reader = started(fake)
+    assert reader.read_all()[0][0].pcie_replay_total == 3
+    fake.gpus[0]["fields"][FI_PCIE_REPLAY_COUNTER] = 40
+    assert reader.read_all()[0][0].pcie_replay_total == 40  # cumulative, read every tick
+    assert fake.calls.count("nvmlDeviceGetFieldValues") == 2  # no call of its own
+
+
+# -- clocks: the SM clock's maximum, the clocks event reasons -----------------------------------------
+def test_sm_clock_max_is_read_once_and_its_not_supported_remembered() -> None:
+    fake = FakeNvml(n_gpus=2)
+    fake.gpus[0].update(sm_clock=1410, sm_clock_max=1980)
+    fake.fail[("nvmlDeviceGetMaxClockInfo", 1)] = pynvml.NVMLError_NotSupported()
+    reader = started(fake)
+    for _ in range(3):
+        devices, errors = reader.read_all()
+        assert [(d.sm_clock_mhz, d.sm_clock_max_mhz) for d in devices] == [(1410.0, 1980.0), (1980.0, None)]
+        assert devices[1].unsupported == ("sm_clock_max",) and errors == []
+    assert fake.calls.count("nvmlDeviceGetMaxClockInfo") == 2
+
+
+def test_sm_clock_max_after_another_error_is_asked_again() -> None:
+    fake = FakeNvml(n_gpus=1)
+    fake.fail[("nvmlDeviceGetMaxClockInfo", None)] = pynvml.NVMLError_Unknown()
+    reader = started(fake)
+    devices, errors = reader.read_all()
+    assert devices[0].sm_clock_max_mhz is None and devices[0].unsupported == ()
+    assert [(e.error_class, e.where) for e in errors] == [("NVMLError_Unknown", "nvmlDeviceGetMaxClockInfo gpu 0")]
+    del fake.fail[("nvmlDeviceGetMaxClockInfo", None)]
+    devices, errors = reader.read_all()
+    assert devices[0].sm_clock_max_mhz == 1980.0 and errors == []
+
+
+def test_clock_event_reasons_are_read_every_tick() -> None:
+    fake = FakeNvml(n_gpus=2)
+    fake.gpus[1]["clocks_event_reasons"] = pynvml.nvmlClocksEventReasonSwThermalSlowdown
+    reader = started(fake)
+    devices, _ = reader.read_all()
+    assert [d.clock_event_reasons for d in devices] == [0, 0x20]
+    fake.gpus[1]["clocks_event_reasons"] = pynvml.nvmlClocksEventReasonGpuIdle
+    devices, _ = reader.read_all()
+    assert [d.clock_event_reasons for d in devices] == [0, 0x1]
+    assert fake.calls.count("nvmlDeviceGetCurrentClocksEventReasons") == 4
+    assert "nvmlDeviceGetCurrentClocksThrottleReasons" not in fake.calls
+
+
+def test_clock_event_reasons_fall_back_to_the_throttle_reasons_name_when_the_driver_lacks_it() -> None:
+    """A driver older than the newer symbol: pynvml raises FunctionNotFound; the deprecated name has the same bits."""
+    fake = FakeNvml(n_gpus=2)
+    fake.fail[("nvmlDeviceGetCurrentClocksEventReasons", None)] = nvml_error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+    fake.gpus[1]["clocks_event_reasons"] = 0x40 | 0x8
+    reader = started(fake)
+    for _ in range(2):
+        devices, errors = reader.read_all()
+        assert [d.clock_event_reasons for d in devices] == [0, 0x48]
+        assert errors == [] and all(d.unsupported == () for d in devices)
+    assert fake.calls.count("nvmlDeviceGetCurrentClocksEventReasons") == 1  # tried once, then the older name
+    assert fake.calls.count("nvmlDeviceGetCurrentClocksThrottleReasons") == 4
+
+
+def test_clock_event_reasons_fall_back_when_pynvml_lacks_the_newer_wrapper() -> None:
+    fake = FakeNvml(n_gpus=1)
+    del fake.nvmlDeviceGetCurrentClocksEventReasons  # an nvidia-ml-py older than the rename
+    fake.gpus[0]["clocks_event_reasons"] = 0x4
+    devices, errors = started(fake).read_all()
+    assert devices[0].clock_event_reasons == 0x4 and errors == []
+    assert fake.calls.count("nvmlDeviceGetCurrentClocksThrottleReasons") == 1
+
+
+@pytest.mark.parametrize(("error", "unsupported", "n_errors"), [
+    (pynvml.NVMLError_NotSupported(), ("clock_event_reasons",), 0),
+    (pynvml.NVMLError_Unknown(), (), 1),
+])
+def test_clock_event_reasons_first_call_errors_are_mapped_like_any_query(
+        error: BaseException, unsupported: tuple[str, ...], n_errors: int) -> None:
+    fake = FakeNvml(n_gpus=2)
+    fake.fail[("nvmlDeviceGetCurrentClocksEventReasons", 0)] = error
+    reader = started(fake)
+    for _ in range(2):
+        devices, errors = reader.read_all()
+        assert devices[0].clock_event_reasons is None and devices[0].unsupported == unsupported
+        assert devices[1].clock_event_reasons == 0 and len(errors) == n_errors
+        assert devices[0].power_w == 450.0
+    assert "nvmlDeviceGetCurrentClocksThrottleReasons" not in fake.calls  # the symbol exists: no fallback
+
+
+def test_a_gpu_without_any_of_the_new_queries_still_samples_the_rest() -> None:
+    fake = FakeNvml(n_gpus=2)
+    for fn in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetMaxClockInfo",
+               "nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth"):
+        fake.fail[(fn, 1)] = pynvml.NVMLError_NotSupported()
+    del fake.gpus[1]["fields"][FI_PCIE_REPLAY_COUNTER]
+    reader = started(fake)
+    for _ in range(2):
+        devices, errors = reader.read_all()
+        d = devices[1]
+        assert errors == [] and d.fault is None
+        assert d.unsupported == ("clock_event_reasons", "pcie_replay", "sm_clock_max", "pcie_link_current")
+        assert (d.clock_event_reasons, d.sm_clock_max_mhz, d.pcie_replay_total, d.pcie_link_gen,
+                d.pcie_link_width) == (None,) * 5
+        assert d.util_percent == 97.0 and d.power_w == 450.0 and d.sm_clock_mhz == 1980.0
+        assert d.pcie_tx_bytes_total == 30 and d.nvlink_tx_bytes_total == 10 * 1024 and len(d.processes) == 2
+        assert d.pcie_link_bytes_per_s == pytest.approx(GEN5_X16)
+        assert (d.pcie_link_gen_max, d.pcie_link_width_max) == (5, 16)
+        assert devices[0].unsupported == () and devices[0].clock_event_reasons == 0
+
+
+# -- clock_slowdowns: the NVML bits (nvml.h, nvmlClocksEventReasons) ----------------------------------
+@pytest.mark.parametrize(("reasons", "names"), [
+    (None, ()),
+    (0, ()),
+    (pynvml.nvmlClocksEventReasonGpuIdle, ()),  # idle is not a slowdown
+    (pynvml.nvmlClocksEventReasonApplicationsClocksSetting, ()),  # nor the applications clocks setting
+    (0x1 | 0x2, ()),
+    (pynvml.nvmlClocksEventReasonSwThermalSlowdown, ("thermal",)),
+    (pynvml.nvmlClocksEventReasonHwThermalSlowdown, ("thermal",)),
+    (0x20 | 0x40, ("thermal",)),  # named once
+    (pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown, ("power brake",)),
+    (pynvml.nvmlClocksEventReasonSwPowerCap, ("power cap",)),
+    (pynvml.nvmlClocksEventReasonHwSlowdown, ("hw slowdown",)),
+    (pynvml.nvmlClocksEventReasonSyncBoost, ("sync boost",)),
+    (pynvml.nvmlClocksEventReasonDisplayClockSetting, ("display clocks",)),
+    (0x1 | 0x40 | 0x8, ("thermal", "hw slowdown")),  # NVML sets HW slowdown along with HW thermal
+    (0x4 | 0x80 | 0x20, ("thermal", "power brake", "power cap")),
+])
+def test_clock_slowdowns_names_the_slowdown_bits(reasons: int | None, names: tuple[str, ...]) -> None:
+    assert clock_slowdowns(DeviceSample(0, "GPU-a", "x", clock_event_reasons=reasons)) == names
+
+
+def test_clock_slowdown_bits_are_nvmls() -> None:
+    """The bits against the installed pynvml's constants, under both the newer and the deprecated names."""
+    from gpu_watchdog.sample import nvml
+
+    for ours, name in [(nvml.CLOCKS_EVENT_GPU_IDLE, "GpuIdle"),
+                       (nvml.CLOCKS_EVENT_APPLICATIONS_CLOCKS_SETTING, "ApplicationsClocksSetting"),
+                       (nvml.CLOCKS_EVENT_SW_POWER_CAP, "SwPowerCap"), (nvml.CLOCKS_EVENT_HW_SLOWDOWN, "HwSlowdown"),
+                       (nvml.CLOCKS_EVENT_SYNC_BOOST, "SyncBoost"),
+                       (nvml.CLOCKS_EVENT_SW_THERMAL_SLOWDOWN, "SwThermalSlowdown"),
+                       (nvml.CLOCKS_EVENT_HW_THERMAL_SLOWDOWN, "HwThermalSlowdown"),
+                       (nvml.CLOCKS_EVENT_HW_POWER_BRAKE_SLOWDOWN, "HwPowerBrakeSlowdown"),
+                       (nvml.CLOCKS_EVENT_DISPLAY_CLOCK_SETTING, "DisplayClockSetting")]:
+        newer, older = (getattr(pynvml, f"nvmlClocks{kind}Reason{name}") for kind in ("Event", "Throttle"))
+        assert ours == newer == older, name
+    assert FI_PCIE_REPLAY_COUNTER == pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER
 
 
 def test_other_errors_are_none_plus_a_sample_error() -> None:
@@ -384,6 +559,67 @@ def test_standin_memory_controller_utilization_and_pcie_link(nvml_standin: NvmlS
         again = child.eval("read()")
         assert again[0][0] == 55.0 and again[0][1] == pytest.approx(GEN5_X16) and again[1:] == first[1:]
         child.exec("r.shutdown()")
+
+
+def test_standin_throttled_gpu_through_the_real_pynvml(nvml_standin: NvmlStandin) -> None:
+    """A thermally throttled GPU on a degraded link: the reasons bitmask, the SM clock below its maximum, the replay
+    counter and the current link below its maximum, all read by NvmlReader through the real pynvml; and
+    ``clock_slowdowns`` names "thermal" there and nothing on an idle GPU."""
+    state = nvml_standin.require_scripted()
+    thermal = pynvml.nvmlClocksEventReasonSwThermalSlowdown | pynvml.nvmlClocksEventReasonHwThermalSlowdown
+    with state.batch():
+        state.add_gpu(clocks_event_reasons=pynvml.nvmlClocksEventReasonGpuIdle, clock_sm_mhz=345)
+        hot = state.add_gpu(temperature_c=91, pcie_link_gen_current=3, pcie_link_width_current=8)
+        state.throttle(hot, thermal | pynvml.nvmlClocksEventReasonHwSlowdown, sm_clock_mhz=1140)
+        state.set_pcie_replays(hot, 37)
+    with nvml_standin.child() as child:
+        child.exec("from gpu_watchdog.sample.nvml import NvmlReader, clock_slowdowns\n"
+                   "r = NvmlReader(); r.start()\n"
+                   "def read(): return [(d.clock_event_reasons, d.sm_clock_mhz, d.sm_clock_max_mhz,\n"
+                   "                     d.pcie_replay_total, d.pcie_link_gen, d.pcie_link_width,\n"
+                   "                     d.pcie_link_gen_max, d.pcie_link_width_max, clock_slowdowns(d),\n"
+                   "                     d.unsupported) for d in r.read_all()[0]]\n")
+        idle, throttled = child.eval("read()")
+        assert idle == [0x1, 345.0, 1980.0, 0, 5, 16, 5, 16, [], []]  # idle: slow, but not slowed down
+        assert throttled == [0x68, 1140.0, 1980.0, 37, 3, 8, 5, 16, ["thermal", "hw slowdown"], []]
+        with state.batch():  # the GPU cools down and replays keep coming: per tick, the maxima stay as read
+            state.throttle(hot, 0, sm_clock_mhz=1980, sm_clock_max_mhz=1500)
+            state.set_pcie_replays(hot, 40)
+        assert child.eval("read()")[1] == [0, 1980.0, 1980.0, 40, 3, 8, 5, 16, [], []]
+        child.exec("r.shutdown()")
+
+
+def test_standin_gpu_without_the_new_queries_samples_the_rest(nvml_standin: NvmlStandin) -> None:
+    """NOT_SUPPORTED from every new query, through the real pynvml: each is None and listed, the rest is read; a
+    driver without the newer clocks event reasons symbol (FunctionNotFound) is read through the older name."""
+    state = nvml_standin.require_scripted()
+    with state.batch():
+        state.add_gpu()
+        bare = state.add_gpu(clocks_event_reasons=None, clock_sm_max_mhz=None, pcie_link_gen_current=None,
+                             power_mw=123_000)
+        state.set_pcie_replays(bare, None)
+    with nvml_standin.child() as child:
+        child.exec("from gpu_watchdog.sample.nvml import NvmlReader\n"
+                   "r = NvmlReader(); r.start()\n"
+                   "def read():\n"
+                   "    devices, errors = r.read_all()\n"
+                   "    return [(d.clock_event_reasons, d.sm_clock_max_mhz, d.pcie_replay_total, d.pcie_link_gen,\n"
+                   "             d.pcie_link_width, d.power_w, d.pcie_link_bytes_per_s, d.unsupported, d.fault)\n"
+                   "            for d in devices], [e.where for e in errors]\n")
+        devices, errors = child.eval("read()")
+        assert errors == []
+        assert devices[0][:5] == [0, 1980.0, 0, 5, 16] and devices[0][7] == []
+        assert devices[1][:6] == [None, None, None, None, 16, 123.0]
+        assert devices[1][6] == pytest.approx(GEN5_X16) and devices[1][8] is None
+        assert devices[1][7] == ["clock_event_reasons", "pcie_replay", "sm_clock_max", "pcie_link_current"]
+    state.inject_error("nvmlDeviceGetCurrentClocksEventReasons", pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+    state.throttle(0, pynvml.nvmlClocksEventReasonSwPowerCap)
+    with nvml_standin.child() as child:  # a fresh agent on that driver
+        child.exec("from gpu_watchdog.sample.nvml import NvmlReader, clock_slowdowns\n"
+                   "r = NvmlReader(); r.start()\n")
+        assert child.eval("[(d.clock_event_reasons, clock_slowdowns(d)) for d in r.read_all()[0]]") == [
+            [0x4, ["power cap"]], [None, []]]
+        assert child.eval("r.read_all()[1]") == []
 
 
 # -- this machine: no GPU ----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from pathlib import Path
 import pynvml
 import pytest
 from nvml_standin import (
+    FI_PCIE_REPLAY_COUNTER,
     GIB,
     REQUIRED_SYMBOLS,
     RESET_SYMBOL,
@@ -31,6 +32,7 @@ from nvml_standin import (
     NvmlStandin,
     PythonChild,
     StandinState,
+    find_nvml_include,
 )
 from nvml_standin.fixtures import nvml_standin as _nvml_standin_fixture  # noqa: F401
 from nvml_standin.fixtures import nvml_standin_lib as _nvml_standin_lib_fixture  # noqa: F401
@@ -62,6 +64,11 @@ AGENT_PYNVML_CALLS = (
     "nvmlDeviceGetProcessUtilization",
     "nvmlDeviceGetMaxPcieLinkGeneration",
     "nvmlDeviceGetMaxPcieLinkWidth",
+    "nvmlDeviceGetCurrPcieLinkGeneration",
+    "nvmlDeviceGetCurrPcieLinkWidth",
+    "nvmlDeviceGetMaxClockInfo",
+    "nvmlDeviceGetCurrentClocksEventReasons",
+    "nvmlDeviceGetCurrentClocksThrottleReasons",
     "nvmlDeviceGetSupportedEventTypes",
     "nvmlEventSetCreate",
     "nvmlDeviceRegisterEvents",
@@ -320,6 +327,92 @@ def test_pcie_link_current_and_max(nvml_standin: NvmlStandin) -> None:
         assert child.eval("pynvml.nvmlDeviceGetMaxPcieLinkWidth(h[1])") == 16
         state.inject_error("nvmlDeviceGetMaxPcieLinkWidth", pynvml.NVML_ERROR_GPU_IS_LOST, gpu=0)
         expect_nvml_error(child, "pynvml.nvmlDeviceGetMaxPcieLinkWidth(h[0])", "NVMLError_GpuIsLost")
+
+
+def test_throttled_gpu_clocks_and_reasons(nvml_standin: NvmlStandin) -> None:
+    state = scripted(nvml_standin, gpus=2)
+    thermal = pynvml.nvmlClocksEventReasonSwThermalSlowdown | pynvml.nvmlClocksEventReasonHwThermalSlowdown
+    state.throttle(1, thermal, sm_clock_mhz=1140)
+    reasons = ("[pynvml.nvmlDeviceGetCurrentClocksEventReasons(h[{i}]),"
+               " pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h[{i}])]")
+    clocks = ("[pynvml.nvmlDeviceGetClockInfo(h[{i}], pynvml.NVML_CLOCK_SM),"
+              " pynvml.nvmlDeviceGetMaxClockInfo(h[{i}], pynvml.NVML_CLOCK_SM),"
+              " pynvml.nvmlDeviceGetClockInfo(h[{i}], pynvml.NVML_CLOCK_GRAPHICS),"
+              " pynvml.nvmlDeviceGetMaxClockInfo(h[{i}], pynvml.NVML_CLOCK_MEM)]")
+    with nvml_standin.child() as child:
+        child.exec(OPEN)
+        assert child.eval(reasons.format(i=0)) == [0, 0]  # the default: nothing holds the clocks down
+        assert child.eval(clocks.format(i=0)) == [1980, 1980, 1980, 2619]
+        assert child.eval(reasons.format(i=1)) == [0x60, 0x60]  # both names, one bitmask
+        assert child.eval(clocks.format(i=1)) == [1140, 1980, 1140, 2619]  # the SM clock below its maximum
+        state.throttle(1, pynvml.nvmlClocksEventReasonGpuIdle, sm_clock_max_mhz=1755)
+        assert child.eval(reasons.format(i=1)) == [1, 1]
+        assert child.eval("pynvml.nvmlDeviceGetMaxClockInfo(h[1], pynvml.NVML_CLOCK_SM)") == 1755
+        state.set(1, clocks_event_reasons=None, clock_sm_max_mhz=None)
+        expect_nvml_error(child, "pynvml.nvmlDeviceGetCurrentClocksEventReasons(h[1])", "NVMLError_NotSupported")
+        expect_nvml_error(child, "pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h[1])", "NVMLError_NotSupported")
+        expect_nvml_error(
+            child, "pynvml.nvmlDeviceGetMaxClockInfo(h[1], pynvml.NVML_CLOCK_SM)", "NVMLError_NotSupported"
+        )
+        # a driver without the newer symbol, played by injection: only that name fails
+        state.inject_error("nvmlDeviceGetCurrentClocksEventReasons", pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        expect_nvml_error(child, "pynvml.nvmlDeviceGetCurrentClocksEventReasons(h[0])", "NVMLError_FunctionNotFound")
+        assert child.eval("pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h[0])") == 0
+
+
+def test_pcie_replay_counter_field_and_function(nvml_standin: NvmlStandin) -> None:
+    state = scripted(nvml_standin, gpus=2)
+    state.set_pcie_replays(1, 4242)
+    replays = (f"[pynvml.nvmlDeviceGetFieldValues(h[{{i}}], [{FI_PCIE_REPLAY_COUNTER}])[0].value.ullVal,"
+               " pynvml.nvmlDeviceGetPcieReplayCounter(h[{i}])]")
+    with nvml_standin.child() as child:
+        child.exec(OPEN)
+        assert child.eval(replays.format(i=0)) == [0, 0]
+        assert child.eval(replays.format(i=1)) == [4242, 4242]
+        state.set_pcie_replays(1, None)
+        assert child.eval(f"pynvml.nvmlDeviceGetFieldValues(h[1], [{FI_PCIE_REPLAY_COUNTER}])[0].nvmlReturn") == (
+            pynvml.NVML_ERROR_NOT_SUPPORTED)
+        expect_nvml_error(child, "pynvml.nvmlDeviceGetPcieReplayCounter(h[1])", "NVMLError_NotSupported")
+        state.set_field(1, FI_PCIE_REPLAY_COUNTER, error=pynvml.NVML_ERROR_UNKNOWN)
+        expect_nvml_error(child, "pynvml.nvmlDeviceGetPcieReplayCounter(h[1])", "NVMLError_Unknown")
+
+
+def _nvml_h_defines() -> dict[str, int]:
+    text = (find_nvml_include() / "nvml.h").read_text(encoding="utf-8", errors="replace")
+    defines: dict[str, int] = {}
+    for name, value in re.findall(r"^\s*#define\s+(\w+)\s+(0x[0-9A-Fa-f]+|\d+)(?:LL|ULL|U|L)?\b", text, re.M):
+        defines[name] = int(value, 0)
+    for name, alias in re.findall(r"^\s*#define\s+(\w+)\s+([A-Za-z_]\w*)\s*(?://.*)?$", text, re.M):
+        if alias in defines:  # the deprecated nvmlClocksThrottleReason* names alias the newer ones
+            defines.setdefault(name, defines[alias])
+    return defines
+
+
+def test_agent_clock_reason_bits_and_replay_field_match_nvml_h() -> None:
+    """The agent's clocks event reason bits and the replay counter's field id, against NVIDIA's nvml.h itself."""
+    from gpu_watchdog.sample import nvml
+
+    defines = _nvml_h_defines()
+    for ours, name in [
+        (nvml.CLOCKS_EVENT_GPU_IDLE, "GpuIdle"),
+        (nvml.CLOCKS_EVENT_APPLICATIONS_CLOCKS_SETTING, "ApplicationsClocksSetting"),
+        (nvml.CLOCKS_EVENT_SW_POWER_CAP, "SwPowerCap"),
+        (nvml.CLOCKS_EVENT_HW_SLOWDOWN, "HwSlowdown"),
+        (nvml.CLOCKS_EVENT_SYNC_BOOST, "SyncBoost"),
+        (nvml.CLOCKS_EVENT_SW_THERMAL_SLOWDOWN, "SwThermalSlowdown"),
+        (nvml.CLOCKS_EVENT_HW_THERMAL_SLOWDOWN, "HwThermalSlowdown"),
+        (nvml.CLOCKS_EVENT_HW_POWER_BRAKE_SLOWDOWN, "HwPowerBrakeSlowdown"),
+        (nvml.CLOCKS_EVENT_DISPLAY_CLOCK_SETTING, "DisplayClockSetting"),
+    ]:
+        # nvml.h 13 spells some bits only as nvmlClocksThrottleReason*, the rest as nvmlClocksEventReason*
+        header = defines.get(f"nvmlClocksEventReason{name}", defines.get(f"nvmlClocksThrottleReason{name}"))
+        assert ours == header, name
+    assert nvml.FI_PCIE_REPLAY_COUNTER == defines["NVML_FI_DEV_PCIE_REPLAY_COUNTER"] == FI_PCIE_REPLAY_COUNTER
+    for fid, name in [(nvml.FI_NVLINK_TX_KIB, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"),
+                      (nvml.FI_NVLINK_RX_KIB, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX"),
+                      (nvml.FI_PCIE_TX_BYTES, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES"),
+                      (nvml.FI_PCIE_RX_BYTES, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES")]:
+        assert fid == defines[name], name
 
 
 def test_memory_info_v1_and_v2(nvml_standin: NvmlStandin) -> None:
@@ -586,6 +679,12 @@ def test_state_helpers_validate(tmp_path: Path) -> None:
         state.set(gpu, power_mw=1.5)
     with pytest.raises(ValueError):
         state.set(gpu, pcie_link_width_max=-16)
+    with pytest.raises(ValueError):
+        state.throttle(gpu, -1)
+    with pytest.raises(TypeError):
+        state.throttle(gpu, 0x20, sm_clock_mhz=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        state.set_pcie_replays(gpu, -3)
     with pytest.raises(ValueError):
         state.set_field(gpu, 138, -1)
     with pytest.raises(IndexError):

@@ -42,6 +42,9 @@ def full_sample(t: float = T0) -> NodeSample:
                          sm_clock_mhz=1980.0, pcie_tx_bytes_total=10, pcie_rx_bytes_total=20,
                          nvlink_tx_bytes_total=1 << 40, nvlink_rx_bytes_total=(1 << 40) + 1,
                          pcie_link_bytes_per_s=63015384615.38461,
+                         sm_clock_max_mhz=1980.0, clock_event_reasons=0x20 | 0x40 | 0x8,
+                         pcie_link_gen=4, pcie_link_width=8, pcie_link_gen_max=5, pcie_link_width_max=16,
+                         pcie_replay_total=(1 << 40) + 3,
                          processes=(GpuProcess(4242, 40 << 30, 99.0), GpuProcess(4243, None)),
                          unsupported=("process_utilization",)),
             DeviceSample(1, "GPU-bbb", "NVIDIA H100 80GB HBM3", fault=GpuFault("xid", "Xid 79", xid=79)),
@@ -92,6 +95,47 @@ def test_version_2_writes_the_memory_controller_and_the_pcie_link(tmp_path: Path
     dev = rec["devices"][0]
     assert (dev["mem_util_percent"], dev["pcie_link_bytes_per_s"]) == (0.0, 63015384615.38461)
     assert rec["devices"][2]["mem_util_percent"] is None  # proc backend: no memory controller
+
+
+NEW_DEVICE_FIELDS = ("sm_clock_max_mhz", "clock_event_reasons", "pcie_link_gen", "pcie_link_width",
+                     "pcie_link_gen_max", "pcie_link_width_max", "pcie_replay_total")
+
+
+def test_the_clock_and_link_fields_are_written_and_read_back(tmp_path: Path) -> None:
+    """Additive within version 2: the clocks event reasons, the SM clock's maximum, the current and maximum PCIe
+    link and the replay counter, as plain JSON numbers, back to the same values (null stays None)."""
+    path = tmp_path / "t.trace"
+    with path.open("w") as f:
+        TraceWriter(f, "nvml", "node-7", 1.0, T0).sample(full_sample())
+    head, rec = (json.loads(line) for line in path.read_text().splitlines())
+    assert head["version"] == 2
+    dev = rec["devices"][0]
+    assert [dev[k] for k in NEW_DEVICE_FIELDS] == [1980.0, 0x68, 4, 8, 5, 16, (1 << 40) + 3]
+    assert all(rec["devices"][2][k] is None for k in NEW_DEVICE_FIELDS)  # proc backend: unknown
+    (sample,) = list(read_trace(path)[1])
+    assert sample == full_sample()
+    assert isinstance(sample.devices[0].clock_event_reasons, int) and sample.devices[1].pcie_replay_total is None
+
+
+def test_a_version_2_trace_without_the_clock_and_link_fields_reads_them_as_none(tmp_path: Path) -> None:
+    path = tmp_path / "v2.trace"
+    head = {"type": "header", "format": FORMAT, "version": 2, "backend": "nvml", "hostname": "vm",
+            "interval_s": 1.0, "created": T0}
+    device = {**V1_DEVICE, "mem_util_percent": 0.0, "pcie_link_bytes_per_s": 63015384615.38461}
+    rec = {"type": "sample", "t": T0, "hostname": "vm", "backend": "nvml", "devices": [device]}
+    path.write_text(json.dumps(head) + "\n" + json.dumps(rec) + "\n")
+    (sample,) = list(read_trace(path)[1])
+    d = sample.devices[0]
+    assert d.pcie_link_bytes_per_s == 63015384615.38461 and d.sm_clock_mhz == 1980.0
+    assert all(getattr(d, k) is None for k in NEW_DEVICE_FIELDS)
+
+
+def test_every_stored_trace_still_reads_with_the_clock_and_link_fields_none() -> None:
+    traces = sorted((TESTS / "data").rglob("*.trace"))
+    assert traces
+    for p in traces:
+        devices = [d for s in read_trace(p)[1] if isinstance(s, NodeSample) for d in s.devices]
+        assert all(getattr(d, k) is None for d in devices for k in NEW_DEVICE_FIELDS), p
 
 
 # A version-1 sample as version 1 wrote it: every device field of its day, none of version 2's.
@@ -250,6 +294,9 @@ _DELETE = object()
     (_sample_with(devices__0__mem_util_percent=True), r"devices\[0\]\.mem_util_percent must be a number"),
     (_sample_with(devices__0__pcie_link_bytes_per_s=float("inf")), r"pcie_link_bytes_per_s must be a finite number"),
     (_sample_with(devices__0__mem_used_bytes=1.5), r"devices\[0\]\.mem_used_bytes must be an integer"),
+    (_sample_with(devices__0__clock_event_reasons=32.0), r"devices\[0\]\.clock_event_reasons must be an integer"),
+    (_sample_with(devices__0__pcie_link_width="x16"), r"devices\[0\]\.pcie_link_width must be an integer"),
+    (_sample_with(devices__0__sm_clock_max_mhz=True), r"devices\[0\]\.sm_clock_max_mhz must be a number"),
     (_sample_with(devices__0__virtual=1), r"devices\[0\]\.virtual must be true or false"),
     (_sample_with(devices__0__processes__1__pid=None), r"devices\[0\]\.processes\[1\]\.pid must be an integer"),
     (_sample_with(processes__0__job__rank="1"), r"processes\[0\]\.job\.rank must be an integer"),

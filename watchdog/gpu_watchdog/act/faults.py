@@ -119,9 +119,11 @@ class GpuFaultHandler:
 
 def record(ctx: ActContext, hooks: Mapping[str, HookSpec], finding: Finding, sample: NodeSample) -> Incident:
     """``respond``'s "record": an incident and nothing else — an application Xid (its GPU and jobs named), launch
-    settings that differ between ranks."""
+    settings that differ between ranks, a straggler (its section: ``finding.facts``)."""
     if finding.kind == "gpu_fault":
         return GpuFaultHandler(ctx, hooks).record(finding, sample)
     inc = ctx.open_incident(finding)
+    if finding.facts:
+        inc.update(**{finding.kind: dict(finding.facts)})
     inc.finish("recorded")
     return inc

@@ -21,6 +21,7 @@ from gpu_watchdog.config.schema import (
     HOOK_MAX_TIMEOUT_S,
     HOOK_PLACEHOLDERS,
     HOOK_TYPES,
+    MIN_SLICE_SAMPLES,
     SECTIONS,
     Config,
     FallbackLevel,
@@ -41,7 +42,8 @@ _MAY_BE_ZERO = {"detect.spin_power_max_w", "detect.util_idle_max_percent", "dete
                 "detect.spin_mem_util_max_percent", "detect.spin_traffic_max_link_ratio", "agent.incident_trace_s",
                 "agent.no_rank_warning_s",
                 "recovery.restart_backoff_s", "fallback.actor_grace_s", "ras.watch_interval_s"}
-_RATIOS = {"detect.spin_power_max_ratio", "detect.spin_traffic_max_link_ratio"}
+_RATIOS = {"detect.spin_power_max_ratio", "detect.spin_traffic_max_link_ratio", "straggler.min_peer_wait_share",
+           "straggler.max_share_ratio"}
 _PERCENTS = {"detect.util_idle_max_percent", "detect.spin_util_min_percent", "detect.spin_mem_util_max_percent"}
 
 
@@ -215,6 +217,11 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     # Rules across keys.
     if cfg.detect.spin_util_min_percent <= cfg.detect.util_idle_max_percent:
         raise ConfigError("config: detect.spin_util_min_percent must be above detect.util_idle_max_percent")
+    st = cfg.straggler
+    least = st.slices * MIN_SLICE_SAMPLES * st.interval_s
+    if st.window_s < least:
+        raise ConfigError(f"config: straggler.window_s must hold {MIN_SLICE_SAMPLES} samples per slice: at least "
+                          f"slices x {MIN_SLICE_SAMPLES} x interval_s = {least:g}, got {st.window_s:g}")
     if cfg.faults.drain_hook and cfg.faults.drain_hook not in cfg.hooks:
         raise ConfigError(f"config: faults.drain_hook names no [hooks.{cfg.faults.drain_hook}] table")
     return cfg

@@ -174,6 +174,24 @@ class FlightRecorderConfig:
     dump_on_suspect: bool = True  # ask the ranks for their dumps once when a job turns suspect
 
 
+MIN_SLICE_SAMPLES = 4  # samples of a rank a straggler slice needs; fewer and the slice says nothing
+
+
+@dataclass(frozen=True)
+class StragglerConfig:
+    """``[straggler]``: low-rate stack samples of every running job's ranks name the rank the others keep waiting
+    for, with its cause where the node sees one: an incident and metrics, never an action (docs/stragglers.md)."""
+
+    enabled: bool = True
+    interval_s: float = 30.0  # one nonblocking stack sample of each rank this often (~10 ms of agent CPU per rank)
+    window_s: float = 900.0  # the scores cover this long; a straggler is named after one whole window
+    # The window's parts: a rank is the straggler only when it is one in every part, so no single slow phase
+    # up to window_s - 2 x window_s / slices long (9 min by default) ever makes one.
+    slices: int = 5
+    min_peer_wait_share: float = 0.2  # its peers wait at least this share of their samples (the job loses time) ...
+    max_share_ratio: float = 0.5  # ... and it waits at most this times their median share
+
+
 DEFAULT_SOCKET = "/run/gpu-watchdog/control.sock"
 
 
@@ -231,6 +249,7 @@ class Config:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     ras: RasConfig = field(default_factory=RasConfig)
     flight_recorder: FlightRecorderConfig = field(default_factory=FlightRecorderConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     daemon: DaemonSettings = field(default_factory=DaemonSettings)
     hooks: Mapping[str, HookSpec] = field(default_factory=dict)  # [hooks.NAME] by NAME
 
@@ -245,6 +264,7 @@ SECTIONS: dict[str, type] = {
     "faults": FaultsConfig,
     "ras": RasConfig,
     "flight_recorder": FlightRecorderConfig,
+    "straggler": StragglerConfig,
     "daemon": DaemonSettings,
 }
 

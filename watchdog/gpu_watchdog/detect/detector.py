@@ -49,7 +49,7 @@ from gpu_watchdog.model import (
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # "stall" | "gpu_fault"
+    kind: str  # "stall" | "gpu_fault" | "config_mismatch" | "rank_exited" | "straggler"
     signature: str  # stall: idle_held | spin | rank_exited | waiting_timeout; fault: gpu_lost | ...
     job_id: str | None
     ranks: tuple[int, ...]  # the job's ranks seen on this node
@@ -59,6 +59,8 @@ class Finding:
     devices: tuple[str, ...] = ()  # GPU UUIDs involved
     detail: str = ""
     basis: str = "time"  # what the confirmation rests on: "stacks" | "time" | "fault" | "process" (JSON: "evidence")
+    # A kind's own section of its incident (``straggler``: rank, score, causes); not part of the finding's identity.
+    facts: Mapping[str, object] = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict[str, object]:
         return {"kind": self.kind, "signature": self.signature, "job": self.job_id, "ranks": list(self.ranks),

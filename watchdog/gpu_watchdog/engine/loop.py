@@ -3,7 +3,7 @@
 ``Engine.tick()`` samples the node (a failure marks the agent down and skips the tick; it never raises),
 attributes processes to jobs, attaches the in-job client's step heartbeats, collects finished stack dumps,
 runs the pure detector, schedules new dumps off the sampling path (and, once per suspect streak, the ranks' Flight
-Recorder dumps), compares each job's launch settings,
+Recorder dumps), compares each job's launch settings, samples running jobs' stacks at a low rate for stragglers,
 drops a job that stayed healthy long enough back to fallback level 0, and updates metrics and the loop's
 health. It returns what the tick saw; what to do about the findings is ``policy.respond``'s and the caller's.
 """
@@ -30,6 +30,7 @@ from gpu_watchdog.detect.detector import (
     hold_waiting,
     step,
 )
+from gpu_watchdog.detect.stragglers import StragglerWatch
 from gpu_watchdog.evidence.collect import collect_stack_evidence, pids_on_gpu
 from gpu_watchdog.evidence.flight_recorder import SuspectDumps
 from gpu_watchdog.evidence.ras_poll import RasPoller
@@ -109,6 +110,7 @@ class Engine:
         self._holds_lock = threading.Lock()  # the daemon's acts run on worker threads
         # Ranks handed their rank in code (mp.spawn): the scanner asks for each one's rank, read from its stack.
         self.ranks_in_code = SpawnedRanks(cfg.stacks.py_spy, cfg.stacks.timeout_s)
+        self.stragglers = StragglerWatch(lambda: self.cfg)  # observe only: its findings are recorded, never acted on
         scanner = getattr(backend, "scanner", None)
         if scanner is not None:
             scanner.rank_finder = self.ranks_in_code
@@ -143,6 +145,7 @@ class Engine:
         self._healthy_since.pop(job_id, None)
         self.ras.forget(job_id)
         self.fr_dumps.end(job_id)
+        self.stragglers.forget(job_id)
         self.state = replace(self.state, jobs={j: s for j, s in self.state.jobs.items() if j != job_id},
                              ranks={k: o for k, o in self.state.ranks.items() if k[0] != job_id})
 
@@ -168,12 +171,14 @@ class Engine:
             self._poll_ras(state.jobs)
             self._share_comm(own, state.jobs)
             findings.extend(self._check_configs(sample.t))
+            findings.extend(self.stragglers.tick(state.jobs, sample))
             self._note_healthy(state.jobs)
             self._forget_ended(state.jobs)
             if self.metrics is not None:
                 self.metrics.sample_duration(time.process_time() - t0)
                 self.metrics.nvml_errors(sample.errors)
                 self.metrics.update(sample, state.jobs, {j: self.fallback.level(j) for j in state.jobs})
+                self.metrics.straggler_scores(self.stragglers.rank_scores())
         except Exception as e:  # a bug past sampling (a malformed sample, a broken collector): this tick is lost
             return self._internal_error(e)
         self.ticks_ok += 1
@@ -334,6 +339,7 @@ class Engine:
         if self._shared is not None:
             self._shared.shutdown(wait=False, cancel_futures=True)
         self.ranks_in_code.close()
+        self.stragglers.close()
 
     def _shared_pool(self) -> Executor:
         """One worker for the shared directory (a file system that hangs delays it, never a tick)."""

@@ -27,7 +27,9 @@ Series (alert rules: prometheus/alerts.yml; dashboard: grafana/dashboards/gpu-wa
     _gpu_info{+model_name} (1)
   per job {job_id}: gpu_watchdog_job_state{state} (one-hot: running/suspect/stalled/waiting), _job_stalled,
     _job_ranks (ranks on this node), _job_fallback_level, _job_waiting_seconds, _rank_waited_on{rank},
-    _job_config_info{digest}
+    _job_config_info{digest}, and from the straggler watch (jobs with >= 2 ranks sampled here)
+    _rank_wait_share{rank}, _rank_straggler_score{rank}, _rank_straggler{rank} (wait share alone where the node has
+    one rank of the job: the alert rules compare nodes)
   agent: gpu_watchdog_up, _last_sample_timestamp_seconds, _start_time_seconds, _build_info{version},
     _backend_info{backend}, _jobs_dropped, _ranks_dropped, process_* (own registry only)
   counters: gpu_watchdog_incidents_total{kind}, _actions_total{action,result}, _restarts_total{job_id},
@@ -60,7 +62,7 @@ from gpu_watchdog.model import NodeSample, SampleError
 log = logging.getLogger(__name__)
 
 # Label sets that read 0 from the first scrape, so increase() sees the first event.
-INCIDENT_KINDS = ("stall", "gpu_fault", "config_mismatch", "rank_exited")
+INCIDENT_KINDS = ("stall", "gpu_fault", "config_mismatch", "rank_exited", "straggler")
 PYSPY_OUTCOMES = OUTCOMES  # py-spy dump outcomes; anything else counts as "other"
 OVERFLOW = "other"  # label value for values past a cap
 INTERNAL_ERROR_STAGES = ("tick", "act")  # the engine's tick after sampling; acting on a finding
@@ -130,6 +132,12 @@ _JOB_GAUGES = (
      ("job_id", "rank")),
     ("gpu_watchdog_job_config_info", "digest of the job's launch config on this node (differs across nodes: "
      "mismatched config)", ("job_id", "digest")),
+    ("gpu_watchdog_rank_wait_share", "share (0..1) of the rank's stack samples over the straggler window spent "
+     "waiting on its peers (a collective or a device sync)", ("job_id", "rank")),
+    ("gpu_watchdog_rank_straggler_score", "the median wait share of the rank's peers on this node minus its own, "
+     "at least 0: how much of their time it costs them", ("job_id", "rank")),
+    ("gpu_watchdog_rank_straggler", "1 while the agent names the rank its job's straggler (slow in every slice of "
+     "the window), else 0", ("job_id", "rank")),
 )
 _AGENT_GAUGES = (
     ("gpu_watchdog_up", "1 while the agent runs and its sampling backend works, 0 when the last sample failed",
@@ -207,6 +215,13 @@ class _SnapshotCollector:
                     ranks_dropped += max(0, len(on) - m.max_ranks)
                     for r in on[:m.max_ranks]:
                         fams["gpu_watchdog_rank_waited_on"].add_metric([j, str(r)], 1.0)
+        for job_id, ranks in m.rank_scores().items():
+            ranks_dropped += max(0, len(ranks) - m.max_ranks)
+            for rank, (wait, score, flagged) in sorted(ranks.items())[:m.max_ranks]:
+                lv = [job_id, str(rank)]
+                fams["gpu_watchdog_rank_wait_share"].add_metric(lv, wait)
+                fams["gpu_watchdog_rank_straggler_score"].add_metric(lv, score)
+                fams["gpu_watchdog_rank_straggler"].add_metric(lv, 1.0 if flagged else 0.0)
         fams["gpu_watchdog_jobs_dropped"].add_metric([], float(jobs_dropped))
         fams["gpu_watchdog_ranks_dropped"].add_metric([], float(ranks_dropped))
         yield from fams.values()
@@ -227,7 +242,8 @@ class AgentMetrics:
     ``sample_duration(s)``, ``nvml_errors(sample.errors)`` (update() does not count them), or
     ``set_up(False)`` when the backend's sample() raised. Events: ``incident(kind)``, ``action(name, ok)``,
     ``restart(job_id)``, ``pyspy_dump(outcome)``, ``gpu_fault(uuid, xid_or_kind)``,
-    ``detection_latency(s)``, ``job_config(job_id, digest)`` / ``forget_job(job_id)``.
+    ``detection_latency(s)``, ``job_config(job_id, digest)`` / ``forget_job(job_id)``, and the straggler watch's
+    ``straggler_scores(...)``.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None, *, interval_s: float = 1.0,
@@ -247,6 +263,7 @@ class AgentMetrics:
         self._up = True
         self._lock = threading.Lock()
         self._job_config: dict[str, str] = {}
+        self._rank_scores: dict[str, dict[int, tuple[float, float, bool]]] = {}
         r = self.registry
         self._incidents = Counter("gpu_watchdog_incidents", "incidents recorded, by kind", ["kind"], registry=r)
         self._actions = Counter("gpu_watchdog_actions", "recovery actions taken, by action and result (ok/failed)",
@@ -347,9 +364,21 @@ class AgentMetrics:
             self._job_config[job_id] = str(digest)[:_MAX_LABEL_LEN]
 
     def forget_job(self, job_id: str) -> None:
-        """The job ended for good: drop its config digest (its counters stay, as counters do)."""
+        """The job ended for good: drop its config digest and rank scores (its counters stay, as counters do)."""
         with self._lock:
             self._job_config.pop(job_id, None)
+            self._rank_scores.pop(job_id, None)
+
+    def straggler_scores(self, scores: Mapping[str, Mapping[int, tuple[float, float, bool]]]) -> None:
+        """Per job, rank → (wait share, straggler score, named the straggler): replaces every job's previous ones
+        (a job no longer sampled drops out)."""
+        kept = dict(list(scores.items())[:self.max_jobs])
+        with self._lock:
+            self._rank_scores = {j: dict(r) for j, r in kept.items()}
+
+    def rank_scores(self) -> dict[str, dict[int, tuple[float, float, bool]]]:
+        with self._lock:
+            return dict(self._rank_scores)
 
     def job_configs(self) -> dict[str, str]:
         with self._lock:

@@ -2,8 +2,8 @@
 
 - ``drain``: a GPU fault a restart on this node cannot fix (lost GPU, reset required, any Xid not in
   ``faults.application_xids``): stop the jobs on that GPU, drain the node.
-- ``record``: an application Xid (the job's own error; the GPU keeps serving others) or ranks launched with
-  different settings: an incident, nothing is stopped.
+- ``record``: an application Xid (the job's own error; the GPU keeps serving others), ranks launched with
+  different settings, a straggler (one rank the others keep waiting for): an incident, nothing is stopped.
 - ``recover``: a stall (or a requested restart) of a job this agent supervises — ``launch``'s own job, a job
   registered with the daemon — while ``recovery.enabled``: evidence, checkpoint, stop, restart.
 - ``observe``: a stall nobody can restart (a job not registered with the daemon) or with recovery disabled:
@@ -18,7 +18,11 @@ from gpu_watchdog.config.schema import Config
 from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.sample.xid import is_draining
 
-RECORD_ONLY_KINDS = ("config_mismatch",)
+# Kinds that are recorded and never acted on, with why.
+RECORD_ONLY_KINDS = {
+    "config_mismatch": "ranks launched with different settings hang later; nothing to stop yet",
+    "straggler": "a slow rank is not a stuck one: observed, never stopped",
+}
 RECOVER, DRAIN, RECORD, OBSERVE = "recover", "drain", "record", "observe"
 
 
@@ -35,7 +39,7 @@ def respond(finding: Finding, cfg: Config, *, supervised: bool, stop_unsupervise
             return Response(DRAIN, "a GPU fault no restart on this node can fix")
         return Response(RECORD, "an application Xid: the job's own error, the GPU serves on")
     if finding.kind in RECORD_ONLY_KINDS:
-        return Response(RECORD, "ranks launched with different settings hang later; nothing to stop yet")
+        return Response(RECORD, RECORD_ONLY_KINDS[finding.kind])
     if not cfg.recovery.enabled:
         return Response(OBSERVE, "recovery disabled (recovery.enabled = false): watching on")
     if supervised:

@@ -23,7 +23,8 @@ from gpu_watchdog.model import NodeSample, StackEvidence
 
 FORMAT = "gpu-watchdog-trace"
 DIR_TRACE = "trace.jsonl"  # the trace inside an incident directory: ``replay DIR`` reads it
-# 2: devices gained mem_util_percent and pcie_link_bytes_per_s (docs/trace-format.md, "Versions").
+# 2: devices gained mem_util_percent and pcie_link_bytes_per_s (docs/trace-format.md, "Versions"); later, additively,
+# the clocks event reasons, the SM clock's maximum, the current and maximum PCIe link and the replay counter.
 VERSION = 2
 SUPPORTED_VERSIONS = (1, 2)
 

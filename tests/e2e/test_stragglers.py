@@ -1,0 +1,115 @@
+"""Stragglers of real torchrun DDP jobs (gloo, 3 ranks, ``tests/zoo/ddp_compute.py``: every rank runs the same
+code), under ``launch``: one rank held back from outside is named, with its cause; a job whose rank 0 evaluates
+once for 40 s is not — and nothing is ever stopped for either.
+
+Windows are short for the test (``[straggler]`` interval 1 s, window 64 s in 8 slices: a single pause up to
+48 s never makes a straggler); the shipped defaults are 30 s / 900 s / 5 (docs/stragglers.md).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from cpu_quota import cpu_quota
+from launch_harness import REPO, LaunchRun, base_env, read_events, start_launch, torchrun, write_config
+
+pytestmark = pytest.mark.slow
+JOB = REPO / "tests" / "zoo" / "ddp_compute.py"
+WINDOW = {"interval_s": 1.0, "window_s": 64.0, "slices": 8}
+
+
+def _start(tmp_path: Path, job_id: str, *job_args: str) -> tuple[LaunchRun, Path]:
+    events = tmp_path / "events.jsonl"
+    cfg = write_config(tmp_path / "gw.toml", {"straggler": WINDOW})
+    argv = [torchrun(), "--standalone", "--nproc-per-node", "3", str(JOB), "--events", str(events),
+            "--workdir", str(tmp_path), "--step-s", "0", *job_args]
+    return start_launch(["--backend", "proc", "--config", str(cfg)], argv, env=base_env(), tmp_path=tmp_path,
+                        job_id=job_id, max_lifetime_s=400), events
+
+
+def _rank_pids(run: LaunchRun, events: Path) -> dict[int, int]:
+    def started() -> dict[int, int] | None:
+        pids = {e["rank"]: e["pid"] for e in read_events(events) if e["event"] == "start"}
+        return pids if len(pids) == 3 else None
+    return run.wait_for("three ranks started", started, 120)
+
+
+def _straggler(run: LaunchRun, timeout: float) -> dict[str, Any]:
+    def named() -> dict[str, Any] | None:
+        return next((i for i in run.incidents() if i["kind"] == "straggler" and "outcome" in i), None)
+    return run.wait_for("a straggler incident", named, timeout)
+
+
+def _observed_only(run: LaunchRun, inc: dict[str, Any]) -> None:
+    """Observe only: the one incident, recorded, no action; the job still runs."""
+    assert [i["kind"] for i in run.incidents()] == ["straggler"], run.output()[-3000:]
+    assert inc["actions"] == [] and inc["outcome"] == "recorded"
+    assert run.poll() is None
+    out = run.output()
+    assert "STALL" not in out and "stopped the job" not in out and "restarting" not in out
+
+
+def test_a_rank_held_to_a_cpu_quota_is_named_the_straggler_with_its_cause(tmp_path: Path) -> None:
+    run, events = _start(tmp_path, "t-straggler-cpu", "--steps", "100000")
+    try:
+        pids = _rank_pids(run, events)
+        with cpu_quota([pids[1]], cores=0.04):
+            throttled_at = time.time()
+            inc = _straggler(run, 150)
+            named_after = time.time() - throttled_at
+        print(f"rank 1 held to 0.04 of a core: named the straggler {named_after:.0f} s later")
+        _observed_only(run, inc)
+        st = inc["straggler"]
+        assert inc["culprit_ranks"] == [1] and st["rank"] == 1 and st["pid"] == pids[1]
+        assert st["wait_share"] < 0.5 * st["peer_wait_share"] and st["peer_wait_share"] >= 0.2
+        assert set(st["scores"]) == {"0", "1", "2"} and st["score"] > 0.1
+        kinds = {c["kind"]: c["detail"] for c in st["causes"]}
+        assert "cpu_throttled" in kinds and "quota 0.04 of a core" in kinds["cpu_throttled"], st["causes"]
+        assert "input" not in kinds
+        assert "rank 1 is the straggler" in inc["reason"] and "CPU throttled by its cgroup" in run.output()
+    finally:
+        run.kill()
+
+
+def test_a_rank_whose_loader_worker_is_throttled_is_named_with_input_as_its_cause(tmp_path: Path) -> None:
+    """The rank itself runs free; the DataLoader worker feeding it does not (a slow data path on one node)."""
+    run, events = _start(tmp_path, "t-straggler-input", "--steps", "100000")
+    try:
+        pids = _rank_pids(run, events)
+        worker = run.wait_for("rank 2's loader worker",
+                              lambda: next(iter(psutil.Process(pids[2]).children()), None), 30)
+        with cpu_quota([worker.pid], cores=0.03):
+            inc = _straggler(run, 150)
+        _observed_only(run, inc)
+        st = inc["straggler"]
+        assert inc["culprit_ranks"] == [2], inc["reason"]
+        kinds = [c["kind"] for c in st["causes"]]
+        assert "input" in kinds and "cpu_throttled" not in kinds, st["causes"]
+        assert st["scores"]["2"]["input_share"] >= 0.3
+    finally:
+        run.kill()
+
+
+def test_a_job_whose_rank_0_evaluates_once_for_40_s_has_no_straggler(tmp_path: Path) -> None:
+    """Uniform ranks, and once a 40 s eval on rank 0 while its peers wait in a barrier: the peers wait all that
+    time, yet through every window that holds the eval (until a whole window after it) no incident, nothing done."""
+    run, events = _start(tmp_path, "t-straggler-eval", "--variant", "eval", "--hang-step", "20", "--pause-s", "40",
+                         "--steps", "100000")
+    try:
+        onset = run.wait_for("rank 0's eval", lambda: next(
+            (e["t"] for e in read_events(events) if e["event"] == "hang_onset"), None), 120)
+        until = onset + 40 + WINDOW["window_s"] + 5
+        while time.time() < until:
+            assert run.incidents() == [], run.output()[-3000:]
+            assert run.poll() is None, run.output()[-3000:]
+            time.sleep(1)
+        steps = [e for e in read_events(events) if e["event"] == "step" and e["t"] > onset + 40]
+        assert {e["rank"] for e in steps} == {0, 1, 2}  # training went on after the eval
+        out = run.output()
+        assert "STALL" not in out and "stopped the job" not in out and "is the straggler" not in out
+    finally:
+        run.kill()

@@ -1,0 +1,60 @@
+"""DDP over a compute-bound model fed by a ``DataLoader`` whose worker does the preprocessing — the shape of most
+vision and speech loops. Every rank runs the same code: nothing in it says which rank is slow. Run under torchrun
+(gloo, CPU, one torch thread per rank); the tests slow one rank from outside (its cgroup's CPU quota, or its
+loader worker's), as a noisy neighbour or a throttled host does.
+
+Variants (``zoo_common``): ``healthy`` trains to the end; ``eval``: rank 0 evaluates for ``--pause-s`` seconds
+once, at ``--hang-step``, while its peers wait in a barrier."""
+
+from __future__ import annotations
+
+import torch
+import zoo_common as zc
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+WIDTH = 384
+
+
+class Augmented(Dataset):
+    """Samples with a little CPU preprocessing each (the loader worker's work)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(WIDTH, generator=g)
+        for _ in range(40):  # an augmentation pipeline's worth of arithmetic
+            x = torch.tanh(x * 1.01 + 0.01)
+        return x, torch.randn(WIDTH, generator=g)
+
+
+def main() -> None:
+    args = zc.parse_args(__doc__)
+    torch.set_num_threads(1)
+    with zc.process_group() as rank:
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(WIDTH, 1536), torch.nn.ReLU(), torch.nn.Linear(1536, WIDTH)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        per_rank = 32
+        data = Augmented(per_rank * torch.distributed.get_world_size() * args.steps)
+        loader = DataLoader(data, batch_size=per_rank, sampler=DistributedSampler(data, shuffle=False),
+                            num_workers=1, persistent_workers=True, prefetch_factor=2)
+
+        def train_step(step: int, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+            x, y = batch
+            for _ in range(3):  # a few micro-steps per batch: the rank's own compute
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+
+        zc.train_loop(args, rank, train_step, checkpoint=(model.module, opt), batches=loader, straggler=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The straggler watch of one agent: low-rate stack samples of every job's ranks, their scores, and one
+``straggler`` finding per rank and run that the window names (observe only: ``policy.respond`` records it).
+
+Sampling costs a nonblocking ``py-spy dump`` per rank (about 10 ms of the agent's CPU each, measured; the job is
+never paused) every ``straggler.interval_s``, on a worker of its own so it never delays a hang's dumps. A job is
+sampled while it has peers (at least two ranks here, or ranks elsewhere: its world size says so) and is not
+stalled: a confirmed stall is a hang, and the window starts again after it. A suspect or waiting job is sampled
+on: a rank starved of input leaves the whole job looking idle while it crawls. A node with one rank of a job
+exports that rank's wait share only: the straggler across nodes is Prometheus' to find (prometheus/alerts.yml,
+docs/stragglers.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+from gpu_watchdog.config.schema import Config
+from gpu_watchdog.detect.detector import STALLED, Finding, JobStatus
+from gpu_watchdog.evidence.collect import classify_results, pids_on_gpu, with_gpu_line
+from gpu_watchdog.evidence.stacks import dump_stacks
+from gpu_watchdog.evidence.straggler.causes import Cause, HostCounters, find_causes, host_counters
+from gpu_watchdog.evidence.straggler.score import Thresholds, Verdict, WaitWindow, as_sampled
+from gpu_watchdog.model import DeviceSample, NodeSample, rank_label
+
+log = logging.getLogger("gpu_watchdog.straggler")
+
+Round = tuple[float, dict[int, str], dict[int, HostCounters]]  # (t, rank → state, rank → counters)
+
+
+@dataclass
+class _JobWatch:
+    pids: dict[int, int]
+    window: WaitWindow = field(default_factory=WaitWindow)
+    counters: deque[tuple[float, dict[int, HostCounters]]] = field(default_factory=deque)
+    next_at: float = 0.0  # monotonic
+    pending: Future[Round] | None = None
+    reported: set[int] = field(default_factory=set)  # ranks named in this run (one finding each)
+    verdict: Verdict | None = None
+
+
+def _world_sizes(sample: NodeSample) -> dict[str, int]:
+    """job → the largest world size its ranks here declare (0: none does)."""
+    out: dict[str, int] = {}
+    for p in sample.processes:
+        if p.is_rank and p.job is not None and p.job.world_size:
+            out[p.job.job_id] = max(out.get(p.job.job_id, 0), p.job.world_size)
+    return out
+
+
+def _devices_by_pid(sample: NodeSample) -> dict[int, DeviceSample]:
+    return {p.pid: d for d in sample.devices if not d.virtual for p in d.processes}
+
+
+def take_round(rank_pids: Mapping[int, int], cfg: Config, gpu_pids: frozenset[int],
+               devices: Mapping[int, DeviceSample], t: float) -> Round:
+    """One nonblocking stack sample of every rank, classified, with each rank's host counters."""
+    ranks = sorted(rank_pids)
+    results = dump_stacks([rank_pids[r] for r in ranks], timeout_s=cfg.stacks.timeout_s,
+                          concurrency=cfg.stacks.concurrency, py_spy=cfg.stacks.py_spy or None, nonblocking=True)
+    by_rank = {}
+    for r, res in zip(ranks, results, strict=True):
+        if res.ok and res.pid in gpu_pids:  # a device sync spins, active, at its caller's line (evidence.collect)
+            res = replace(res, threads=with_gpu_line(res.threads, res.pid))
+        by_rank[r] = res
+    states = {s.rank: as_sampled(s.state, s.pid, s.pid in gpu_pids) for s in classify_results(by_rank)}
+    counters = {r: host_counters(pid, devices.get(pid)) for r, pid in rank_pids.items()}
+    return t, states, counters
+
+
+class StragglerWatch:
+    def __init__(self, cfg: Callable[[], Config]) -> None:
+        self._cfg = cfg  # read each tick: a reload replaces the config
+        self._jobs: dict[str, _JobWatch] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def rank_scores(self) -> dict[str, dict[int, tuple[float, float, bool]]]:
+        """Per watched job, rank → (wait share, score, named the straggler now): the metrics' per-rank series."""
+        return {j: {r: (s.wait_share, s.score, r in w.verdict.stragglers) for r, s in w.verdict.scores.items()}
+                for j, w in self._jobs.items() if w.verdict is not None and w.verdict.scores}
+
+    def forget(self, job_id: str) -> None:
+        """The job ended or was restarted: its window starts again."""
+        self._jobs.pop(job_id, None)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def tick(self, jobs: Mapping[str, JobStatus], sample: NodeSample) -> list[Finding]:
+        cfg = self._cfg()
+        sc = cfg.straggler
+        if not sc.enabled or not cfg.stacks.enabled:
+            self._jobs.clear()
+            return []
+        th = Thresholds(sc.window_s, sc.slices, sc.min_peer_wait_share, sc.max_share_ratio)
+        now = time.monotonic()
+        out = []
+        for job_id in set(self._jobs) - set(jobs):
+            del self._jobs[job_id]
+        devices = _devices_by_pid(sample)
+        worlds = _world_sizes(sample)
+        for js in jobs.values():
+            if len(js.rank_pids) < 2 and worlds.get(js.job_id, 0) < 2:
+                self._jobs.pop(js.job_id, None)
+                continue
+            w = self._jobs.get(js.job_id)
+            if w is None or w.pids != dict(js.rank_pids):  # a new run, or a rank replaced: a new window
+                w = self._jobs[js.job_id] = _JobWatch(dict(js.rank_pids))
+            self._collect(w, sc.window_s)
+            if js.state == STALLED:  # a hang, not a straggler: its window starts again once the job runs
+                w.window.reset()
+                w.counters.clear()
+                continue
+            if w.pending is None and now >= w.next_at:
+                w.next_at = now + sc.interval_s
+                gpu = pids_on_gpu(sample, w.pids.values())
+                w.pending = self._worker().submit(take_round, dict(w.pids), cfg, gpu, devices, sample.t)
+            w.verdict = w.window.verdict(sample.t, th)
+            for rank in w.verdict.stragglers:
+                if rank not in w.reported:
+                    w.reported.add(rank)
+                    out.append(_finding(js, w, rank, devices, sample, th))
+        return out
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="straggler")
+        return self._pool
+
+    @staticmethod
+    def _collect(w: _JobWatch, window_s: float) -> None:
+        fut = w.pending
+        if fut is None or not fut.done():
+            return
+        w.pending = None
+        try:
+            t, states, counters = fut.result()
+        except Exception as e:  # a failed round is a missing sample, never a crash
+            log.warning("straggler sample failed: %s", e)
+            return
+        w.window.add(t, states, window_s)
+        w.counters.append((t, counters))
+        while w.counters and w.counters[0][0] < t - window_s:
+            w.counters.popleft()
+
+
+def _finding(js: JobStatus, w: _JobWatch, rank: int, devices: Mapping[int, DeviceSample], sample: NodeSample,
+             th: Thresholds) -> Finding:
+    """The straggler finding for ``rank``, its causes read now (the incident's ``straggler`` section)."""
+    verdict = w.verdict
+    assert verdict is not None
+    score = verdict.scores[rank]
+    pid = w.pids[rank]
+    dev = devices.get(pid)
+    first = w.counters[0] if w.counters else None
+    last = w.counters[-1] if w.counters else None
+    causes = find_causes(pid, score.input_share, dev, first[1].get(rank) if first else None,
+                         last[1].get(rank) if last else None, (last[0] - first[0]) if first and last else 0.0)
+    peers = verdict.peer_wait_share(rank)
+    detail = (f"{rank_label(rank)} is the straggler of job {js.job_id}: its peers waited in {peers:.0%} of their "
+              f"stack samples over the last {th.window_s:.0f} s, it in {score.wait_share:.0%} (score "
+              f"{score.score:.2f}); cause: {_causes_text(causes)}")
+    facts: dict[str, object] = {
+        "rank": rank, "host": sample.hostname, "pid": pid, "score": round(score.score, 3),
+        "wait_share": round(score.wait_share, 3), "peer_wait_share": round(peers, 3),
+        "window_s": th.window_s, "since": verdict.since, "samples": score.samples,
+        "gpu": {"index": dev.index, "uuid": dev.uuid} if dev is not None else None,
+        "causes": [c.to_json() for c in causes],
+        "scores": {str(r): s.to_json() for r, s in sorted(verdict.scores.items())},
+    }
+    return Finding("straggler", "slow_rank", js.job_id, tuple(sorted(js.rank_pids)), (rank,),
+                   verdict.since if verdict.since is not None else sample.t, sample.t,
+                   (dev.uuid,) if dev is not None else (), detail, "stacks", facts)
+
+
+def _causes_text(causes: list[Cause]) -> str:
+    return "; ".join(c.detail for c in causes) if causes else "none visible on this node"
