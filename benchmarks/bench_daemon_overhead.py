@@ -11,7 +11,8 @@ with the default 2 s RAS watching against a RAS stand-in
 (tests/support/ras_standin.py, ``ras.enabled = on``) whose report follows a running job — counts that rise at
 every query, so every poll pair is a "moving" observation the detector consumes. CPU is the daemon process's
 user + system time (psutil) over each window, after a warm-up; the job keeps running across all windows, and
-only one daemon runs at a time. Prints each window, then the median of each configuration and their ratio.
+only one daemon runs at a time; the py-spy processes it runs count as its own CPU (its reaped children's times).
+Prints each window, then the median of each configuration and their ratio.
 ``--baseline DIR``: a source tree of another release (``git worktree add DIR REV``) measured the same way in the
 same run, as a third configuration (its daemon with no RAS section: run from DIR/watchdog with this Python).
 """
@@ -78,8 +79,9 @@ socket_group = ""
 
 def measure(cfg: Path, warmup_s: float, window_s: float, source: Path | None = None,
             after_start: Callable[[], None] | None = None) -> float:
-    """The daemon's CPU over one window, as a percentage of one core (``source``: another release's tree;
-    ``after_start``: called once the daemon runs, before the warm-up — a registration)."""
+    """The daemon's CPU over one window, as a percentage of one core, its helpers included: the py-spy dumps it
+    runs (stack samples, rank finding) count as its own, from its reaped children's times (``source``: another
+    release's tree; ``after_start``: called once the daemon runs, before the warm-up — a registration)."""
     argv = [GW, "run", "--config", str(cfg)]
     env = None
     if source is not None:
@@ -97,7 +99,9 @@ def measure(cfg: Path, warmup_s: float, window_s: float, source: Path | None = N
         c1, t1 = p.cpu_times(), time.monotonic()
         if proc.poll() is not None:
             raise RuntimeError(f"the daemon exited {proc.returncode}")
-        return 100.0 * ((c1.user + c1.system) - (c0.user + c0.system)) / (t1 - t0)
+        used = (c1.user + c1.system + c1.children_user + c1.children_system) - (
+            c0.user + c0.system + c0.children_user + c0.children_system)
+        return 100.0 * used / (t1 - t0)
     finally:
         proc.terminate()
         try:
