@@ -3,7 +3,8 @@ code), under ``launch``: one rank held back from outside is named, with its caus
 once for 40 s is not — and nothing is ever stopped for either.
 
 Windows are short for the test (``[straggler]`` interval 1 s, window 64 s in 8 slices of 8 samples: a single
-pause up to 48 s never makes a straggler); the shipped defaults are 30 s / 900 s / 5 (docs/stragglers.md). The
+pause up to 48 s never makes a straggler; a CPU budget that never spaces the rounds); the shipped defaults are
+30 s / 900 s / 5 slices / 0.05 % of a core (docs/stragglers.md). The
 eval job runs beside the two others (started with the module): the host's load is part of what it must survive.
 """
 
@@ -21,7 +22,7 @@ from launch_harness import REPO, LaunchRun, base_env, read_events, start_launch,
 
 pytestmark = pytest.mark.slow
 JOB = REPO / "tests" / "zoo" / "ddp_compute.py"
-WINDOW = {"interval_s": 1.0, "window_s": 64.0, "slices": 8}
+WINDOW = {"interval_s": 1.0, "window_s": 64.0, "slices": 8, "cpu_budget_percent": 50.0}  # rounds every second
 
 
 def _start(tmp_path: Path, job_id: str, *job_args: str) -> tuple[LaunchRun, Path]:

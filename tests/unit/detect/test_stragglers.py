@@ -28,11 +28,11 @@ PIDS = {0: 1001, 1: 1002, 2: 1003}
 CFG = config_from_dict({"straggler": {"interval_s": 0.001, "window_s": 16.0, "slices": 4}})
 
 
-def _rounds(monkeypatch: pytest.MonkeyPatch, slow: int | None) -> None:
-    """take_round answers at once: ``slow`` computes, the others wait in a collective."""
+def _rounds(monkeypatch: pytest.MonkeyPatch, slow: int | None, cpu_s: float = 0.0) -> None:
+    """take_round answers at once: ``slow`` computes, the others wait in a collective; each round "cost" ``cpu_s``."""
     def take_round(rank_pids: Mapping[int, int], cfg, gpu, devices, t: float):
         states = {r: "compute" if r == slow else "collective" for r in rank_pids}
-        return t, states, {r: HostCounters() for r in rank_pids}
+        return t, states, {r: HostCounters() for r in rank_pids}, cpu_s
     monkeypatch.setattr(stragglers, "take_round", take_round)
 
 
@@ -125,3 +125,19 @@ def test_the_slow_ranks_throttled_gpu_is_named_thermal(monkeypatch, nvml_standin
     gpu = [c for c in f.facts["causes"] if c["kind"] == "gpu_clocks"]
     assert len(gpu) == 1 and "thermal" in gpu[0]["detail"] and "SM clock 1140 of 1980 MHz" in gpu[0]["detail"]
     assert "thermal" in f.detail
+
+
+def test_rounds_that_cost_more_than_the_budget_are_spaced_and_the_window_stretches(monkeypatch) -> None:
+    """The budget (a share of one core, split between the jobs sampled) spaces the rounds; the window stretches with
+    them, so it holds as many samples: only the naming comes later."""
+    assert stragglers.pace(30.0, None, 0.0005) == 30.0  # nothing measured yet
+    assert stragglers.pace(30.0, 0.010, 0.0005) == 30.0  # 10 ms a round: 0.033 % of a core, within 0.05 %
+    assert stragglers.pace(30.0, 0.060, 0.0005) == pytest.approx(120.0)  # 60 ms (a Ray worker group): every 2 min
+    cfg = config_from_dict({"straggler": {"interval_s": 0.001, "window_s": 16.0, "slices": 4,
+                                          "cpu_budget_percent": 0.1}})
+    _rounds(monkeypatch, slow=1, cpu_s=0.000002)  # 2 µs a round against 1 µs of budget a round: every 2 ms
+    watch = stragglers.StragglerWatch(lambda: cfg)
+    assert _run(watch, JOB, BARE, 20) == []  # 20 s of samples: a whole 16 s window, not a 32 s one
+    assert watch._jobs["j"].stretch == pytest.approx(2.0)
+    found = _run(watch, JOB, BARE, 20, start=20)
+    assert len(found) == 1 and found[0].facts["window_s"] == pytest.approx(32.0)

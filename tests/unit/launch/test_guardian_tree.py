@@ -3,11 +3,12 @@ parent died, and never a process that merely reuses a pid."""
 
 from __future__ import annotations
 
-from gpu_watchdog.launch.guardian import JobTree, ProcStat
+from gpu_watchdog.launch.guardian import JobTree
+from gpu_watchdog.sample.proc_stat import ProcStat
 
 
 def procs(*rows: tuple[int, int, int, float]) -> dict[int, ProcStat]:
-    return {pid: ProcStat(pid, ppid, sid, start) for pid, ppid, sid, start in rows}
+    return {pid: ProcStat(pid, "S", ppid, sid, start, None) for pid, ppid, sid, start in rows}
 
 
 def test_ranks_in_their_own_sessions_stay_in_the_job_after_torchrun_dies() -> None:

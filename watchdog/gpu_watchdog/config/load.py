@@ -44,7 +44,8 @@ _MAY_BE_ZERO = {"detect.spin_power_max_w", "detect.util_idle_max_percent", "dete
                 "recovery.restart_backoff_s", "fallback.actor_grace_s", "ras.watch_interval_s"}
 _RATIOS = {"detect.spin_power_max_ratio", "detect.spin_traffic_max_link_ratio", "straggler.min_peer_wait_share",
            "straggler.max_share_ratio"}
-_PERCENTS = {"detect.util_idle_max_percent", "detect.spin_util_min_percent", "detect.spin_mem_util_max_percent"}
+_PERCENTS = {"detect.util_idle_max_percent", "detect.spin_util_min_percent", "detect.spin_mem_util_max_percent",
+             "straggler.cpu_budget_percent"}
 
 
 def _is_host_port(text: str) -> bool:

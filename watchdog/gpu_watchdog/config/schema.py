@@ -183,8 +183,12 @@ class StragglerConfig:
     for, with its cause where the node sees one: an incident and metrics, never an action (docs/stragglers.md)."""
 
     enabled: bool = True
-    interval_s: float = 30.0  # one nonblocking stack sample of each rank this often (~10 ms of agent CPU per rank)
+    interval_s: float = 30.0  # one nonblocking stack sample of each rank at most this often (~10 ms CPU per rank)
     window_s: float = 900.0  # the scores cover this long; a straggler is named after one whole window
+    # What the sampling may cost, node-wide, in % of one core (py-spy's own CPU included): where rounds cost more
+    # (many ranks, big processes) they are spaced further apart and the window stretches with them, so every window
+    # holds the same number of samples and only detection takes longer.
+    cpu_budget_percent: float = 0.05
     # The window's parts: a rank is the straggler only when it is one in every part, so no single slow phase
     # up to window_s - 2 x window_s / slices long (9 min by default) ever makes one.
     slices: int = 5

@@ -13,6 +13,7 @@ docs/stragglers.md).
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -29,7 +30,8 @@ from gpu_watchdog.model import DeviceSample, NodeSample, rank_label
 
 log = logging.getLogger("gpu_watchdog.straggler")
 
-Round = tuple[float, dict[int, str], dict[int, HostCounters]]  # (t, rank → state, rank → counters)
+# (t, rank → state, rank → counters, the round's CPU: its py-spy processes')
+Round = tuple[float, dict[int, str], dict[int, HostCounters], float]
 
 
 @dataclass
@@ -41,6 +43,16 @@ class _JobWatch:
     pending: Future[Round] | None = None
     reported: set[int] = field(default_factory=set)  # ranks named in this run (one finding each)
     verdict: Verdict | None = None
+    round_cpu_s: float | None = None  # what a round costs, smoothed
+    stretch: float = 1.0  # how far the budget spaces its rounds beyond interval_s (its window stretches as much)
+
+
+def pace(interval_s: float, round_cpu_s: float | None, budget: float) -> float:
+    """Seconds between a job's rounds: ``interval_s``, or longer where its rounds would cost more than ``budget``
+    (a share of one core)."""
+    if not round_cpu_s or budget <= 0:
+        return interval_s
+    return max(interval_s, round_cpu_s / budget)
 
 
 def _world_sizes(sample: NodeSample) -> dict[str, int]:
@@ -58,7 +70,10 @@ def _devices_by_pid(sample: NodeSample) -> dict[int, DeviceSample]:
 
 def take_round(rank_pids: Mapping[int, int], cfg: Config, gpu_pids: frozenset[int],
                devices: Mapping[int, DeviceSample], t: float) -> Round:
-    """One nonblocking stack sample of every rank, classified, with each rank's host counters."""
+    """One nonblocking stack sample of every rank, classified, with each rank's host counters and the CPU the
+    round's py-spy processes used (reaped children of the agent meanwhile: another dump running at the same time
+    counts too, which only spaces the rounds further)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     ranks = sorted(rank_pids)
     results = dump_stacks([rank_pids[r] for r in ranks], timeout_s=cfg.stacks.timeout_s,
                           concurrency=cfg.stacks.concurrency, py_spy=cfg.stacks.py_spy or None, nonblocking=True)
@@ -69,7 +84,9 @@ def take_round(rank_pids: Mapping[int, int], cfg: Config, gpu_pids: frozenset[in
         by_rank[r] = res
     states = {s.rank: as_sampled(s.state, s.pid, s.pid in gpu_pids) for s in classify_results(by_rank)}
     counters = {r: host_counters(pid, devices.get(pid)) for r, pid in rank_pids.items()}
-    return t, states, counters
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return t, states, counters, max(0.0, cpu)
 
 
 class StragglerWatch:
@@ -97,13 +114,13 @@ class StragglerWatch:
         if not sc.enabled or not cfg.stacks.enabled:
             self._jobs.clear()
             return []
-        th = Thresholds(sc.window_s, sc.slices, sc.min_peer_wait_share, sc.max_share_ratio)
         now = time.monotonic()
         out = []
         for job_id in set(self._jobs) - set(jobs):
             del self._jobs[job_id]
         devices = _devices_by_pid(sample)
         worlds = _world_sizes(sample)
+        share = sc.cpu_budget_percent / 100.0 / max(1, len(self._jobs))  # of a core, per sampled job
         for js in jobs.values():
             if len(js.rank_pids) < 2 and worlds.get(js.job_id, 0) < 2:
                 self._jobs.pop(js.job_id, None)
@@ -111,13 +128,15 @@ class StragglerWatch:
             w = self._jobs.get(js.job_id)
             if w is None or w.pids != dict(js.rank_pids):  # a new run, or a rank replaced: a new window
                 w = self._jobs[js.job_id] = _JobWatch(dict(js.rank_pids))
-            self._collect(w, sc.window_s)
+            th = Thresholds(sc.window_s * w.stretch, sc.slices, sc.min_peer_wait_share, sc.max_share_ratio)
+            self._collect(w, th.window_s)
             if js.state == STALLED:  # a hang, not a straggler: its window starts again once the job runs
                 w.window.reset()
                 w.counters.clear()
                 continue
             if w.pending is None and now >= w.next_at:
-                w.next_at = now + sc.interval_s
+                w.stretch = pace(sc.interval_s, w.round_cpu_s, share) / sc.interval_s
+                w.next_at = now + sc.interval_s * w.stretch
                 gpu = pids_on_gpu(sample, w.pids.values())
                 w.pending = self._worker().submit(take_round, dict(w.pids), cfg, gpu, devices, sample.t)
             w.verdict = w.window.verdict(sample.t, th)
@@ -139,10 +158,11 @@ class StragglerWatch:
             return
         w.pending = None
         try:
-            t, states, counters = fut.result()
+            t, states, counters, cpu = fut.result()
         except Exception as e:  # a failed round is a missing sample, never a crash
             log.warning("straggler sample failed: %s", e)
             return
+        w.round_cpu_s = cpu if w.round_cpu_s is None else 0.7 * w.round_cpu_s + 0.3 * cpu
         w.window.add(t, states, window_s)
         w.counters.append((t, counters))
         while w.counters and w.counters[0][0] < t - window_s:

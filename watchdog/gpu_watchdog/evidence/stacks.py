@@ -43,6 +43,7 @@ import psutil
 
 from gpu_watchdog.errors import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE
 from gpu_watchdog.evidence.syscalls import read_syscall, timed_wait, wait_left_s
+from gpu_watchdog.sample import proc_stat
 from gpu_watchdog.sample.processes import read_task_state, read_wchan
 
 OUTCOMES = ("ok", "py_spy_missing", "permission_denied", "exited", "stopped", "timeout", "error")
@@ -121,15 +122,10 @@ def _read_kernel_waits(pid: int) -> KernelWaits:
     """{tid: (kernel wait channel, scheduler state, syscall line)} of every thread of pid; empty where /proc hides
     it."""
     out: KernelWaits = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for t in tids:
-        if t.isdigit():
-            w, st, sc = read_wchan(pid, int(t)), read_task_state(pid, int(t)), read_syscall(pid, int(t))
-            if w or st or sc:
-                out[int(t)] = (w, st, sc)
+    for t in proc_stat.threads(pid):
+        w, st, sc = read_wchan(pid, t), read_task_state(pid, t), read_syscall(pid, t)
+        if w or st or sc:
+            out[t] = (w, st, sc)
     return out
 
 
@@ -168,11 +164,7 @@ def _thread_counters(pid: int) -> ThreadCounters:
     """Every thread's own wakeups and I/O bytes (``/proc/PID/task/TID/{status,io}``): a rank whose work runs on a
     thread other than the main one (Ray Train's training thread) is judged by that thread's."""
     out: ThreadCounters = {}
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit()]
-    except OSError:
-        return out
-    for tid in tids:
+    for tid in proc_stat.threads(pid):
         wakeups = None
         try:
             with open(f"/proc/{pid}/task/{tid}/status") as f:

@@ -7,6 +7,8 @@ import signal
 import threading
 import time
 
+from gpu_watchdog.sample.proc_stat import read_stat
+
 _TEARDOWN = (signal.SIGTERM, signal.SIGKILL)  # what torchrun sends the surviving workers
 
 
@@ -68,14 +70,13 @@ class ExitWatch:
             self.exits.clear()
 
     def _exited(self, rank: int, pid: int) -> None:
-        from gpu_watchdog.sample.processes import read_exit_status
-
         if rank == _COMMAND:
             if self.command_exited_at is None:
                 self.command_exited_at = time.time()
             return
 
-        self.exits.setdefault(rank, (time.time(), read_exit_status(pid)))
+        st = read_stat(pid)  # a zombie until its parent reaps it: its exit status is still there
+        self.exits.setdefault(rank, (time.time(), st.exit_code if st is not None else None))
 
     def _run(self) -> None:
         import select
@@ -116,13 +117,11 @@ class ExitWatch:
         with self._lock:
             ranks = [(r, pid) for r, pid in self._ranks.items() if r not in self.exits and r != _COMMAND]
         for rank, pid in ranks:
-            try:
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-            except OSError:
+            st = read_stat(pid)
+            if st is None:
                 self.exits[rank] = (time.time(), None)
                 continue
-            if zombie:
+            if st.state == "Z":
                 self._exited(rank, pid)
 
     def close(self) -> None:

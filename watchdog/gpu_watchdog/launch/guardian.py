@@ -32,37 +32,13 @@ import select
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+
+from gpu_watchdog.sample.proc_stat import ProcStat, read_stat, scan
 
 DONE = b"done\n"
 SCAN_S = 1.0  # how often the guardian re-reads the job's process tree while launch runs
 
 
-@dataclass(frozen=True)
-class ProcStat:
-    pid: int
-    ppid: int
-    sid: int
-    start: float  # clock ticks since boot (/proc/PID/stat field 22): with the pid, the process's identity
-
-
-def read_stat(pid: int | str) -> ProcStat | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            rest = f.read().rsplit(b")", 1)[1].split()
-        # rest[0] is field 3 (state): ppid is field 4, session field 6, start time field 22
-        return ProcStat(int(pid), int(rest[1]), int(rest[3]), float(rest[19]))
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def scan() -> dict[int, ProcStat]:
-    """Every process on the node now (one read of /proc)."""
-    out = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit() and (st := read_stat(name)) is not None:
-            out[st.pid] = st
-    return out
 
 
 def environ(pid: int) -> dict[str, str]:

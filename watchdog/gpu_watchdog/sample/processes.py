@@ -27,7 +27,7 @@ from typing import Protocol
 import psutil
 
 from gpu_watchdog.model import JobIdentity, ProcessSample, SampleError, rank_label, unknown_rank
-from gpu_watchdog.sample import group_members, ray_node
+from gpu_watchdog.sample import group_members, proc_stat, ray_node
 from gpu_watchdog.sample.live_env import live_env
 
 log = logging.getLogger("gpu_watchdog.sample.processes")
@@ -218,22 +218,7 @@ def _read_process_table() -> dict[int, tuple[int, float]]:
     if not _LINUX:
         return {p.pid: (p.info["ppid"] or 0, p.info["create_time"] or 0.0)
                 for p in psutil.process_iter(["ppid", "create_time"])}
-    out: dict[int, tuple[int, float]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            fd = os.open(f"/proc/{name}/stat", os.O_RDONLY)
-            try:
-                data = os.read(fd, 4096)
-            finally:
-                os.close(fd)
-            # "pid (comm) state ppid ... starttime ...": comm may hold spaces and parentheses.
-            rest = data[data.rfind(b")") + 2:].split(b" ", 21)
-            out[int(name)] = (int(rest[1]), float(rest[19]))
-        except (OSError, IndexError, ValueError):
-            continue  # gone between the listing and the read
-    return out
+    return {pid: (st.ppid, st.start) for pid, st in proc_stat.scan().items()}
 
 
 class RankFinder(Protocol):
@@ -776,12 +761,8 @@ def command_text(argv: Iterable[str], limit: int) -> str:
 
 def read_exit_status(pid: int) -> int | None:
     """A zombie's exit status in waitpid form (/proc/PID/stat field 52, Linux ≥ 3.5), until its parent reaps it."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[49])  # field 52 counted from 1; fields[0] here is field 3 (state)
-    except (OSError, IndexError, ValueError):
-        return None
+    st = proc_stat.read_stat(pid)
+    return st.exit_code if st is not None else None
 
 
 def describe_exit(status: int | None) -> str:
@@ -810,14 +791,9 @@ def read_wchan(pid: int, tid: int | None = None) -> str:
 
 def read_task_state(pid: int, tid: int) -> str:
     """A thread's scheduler state letter from /proc (``R``, ``S``, ``D`` uninterruptible, ``T`` …): ``""`` when
-    unreadable. The field after the command name, which may itself hold spaces and parentheses."""
-    try:
-        with open(f"/proc/{pid}/task/{tid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return ""
-    rest = stat[stat.rfind(")") + 1:].split()
-    return rest[0] if rest else ""
+    unreadable."""
+    st = proc_stat.read_stat(pid, tid)
+    return st.state if st is not None else ""
 
 
 def _io_bytes(proc: psutil.Process) -> int | None:

@@ -15,13 +15,13 @@ last slice) never makes a straggler, however long the others wait during it.
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpu_watchdog.config.schema import MIN_SLICE_SAMPLES
+from gpu_watchdog.sample import proc_stat
 
 WAITING_STATES = frozenset({"collective", "device_sync"})
 # In a collective whose work runs on the rank's own threads, one of them runnable: gloo reduces and sends on the
@@ -145,19 +145,8 @@ def _slow_in(part: Mapping[int, RankScore], th: Thresholds) -> set[int]:
 def own_threads_running(pid: int) -> bool:
     """Whether a thread of ``pid`` other than its main one is runnable now (``R`` in /proc/PID/task/TID/stat, a
     thread throttled by its cgroup's quota included)."""
-    try:
-        tids = [t for t in os.listdir(f"/proc/{pid}/task") if t.isdigit() and int(t) != pid]
-    except OSError:
-        return False
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"R":
-            return True
-    return False
+    return any((st := proc_stat.read_stat(pid, tid)) is not None and st.state == "R"
+               for tid in proc_stat.threads(pid) if tid != pid)
 
 
 def as_sampled(state: str, pid: int, on_gpu: bool) -> str:
