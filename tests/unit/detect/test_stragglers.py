@@ -34,6 +34,7 @@ def _rounds(monkeypatch: pytest.MonkeyPatch, slow: int | None, cpu_s: float = 0.
         states = {r: "compute" if r == slow else "collective" for r in rank_pids}
         return t, states, {r: HostCounters() for r in rank_pids}, cpu_s
     monkeypatch.setattr(stragglers, "take_round", take_round)
+    monkeypatch.setattr(stragglers, "DUMP_CPU_S", cpu_s / len(PIDS))  # what the first round is expected to cost
 
 
 def _run(watch: stragglers.StragglerWatch, js: JobStatus, sample: NodeSample, seconds: int, start: float = 0.0,

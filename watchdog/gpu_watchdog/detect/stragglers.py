@@ -30,6 +30,10 @@ from gpu_watchdog.model import DeviceSample, NodeSample, rank_label
 
 log = logging.getLogger("gpu_watchdog.straggler")
 
+# What one rank's nonblocking py-spy dump costs the agent before a round was measured (9.5 ms on this project's
+# 2-core box; 16 ms for a Ray Train worker): the first rounds keep to the budget too.
+DUMP_CPU_S = 0.010
+
 # (t, rank → state, rank → counters, the round's CPU: its py-spy processes')
 Round = tuple[float, dict[int, str], dict[int, HostCounters], float]
 
@@ -135,7 +139,8 @@ class StragglerWatch:
                 w.counters.clear()
                 continue
             if w.pending is None and now >= w.next_at:
-                w.stretch = pace(sc.interval_s, w.round_cpu_s, share) / sc.interval_s
+                cost = w.round_cpu_s if w.round_cpu_s is not None else DUMP_CPU_S * len(w.pids)
+                w.stretch = pace(sc.interval_s, cost, share) / sc.interval_s
                 w.next_at = now + sc.interval_s * w.stretch
                 gpu = pids_on_gpu(sample, w.pids.values())
                 w.pending = self._worker().submit(take_round, dict(w.pids), cfg, gpu, devices, sample.t)
