@@ -36,7 +36,8 @@ DETECTION_WINDOW_S = DetectConfig().confirm_after_s + 15.0
 OPTIONAL_HERE = {"gpu_watchdog_gpu_memory_total_bytes", "gpu_watchdog_gpu_memory_controller_utilization_ratio",
                  "gpu_watchdog_gpu_power_watts",
                  "gpu_watchdog_rank_waited_on", "gpu_watchdog_gpu_faults_total", "gpu_watchdog_nvml_errors_total",
-                 "gpu_watchdog_process_errors_total"}
+                 "gpu_watchdog_process_errors_total",
+                 "gpu_watchdog_rank_straggler"}  # the "named now" panel shows only ranks named (== 1): none in a hang
 
 
 _events = read_events

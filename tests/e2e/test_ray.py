@@ -208,8 +208,10 @@ def test_a_ray_node_registered_with_the_daemon_is_watched_and_its_services_are_l
 def test_an_actor_group_on_a_registered_ray_node_with_mismatched_collectives_is_named_by_its_actors() -> None:
     """The RLHF frameworks' actor group on a registered ``ray start`` node, the rank only in each actor's attribute
     (no source outside the job can tell it): actor 1 calls all_gather where actor 0 broadcasts. Both members are
-    watched with their rank unknown, the desync is confirmed ≤10 s after the onset, each side is named by its pid and
-    Ray actor, the restart hook gets level 0 (no NCCL change for a desync) and Ray's services live on."""
+    watched, the desync is confirmed ≤10 s after the onset, each side is named — by its pid and Ray actor as rank
+    unknown, or by its true rank where a stack look caught it still inside ``init_process_group(rank=…)`` (waiting
+    for its peer at the rendezvous: on a loaded host CI saw it for actor 0) — the restart hook gets level 0 (no NCCL
+    change for a desync) and Ray's services live on."""
     from daemon_helpers import records
 
     with ray_node_under_daemon() as ray:
@@ -218,13 +220,17 @@ def test_an_actor_group_on_a_registered_ray_node_with_mismatched_collectives_is_
         ray.drivers.append(driver)
         inc, evs = ray.incident_after_onset(events)
         onset = min(e["t"] for e in evs if e["event"] == "hang_onset")
-        actors = {e["pid"] for e in evs if e["event"] == "start"}
+        true_rank = {e["pid"]: e["rank"] for e in evs if e["event"] == "start"}
+        actors = set(true_rank)
         assert inc["desync"] and inc["detected_at"] - onset <= 10.0, inc
-        assert sorted(inc["ranks"]) == sorted(unknown_rank(p) for p in actors), (inc["ranks"], actors)
-        named = inc["unknown_ranks"]
-        assert {v["pid"] for v in named.values()} == actors, named
+        ranks = set(inc["ranks"])
+        assert len(ranks) == 2 and all(unknown_rank(p) in ranks or true_rank[p] in ranks for p in actors), (
+            inc["ranks"], true_rank)  # never a guessed number: its own, or unknown
+        unknown = {p for p in actors if unknown_rank(p) in ranks}
+        named = inc.get("unknown_ranks") or {}
+        assert {v["pid"] for v in named.values()} == unknown, named
         assert all(v["ray"]["actor_class"] == "Trainer" and v["ray"]["actor_id"] for v in named.values()), named
-        assert all(f"pid {p}" in inc["reason"] for p in actors), inc["reason"]
+        assert all(f"pid {p}" in inc["reason"] for p in unknown), inc["reason"]
         assert [h["argv"][2] for h in records(ray.base) if "argv" in h] == ["--level=0"], records(ray.base)
         assert ray.services_alive(), ray.services
 
