@@ -49,6 +49,13 @@ class _JobWatch:
     verdict: Verdict | None = None
     round_cpu_s: float | None = None  # what a round costs, smoothed
     stretch: float = 1.0  # how far the budget spaces its rounds beyond interval_s (its window stretches as much)
+    gpu_ranks: frozenset[int] = frozenset()  # ranks on a real GPU at the last round
+
+
+def _throttled_since(before: HostCounters | None, now: HostCounters | None) -> float:
+    if before is None or now is None or before.throttled_s is None or now.throttled_s is None:
+        return 0.0
+    return max(0.0, now.throttled_s - before.throttled_s)
 
 
 def pace(interval_s: float, round_cpu_s: float | None, budget: float) -> float:
@@ -86,7 +93,7 @@ def take_round(rank_pids: Mapping[int, int], cfg: Config, gpu_pids: frozenset[in
         if res.ok and res.pid in gpu_pids:  # a device sync spins, active, at its caller's line (evidence.collect)
             res = replace(res, threads=with_gpu_line(res.threads, res.pid))
         by_rank[r] = res
-    states = {s.rank: as_sampled(s.state, s.pid, s.pid in gpu_pids) for s in classify_results(by_rank)}
+    states = {s.rank: s.state for s in classify_results(by_rank)}
     counters = {r: host_counters(pid, devices.get(pid)) for r, pid in rank_pids.items()}
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
@@ -143,6 +150,7 @@ class StragglerWatch:
                 w.stretch = pace(sc.interval_s, cost, share) / sc.interval_s
                 w.next_at = now + sc.interval_s * w.stretch
                 gpu = pids_on_gpu(sample, w.pids.values())
+                w.gpu_ranks = frozenset(r for r, pid in w.pids.items() if pid in gpu)
                 w.pending = self._worker().submit(take_round, dict(w.pids), cfg, gpu, devices, sample.t)
             w.verdict = w.window.verdict(sample.t, th)
             for rank in w.verdict.stragglers:
@@ -168,6 +176,9 @@ class StragglerWatch:
             log.warning("straggler sample failed: %s", e)
             return
         w.round_cpu_s = cpu if w.round_cpu_s is None else 0.7 * w.round_cpu_s + 0.3 * cpu
+        last = w.counters[-1][1] if w.counters else {}
+        states = {r: as_sampled(s, _throttled_since(last.get(r), counters.get(r)), r in w.gpu_ranks)
+                  for r, s in states.items()}
         w.window.add(t, states, window_s)
         w.counters.append((t, counters))
         while w.counters and w.counters[0][0] < t - window_s:

@@ -21,7 +21,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpu_watchdog.config.schema import MIN_SLICE_SAMPLES
-from gpu_watchdog.sample import proc_stat
 
 WAITING_STATES = frozenset({"collective", "device_sync"})
 # In a collective whose work runs on the rank's own threads, one of them runnable: gloo reduces and sends on the
@@ -142,17 +141,12 @@ def _slow_in(part: Mapping[int, RankScore], th: Thresholds) -> set[int]:
     return out
 
 
-def own_threads_running(pid: int) -> bool:
-    """Whether a thread of ``pid`` other than its main one is runnable now (``R`` in /proc/PID/task/TID/stat, a
-    thread throttled by its cgroup's quota included)."""
-    return any((st := proc_stat.read_stat(pid, tid)) is not None and st.state == "R"
-               for tid in proc_stat.threads(pid) if tid != pid)
 
-
-def as_sampled(state: str, pid: int, on_gpu: bool) -> str:
-    """The state a sample counts: a CPU (gloo) rank in a collective while its own threads run is doing its
-    collective's work — own time, not a wait on its peers. On a GPU the collective's work is the GPU's (and NCCL's
-    proxy thread polls while it waits), so the main thread's state stands."""
-    if state == "collective" and not on_gpu and own_threads_running(pid):
+def as_sampled(state: str, throttled_since_last_s: float, on_gpu: bool) -> str:
+    """The state a sample counts: a CPU (gloo) rank in a collective while its cgroup throttled it since the last
+    round is starved, doing its collective's work on its own throttled threads — own time, not a wait on its peers.
+    (Any runnable thread was tried first: under a loaded host rank 0's store thread made it a false straggler.) On a
+    GPU the collective's work is the GPU's, so the main thread's state stands."""
+    if state == "collective" and not on_gpu and throttled_since_last_s > 0:
         return COLLECTIVE_OWN_WORK
     return state
