@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from gpu_watchdog.config.schema import MIN_SLICE_SAMPLES
 
 WAITING_STATES = frozenset({"collective", "device_sync"})
-# In a collective whose work runs on the rank's own threads, one of them runnable: gloo reduces and sends on the
-# rank's CPU, so a rank starved of CPU is slow *in* its collectives, and that time is its own (stragglers.classify).
+# In a collective while its cgroup throttles it (as_sampled): gloo reduces and sends on the rank's own CPU, so a rank
+# starved of CPU is slow *in* its collectives, and that time is its own.
 COLLECTIVE_OWN_WORK = "collective_own_work"
 INPUT_STATES = frozenset({"data_wait", "io"})
 # Not counted at all: a stopped rank (the hang detector's), a thread no rule reads (neither wait nor work).
