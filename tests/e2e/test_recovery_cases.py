@@ -152,3 +152,53 @@ def test_a_rank_that_exits_is_an_incident_and_restarts_only_when_asked(tmp_path:
             assert restart[0]["outcome"] == "skipped" and restart[0]["detail"].startswith("skipped: ")
     finally:
         run.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("proof", ["peers_exited_0", "client_done"])
+def test_a_job_that_finished_its_work_and_died_at_teardown_is_never_restarted(tmp_path: Path, proof: str) -> None:
+    """Every step done and the group destroyed, rank 2 dies by SIGABRT (PyTorch's teardown abort), with
+    recovery.restart_on_crash on. peers_exited_0: its peers exited 0 first. client_done: it died first (torchrun
+    then SIGTERMs the lingering peers) but the in-job client saw every rank's training loop end. Either way: a
+    rank_exited incident that says the work was finished, no restart, launch exits with torchrun's code."""
+    timing = ["--pause-s", "2"] if proof == "peers_exited_0" else ["--client", "--pause-s", "0", "--linger-s", "5"]
+    run = _launch(tmp_path, f"teardown-{proof}", "abort_at_exit", *timing, steps=4, step_at=99,
+                  config={"recovery": {"restart_on_crash": True}})
+    try:
+        rc = run.wait(180)
+        out = run.output()
+        assert rc == 1, out[-4000:]  # torchrun's own code for a failed worker
+        incs = run.incidents()
+        assert len(incs) == 1, [(i["kind"], i.get("reason")) for i in incs]
+        (inc,) = incs
+        assert inc["kind"] == "rank_exited" and inc["culprit_ranks"] == [2], inc
+        assert "SIGABRT" in inc["exits"]["2"], inc["exits"]
+        assert "a death at teardown" in inc["finished_work"], inc
+        assert ("rank 0, rank 1, rank 3 exited 0" if proof == "peers_exited_0" else "rank 2 had ended its training "
+                "loop (last step 4)") in inc["finished_work"]
+        (restart,) = [a for a in inc["actions"] if a["action"] == "restart"]
+        assert restart["outcome"] == "skipped" and "finished its work" in restart["detail"], restart
+        assert "not restarting: the job had finished its work" in out
+        starts = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "start"]
+        assert len(starts) == NPROC  # one run only
+    finally:
+        run.kill()
+
+
+@pytest.mark.slow
+def test_a_rank_that_aborts_mid_training_is_restarted_when_asked(tmp_path: Path) -> None:
+    """The healthy counterpart of the teardown death: the same SIGABRT at step 2 of 6 is a crash, restarted."""
+    run = _launch(tmp_path, "abort", "abort", "--cured-by", "GPU_WATCHDOG_RESTART_COUNT=1", steps=6, step_at=2,
+                  config={"recovery": {"restart_on_crash": True}})
+    try:
+        rc = run.wait(180)
+        out = run.output()
+        assert rc == 0, out[-4000:]
+        (inc,) = run.incidents()
+        assert inc["kind"] == "rank_exited" and "finished_work" not in inc, inc
+        restart = [a for a in inc["actions"] if a["action"] == "restart"]
+        assert restart and restart[0]["ok"], inc["actions"]
+        assert sorted(e["rank"] for e in read_events(tmp_path / "events.jsonl")
+                      if e["event"] == "done") == list(range(NPROC))
+    finally:
+        run.kill()

@@ -15,8 +15,13 @@ Scenarios (``--scenario``):
               work to its workers) and waits on a result queue; the worker blocks in an all_reduce of a private
               2-process gloo group whose other member never joins
   exit        rank ``--rank-at`` exits with code 3 at step ``--step-at``
+  abort       rank ``--rank-at`` dies by SIGABRT at step ``--step-at`` (a crash in native code mid-training)
+  abort_at_exit  every step done and the group destroyed, rank ``--rank-at`` dies by SIGABRT after ``--pause-s``
+              seconds (PyTorch's teardown abort at interpreter exit) while its peers exit 0 after ``--linger-s``
   dsleep      rank ``--rank-at`` sits in uninterruptible sleep (state D, as on a hung NFS mount) for ``--pause-s``
               seconds at step ``--step-at``, then trains on (dsleep.c beside this script, built with cc)
+
+``--client`` runs the loop inside the in-job client's ``training()`` and reports each step (gpu_watchdog.job).
 
 ``--cured-by NAME=VALUE`` arms the scenario's fault only while the environment variable NAME is not VALUE: a
 stand-in for a hang that a fallback setting cures (e.g. ``NCCL_P2P_DISABLE=1``) on a CPU box.
@@ -32,6 +37,7 @@ Every rank appends JSON lines to ``--events FILE`` (when given): {"rank", "step"
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import queue
 import signal
@@ -41,6 +47,7 @@ import time
 import torch
 import torch.distributed as dist
 from dstate import uninterruptible_sleep  # beside this script
+from gpu_watchdog.job import Client
 from job_events import compute, log_event  # beside this script
 
 
@@ -122,12 +129,15 @@ def start_fr_pipe(rank: int) -> threading.Event:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scenario", default="healthy",
-                    choices=["healthy", "hang", "desync", "queue", "save", "eval", "stop", "worker", "exit", "dsleep"])
+                    choices=["healthy", "hang", "desync", "queue", "save", "eval", "stop", "worker", "exit", "abort",
+                             "abort_at_exit", "dsleep"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--step-at", type=int, default=5)
     ap.add_argument("--rank-at", type=int, default=1)
     ap.add_argument("--pause-s", type=float, default=45.0)
     ap.add_argument("--step-s", type=float, default=0.3, help="compute time per step")
+    ap.add_argument("--linger-s", type=float, default=0.0, help="abort_at_exit: the peers' wait before exiting")
+    ap.add_argument("--client", action="store_true", help="train inside the in-job client's training()")
     ap.add_argument("--events", default=None)
     ap.add_argument("--workdir", default=".")
     ap.add_argument("--fr-pipe", action="store_true", help="serve Flight Recorder dumps on a FIFO")
@@ -156,6 +166,20 @@ def main() -> None:
     threading.Thread(target=producer, daemon=True, name="producer").start()
 
     t = torch.ones(1024)
+    client = Client.from_env() if args.client else None
+    with client.training() if client is not None else contextlib.nullcontext():
+        train(args, rank, batches, t, client)
+    dist.barrier()
+    log_event(args.events, rank=rank, step=args.steps, event="done")
+    dist.destroy_process_group()
+    if args.scenario == "abort_at_exit":
+        time.sleep(args.pause_s if rank == args.rank_at else args.linger_s)
+        if rank == args.rank_at:
+            os.abort()
+
+
+def train(args: argparse.Namespace, rank: int, batches: queue.Queue[int], t: torch.Tensor,
+          client: Client | None) -> None:
     for step in range(1, args.steps + 1):
         at = step == args.step_at
         if at and args.scenario == "queue" and rank == args.rank_at:
@@ -175,6 +199,9 @@ def main() -> None:
         if at and args.scenario == "exit" and rank == args.rank_at:
             log_event(args.events, rank=rank, step=step, event="hang_onset")
             os._exit(3)
+        if at and args.scenario == "abort" and rank == args.rank_at:
+            log_event(args.events, rank=rank, step=step, event="hang_onset")
+            os.abort()
         if at and args.scenario == "dsleep" and rank == args.rank_at:
             log_event(args.events, rank=rank, step=step, event="hang_onset")
             uninterruptible_sleep(args.pause_s, args.workdir)
@@ -193,9 +220,8 @@ def main() -> None:
             dist.barrier()
         dist.all_reduce(t)
         log_event(args.events, rank=rank, step=step, event="step")
-    dist.barrier()
-    log_event(args.events, rank=rank, step=args.steps, event="done")
-    dist.destroy_process_group()
+        if client is not None:
+            client.step(step)
 
 
 if __name__ == "__main__":

@@ -131,3 +131,20 @@ def test_a_control_dir_that_is_not_on_this_node_never_fails_the_job(tmp_path: Pa
     ctl.path.rmdir()
     live.step(2)  # the agent's node-local state was removed: no FileNotFoundError in the training step
     assert not live.enabled
+
+
+def test_a_training_loop_that_ends_marks_the_rank_done_and_one_that_raises_does_not(tmp_path: Path) -> None:
+    """done-<rank>.json: the agent's proof that a rank dying afterwards died at teardown (never restarted)."""
+    ctl = ControlDir(tmp_path / "ctl")
+    ctl.create()
+    finished = Client(ctl.path, rank=0)
+    with finished.training():
+        finished.step(7)
+    crashed = Client(ctl.path, rank=1)
+    with pytest.raises(ValueError), crashed.training():
+        crashed.step(3)
+        raise ValueError("a bad batch")
+    done = ctl.finished()
+    assert list(done) == [0] and done[0]["step"] == 7 and done[0]["pid"] == os.getpid()
+    ctl.create()  # the next run starts without the last run's marks
+    assert ctl.finished() == {}

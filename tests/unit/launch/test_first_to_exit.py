@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from gpu_watchdog.launch.exits import first_to_exit
+from gpu_watchdog.launch.exits import finished_work, first_to_exit
 
 KILLED = signal.SIGKILL  # a waitpid status: killed by SIGKILL
 TERMINATED = signal.SIGTERM
@@ -39,3 +39,48 @@ def test_a_first_exit_whose_status_was_reaped_away_is_the_failure_when_it_was_al
 def test_when_every_rank_exits_after_the_command_they_are_judged_as_before() -> None:
     exits = {1: (101.0, KILLED), 0: (101.0, EXIT_1)}
     assert first_to_exit(exits, command_exited_at=100.0) == (0,)
+
+
+ABORTED = signal.SIGABRT  # PyTorch's teardown abort ("terminate called without an active exception")
+EXIT_0 = 0
+
+
+def test_a_rank_that_ran_to_exit_code_0_never_failed() -> None:
+    """Ranks 0 and 1 finished and exited 0, rank 2 aborted 0.3 s later: rank 2 failed, not all three."""
+    exits = {0: (100.0, EXIT_0), 1: (100.05, EXIT_0), 2: (100.3, ABORTED)}
+    assert first_to_exit(exits) == (2,)
+
+
+def test_peers_that_exited_0_before_a_rank_died_by_a_signal_show_the_work_was_done() -> None:
+    exits = {0: (100.0, EXIT_0), 1: (100.05, EXIT_0), 2: (100.3, ABORTED)}
+    why = finished_work((2,), (0, 1, 2), exits, {}, command_exited_at=100.5)
+    assert why is not None and "rank 0, rank 1 exited 0" in why and "rank 2 died by a signal" in why
+
+
+def test_a_crash_mid_training_is_not_a_finished_job() -> None:
+    """An abort mid-training: torchrun tears the peers down (SIGTERM), none exited 0."""
+    exits = {2: (100.0, ABORTED), 0: (100.1, TERMINATED), 1: (100.1, TERMINATED)}
+    assert finished_work((2,), (0, 1, 2), exits, {}) is None
+
+
+def test_an_exception_after_peers_exited_0_is_not_called_a_teardown_death() -> None:
+    """Rank 1 left early with exit code 0 (a job that swallows its own error) and rank 0 then raised: the exit code
+    of an exception is no teardown abort, and the work is not shown done."""
+    exits = {1: (100.0, EXIT_0), 0: (101.0, EXIT_1)}
+    assert finished_work((0,), (0, 1), exits, {}) is None
+
+
+def test_peers_that_exit_0_only_after_the_launched_command_ended_prove_nothing() -> None:
+    """Ray: the driver failed and its workers were shut down, exiting 0 after it."""
+    exits = {1: (100.0, ABORTED), 0: (100.8, EXIT_0)}
+    assert finished_work((1,), (0, 1), exits, {}, command_exited_at=100.4) is None
+
+
+def test_the_in_job_clients_end_of_training_shows_the_work_done_whatever_the_peers_did() -> None:
+    """The aborting rank died before its peers exited (torchrun then ended them with SIGTERM); its client had seen
+    its training loop end."""
+    exits = {2: (100.0, ABORTED), 0: (100.1, TERMINATED), 1: (100.1, TERMINATED)}
+    why = finished_work((2,), (0, 1, 2), exits, {0: 12, 1: 12, 2: 12})
+    assert why is not None and "rank 2 had ended its training loop (last step 12)" in why
+    assert finished_work((2,), (0, 1, 2), exits, {0: 12, 1: 12}) is None  # not the rank that died
+    assert finished_work((), (0, 1, 2), exits, {0: 12, 1: 12, 2: 12}) is None  # which rank failed is not known

@@ -137,6 +137,7 @@ class Client:
         """Wrap the training loop: turns a requested stop or an aborted collective into a clean exit."""
         try:
             yield self
+            self._mark_done()
         except _Exit as e:
             raise SystemExit(e.args[0]) from None
         except Exception:
@@ -145,6 +146,17 @@ class Client:
             self._save_and_ack("aborted_saved")  # the collective raised because we aborted it
             self._wait_for_peers()
             raise SystemExit(EXIT_ABORTED) from None
+
+    def _mark_done(self) -> None:
+        """Tell the agent this rank's training loop ended without an exception: a death after this (PyTorch's
+        teardown abort at interpreter exit) is not a crash mid-training and is never restarted."""
+        if self.control_dir is None:
+            return
+        try:
+            write_json_atomic(self.control_dir / f"done-{self.rank}.json",
+                              {"rank": self.rank, "pid": os.getpid(), "step": self.last_step, "t": time.time()})
+        except OSError as e:
+            self._lost(e)
 
     # -- helper thread -----------------------------------------------------------------------------
     def _watch(self) -> None:

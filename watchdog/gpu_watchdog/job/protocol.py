@@ -10,6 +10,8 @@ The agent gives the job a control directory through ``GPU_WATCHDOG_CONTROL_DIR``
                           ``saved`` (at a step boundary), ``aborted_saved`` (after aborting the process
                           group), ``skipped`` (no step completed in this run: the callback was not called,
                           ``step`` is null) or ``failed`` (the callback raised; ``detail`` says what)
+- ``done-<rank>.json``    the rank's training loop (``client.training()``) ended without an exception:
+                          {rank, pid, step, t} — a death after it is a death at teardown, never restarted
 Files are written to a temp name and renamed, so a reader never sees half a file.
 """
 
@@ -64,13 +66,21 @@ class ControlDir:
         except OSError as e:
             note_write_error(f"the job's control directory {self.path}", e)
 
-    def clients(self) -> dict[int, dict[str, Any]]:
+    def _by_rank(self, pattern: str, request_id: str | None = None) -> dict[int, dict[str, Any]]:
+        """The files matching ``pattern`` by the rank they carry (of ``request_id`` only, when given)."""
         out = {}
-        for f in self.path.glob("client-*.json"):
+        for f in self.path.glob(pattern):
             data = read_json(f)
-            if data and isinstance(data.get("rank"), int):
+            if data and isinstance(data.get("rank"), int) and (request_id is None or data.get("id") == request_id):
                 out[data["rank"]] = data
         return out
+
+    def clients(self) -> dict[int, dict[str, Any]]:
+        return self._by_rank("client-*.json")
+
+    def finished(self) -> dict[int, dict[str, Any]]:
+        """The ranks whose training loop ended without an exception in this run (``done-<rank>.json``)."""
+        return self._by_rank("done-*.json")
 
     def steps(self) -> dict[int, int]:
         out = {}
@@ -88,9 +98,4 @@ class ControlDir:
                                                        "grace_s": grace_s})
 
     def acks(self, request_id: str) -> dict[int, dict[str, Any]]:
-        out = {}
-        for f in self.path.glob("ack-*.json"):
-            data = read_json(f)
-            if data and data.get("id") == request_id and isinstance(data.get("rank"), int):
-                out[data["rank"]] = data
-        return out
+        return self._by_rank("ack-*.json", request_id)

@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 
+from gpu_watchdog.model import rank_label
 from gpu_watchdog.sample.proc_stat import read_stat
 
 _TEARDOWN = (signal.SIGTERM, signal.SIGKILL)  # what torchrun sends the surviving workers
@@ -18,10 +19,11 @@ _ALONE_S = 0.05  # an exit this much before every other was seen on its own (not
 
 def first_to_exit(exits: dict[int, tuple[float, int | None]], command_exited_at: float | None = None
                   ) -> tuple[int, ...]:
-    """The rank(s) that failed: of the exits seen within a second of the first, those that did not end by
-    torchrun's teardown signals; else the earliest ones seen. A rank that exited after the launched command
-    itself (``command_exited_at``) was torn down by the command's end (Ray's workers exit when their driver is
-    gone, with an exit code of their own): never the one that failed, unless every rank did."""
+    """The rank(s) that failed: of the exits seen within a second of the first (exit code 0 is no failure), those
+    that did not end by torchrun's teardown signals; else the earliest ones seen. A rank that exited after the
+    launched command itself (``command_exited_at``) was torn down by the command's end (Ray's workers exit when
+    their driver is gone, with an exit code of their own): never the one that failed, unless every rank did."""
+    exits = {r: v for r, v in exits.items() if v[1] != 0}  # a rank that ran to exit code 0 never failed
     if command_exited_at is not None:
         exits = {r: v for r, v in exits.items() if v[0] <= command_exited_at} or exits
     if not exits:
@@ -36,6 +38,34 @@ def first_to_exit(exits: dict[int, tuple[float, int | None]], command_exited_at:
     early = {r: st for r, (t, st) in exits.items() if t - first_t < 1.0}
     own = tuple(sorted(r for r, st in early.items() if st is not None and (st & 0x7F) not in _TEARDOWN))
     return own or tuple(sorted(r for r, (t, _) in exits.items() if t - first_t < 0.01))
+
+
+def finished_work(failed: tuple[int, ...], ranks: tuple[int, ...], exits: dict[int, tuple[float, int | None]],
+                  done: dict[int, int | None], command_exited_at: float | None = None) -> str | None:
+    """Why the job had finished its work before ``failed`` died (PyTorch's teardown abort at interpreter exit,
+    pytorch/pytorch#190489), or None when that is not shown. ``done``: rank → last step, of the ranks whose in-job
+    client saw their training loop end without an exception. Without the client: every peer ran its script to
+    exit code 0 before the launched command ended (its last collective needed every rank, the failed one
+    included) and each failed rank was ended by a signal of its own, not by an exception's exit code."""
+    if not failed:
+        return None
+    if all(r in done for r in failed):
+        steps = sorted({s for r in failed if (s := done[r]) is not None})
+        at = f" (last step {steps[-1]})" if steps else ""
+        return (f"{_ranks_text(failed)} had ended {'its' if len(failed) == 1 else 'their'} training loop{at} before "
+                "dying: a death at teardown")
+    peers = [r for r in ranks if r not in failed]
+    until = command_exited_at if command_exited_at is not None else float("inf")
+    peers_done = peers and all(r in exits and exits[r][1] == 0 and exits[r][0] <= until for r in peers)
+    by_signal = all(r in exits and (st := exits[r][1]) and st & 0x7F and (st & 0x7F) not in _TEARDOWN for r in failed)
+    if peers_done and by_signal:
+        return (f"{_ranks_text(tuple(peers))} exited 0 (their last collective needed every rank) and "
+                f"{_ranks_text(failed)} died by a signal: a death at teardown")
+    return None
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    return ", ".join(rank_label(r) for r in sorted(ranks))
 
 
 class ExitWatch:

@@ -37,7 +37,7 @@ from gpu_watchdog.evidence import flight_recorder as fr
 from gpu_watchdog.evidence.spawned_ranks import no_rank_warning
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV, RESTART_COUNT_ENV, ControlDir
-from gpu_watchdog.launch.exits import ExitWatch, first_to_exit
+from gpu_watchdog.launch.exits import ExitWatch, finished_work, first_to_exit
 from gpu_watchdog.launch.guardian import Guardian
 from gpu_watchdog.launch.output import JobOutput
 from gpu_watchdog.model import NodeSample, rank_label
@@ -389,6 +389,16 @@ class Launcher:
                    last_stacks=[{"rank": rs.rank, "state": rs.state, "where": rs.where, "stack": rs.signature}
                                 for rs in last.ranks] if last else [])
         self.say(f"RANK EXITED in job {self.job_id}: {finding.detail}; incident {inc.id}")
+        done = {r: d.get("step") for r, d in self.control.finished().items()}
+        finished = finished_work(first, ranks, exits, done, command_exited_at)
+        if finished is not None:
+            inc.update(finished_work=finished)
+        if finished is not None and self.cfg.recovery.restart_on_crash:
+            inc.record_action("restart", False, f"skipped: the job had finished its work ({finished}); launch exits "
+                                                f"{code}", outcome="skipped")
+            inc.finish("not restarted: the job had finished its work")
+            self.say(f"not restarting: the job had finished its work ({finished})")
+            return None
         if not self.cfg.recovery.restart_on_crash:
             inc.record_action("restart", False, "skipped: recovery.restart_on_crash is false (a crash usually "
                                                 f"comes back); launch exits {code}", outcome="skipped")
