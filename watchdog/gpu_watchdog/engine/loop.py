@@ -62,6 +62,17 @@ class Tick:
     error: str = ""
 
 
+@dataclass
+class WatchedJob:
+    """What the engine keeps about one job between ticks: dropped with it when the job ends (work in flight for it,
+    a dump or a read of the shared directory, is kept apart and taken when done)."""
+
+    settings: ConfigWatch = field(default_factory=ConfigWatch)  # its ranks' launch settings, checked and compared
+    healthy_since: float | None = None  # wall time it has run without a stall since (fallback.healthy_reset_s)
+    comm_seen: float = 0.0  # the newest NCCL RAS observation read from the shared directory and handed on
+    comm_read_at: float = 0.0  # monotonic: when its shared record is read next
+
+
 def _no_heartbeats() -> Mapping[str, Mapping[int, int]]:
     return {}
 
@@ -93,19 +104,15 @@ class Engine:
         self.ticks_failed = 0
         self.last_error = ""
         self._last_clock: tuple[float, float] | None = None  # (sample time, monotonic) of the last good sample
+        self._jobs: dict[str, WatchedJob] = {}
         self._dumps: dict[str, Future[list[StackEvidence]]] = {}
-        self._watches: dict[str, ConfigWatch] = {}
-        self._healthy_since: dict[str, float] = {}
         self.ras = RasPoller(lambda: self.cfg.ras)  # NCCL RAS: watched jobs, and every suspect or stalled one
         self.fr_dumps = SuspectDumps()  # Flight Recorder dumps asked for at suspect: an incident takes them
         self._holds: list[tuple[str, float, str, tuple[int, ...], str]] = []  # hold() requests for the next tick
         self._shared: ThreadPoolExecutor | None = None  # fallback.shared_dir work (cross-node settings)
         self._cross: dict[str, tuple[JobStatus, Future[ConfigReport | None]]] = {}
-        # NCCL RAS observations shared through fallback.shared_dir: reads of the watcher's record in flight, and
-        # the newest observation time handed to the detector per job.
+        # NCCL RAS observations shared through fallback.shared_dir: reads of the watcher's record in flight.
         self._comm_reads: dict[str, Future[list[CommProgress]]] = {}
-        self._comm_seen: dict[str, float] = {}
-        self._comm_read_at: dict[str, float] = {}  # monotonic: the next read of a job's shared record
         self._fresh: list[str] = []  # restarted_in_place() requests for the next tick
         self._holds_lock = threading.Lock()  # the daemon's acts run on worker threads
         # Ranks handed their rank in code (mp.spawn): the scanner asks for each one's rank, read from its stack.
@@ -139,10 +146,10 @@ class Engine:
     def new_run(self, job_id: str) -> None:
         """The job was restarted: its new ranks start with a clean slate (detector, launch-settings check,
         healthy time)."""
-        watch = self._watches.get(job_id)
-        if watch is not None:
-            watch.new_run()
-        self._healthy_since.pop(job_id, None)
+        job = self._jobs.get(job_id)
+        if job is not None:
+            job.settings.new_run()
+            job.healthy_since = None
         self.ras.forget(job_id)
         self.fr_dumps.end(job_id)
         self.stragglers.forget(job_id)
@@ -293,7 +300,8 @@ class Engine:
                 except Exception as e:  # an unreachable shared directory is missing evidence, not a crash
                     log.debug("job %s: cannot read the shared NCCL RAS record: %s", job_id, e)
         for c in comm:
-            self._comm_seen[c.job_id] = max(self._comm_seen.get(c.job_id, 0.0), c.t)
+            job = self._job(c.job_id)
+            job.comm_seen = max(job.comm_seen, c.t)
         return comm
 
     def _share_comm(self, own: list[CommProgress], jobs: Mapping[str, JobStatus]) -> None:
@@ -309,11 +317,11 @@ class Engine:
                 self._shared_pool().submit(runs.publish_comm, c)
         now = time.monotonic()
         for js in jobs.values():
-            if 0 in js.rank_pids or js.job_id in self._comm_reads or now < self._comm_read_at.get(js.job_id, 0.0):
+            job = self._job(js.job_id)
+            if 0 in js.rank_pids or js.job_id in self._comm_reads or now < job.comm_read_at:
                 continue
-            self._comm_read_at[js.job_id] = now + watch
-            self._comm_reads[js.job_id] = self._shared_pool().submit(
-                runs.peer_comm, js.job_id, self._comm_seen.get(js.job_id, 0.0))
+            job.comm_read_at = now + watch
+            self._comm_reads[js.job_id] = self._shared_pool().submit(runs.peer_comm, js.job_id, job.comm_seen)
 
     def _check_configs(self, t: float) -> list[Finding]:
         """Every job's ranks on this node must share their launch settings: the digest goes to the metrics
@@ -376,8 +384,11 @@ class Engine:
                 out.append(finding)
         return out
 
+    def _job(self, job_id: str) -> WatchedJob:
+        return self._jobs.setdefault(job_id, WatchedJob())
+
     def config_watch(self, job_id: str) -> ConfigWatch:
-        return self._watches.setdefault(job_id, ConfigWatch())
+        return self._job(job_id).settings
 
     def check_launch_settings(self, js: JobStatus, t: float) -> Finding | None:
         """Compare the job's ranks' launch settings now: the digest to the metrics, a finding when a mismatch
@@ -391,29 +402,24 @@ class Engine:
         """A job running without a stall for ``fallback.healthy_reset_s`` drops back to fallback level 0."""
         now = time.time()
         for job_id, js in jobs.items():
+            job = self._job(job_id)
+            if js.state != RUNNING or job.healthy_since is None:
+                job.healthy_since = now
             if js.state != RUNNING:
-                self._healthy_since[job_id] = now
                 continue
-            since = self._healthy_since.setdefault(job_id, now)
-            if self.fallback.note_healthy(job_id, since, now, self.cfg.fallback):
+            if self.fallback.note_healthy(job_id, job.healthy_since, now, self.cfg.fallback):
                 self._say(f"job {job_id} healthy for {self.cfg.fallback.healthy_reset_s:.0f}s: "
                           "fallback level back to 0")
 
     def _forget_ended(self, jobs: Mapping[str, JobStatus]) -> None:
-        for job_id in set(self._watches) - set(jobs):
-            del self._watches[job_id]
+        for job_id in set(self._jobs) - set(jobs):
+            del self._jobs[job_id]
             if self.metrics is not None:
                 self.metrics.forget_job(job_id)
-        for job_id in set(self._healthy_since) - set(jobs):
-            del self._healthy_since[job_id]
         for job_id in self.ras.jobs() - set(jobs):
             self.ras.forget(job_id)
         for job_id in self.fr_dumps.jobs() - set(jobs):
             self.fr_dumps.end(job_id)
-        for job_id in set(self._comm_seen) - set(jobs):
-            del self._comm_seen[job_id]
-        for job_id in set(self._comm_read_at) - set(jobs):
-            del self._comm_read_at[job_id]
 
 
 def count_internal_error(metrics: Any, stage: str) -> None:
