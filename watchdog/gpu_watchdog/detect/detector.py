@@ -195,8 +195,7 @@ def _rank_facts(p: ProcessSample, prev: _RankObs | None, t: float, device: str |
     """
     same = prev is not None and prev.pid == p.pid and prev.create_time == p.create_time
     wait = kernel_wait(p.wchan, p.status)
-    where = f"uninterruptible, {p.wchan}" if p.status == "disk-sleep" and p.wchan else (p.wchan or p.status)
-    doing = f"{wait} ({where})" if wait else ""
+    doing = _kernel_doing(p, wait)
     stopped = p.status == "stopped"
     if same and prev is not None and p.status != "zombie" and t - prev.t < cfg.progress_min_window_s \
             and p.heartbeat_step == prev.heartbeat_step:
@@ -207,6 +206,20 @@ def _rank_facts(p: ProcessSample, prev: _RankObs | None, t: float, device: str |
     progressing, host_busy, did_io = _rank_progress(p, old, t, device_wait, wait, cfg)
     host_busy_t = t if host_busy else (old.host_busy_t if old is not None else None)
     io_t = t if did_io else (old.io_t if old is not None else None)
+    step_t, step_s = _step_timing(p, old, t)
+    return _RankObs(p.pid, p.create_time, t, p.cpu_time_s, p.io_bytes, p.heartbeat_step, p.wakeups, progressing,
+                    host_busy_t, step_t, step_s, device, doing, stopped, stale, io_t)
+
+
+def _kernel_doing(p: ProcessSample, wait: str | None) -> str:
+    """What the kernel shows the rank waiting on, for the operator ("io wait (pipe_write)"); "" when nothing."""
+    where = f"uninterruptible, {p.wchan}" if p.status == "disk-sleep" and p.wchan else (p.wchan or p.status)
+    return f"{wait} ({where})" if wait else ""
+
+
+def _step_timing(p: ProcessSample, old: _RankObs | None, t: float) -> tuple[float | None, float | None]:
+    """(the last time the rank's step heartbeat moved, its own step time in seconds per step) as of ``t``; ``old``
+    is the same process's previous observation (None: a new process, nothing learned yet)."""
     stepped = old is not None and p.heartbeat_step is not None and p.heartbeat_step != old.heartbeat_step
     step_t = t if stepped else (old.step_t if old is not None else None)
     step_s = old.step_s if old is not None else None
@@ -215,8 +228,7 @@ def _rank_facts(p: ProcessSample, prev: _RankObs | None, t: float, device: str |
         # Seconds per step, smoothed: heartbeats arrive at tick resolution, several steps per tick on a fast job.
         per_step = (t - old.step_t) / (p.heartbeat_step - old.heartbeat_step)
         step_s = per_step if step_s is None else 0.7 * step_s + 0.3 * per_step
-    return _RankObs(p.pid, p.create_time, t, p.cpu_time_s, p.io_bytes, p.heartbeat_step, p.wakeups, progressing,
-                    host_busy_t, step_t, step_s, device, doing, stopped, stale, io_t)
+    return step_t, step_s
 
 
 def _heartbeat_stale(p: ProcessSample, prev: _RankObs | None, t: float, cfg: DetectConfig) -> bool:
@@ -423,16 +435,8 @@ def _job_facts(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tuple[
 
     evidence, moving, stack_quiet = _stack_progress(prev, evidence_in, obs, cfg)
 
-    # Every rank's heartbeat went still for several of its own step times: the job is suspect whatever its GPUs
-    # show; a GPU that looks busy then needs stack proof, never time alone (a long evaluation keeps it busy).
-    stale_all = all(obs[r].stale for r in ranks)
-    quiet = not progressing and (not devices_busy or stale_all)
-    quiet_since = (prev.quiet_since if prev.quiet_since is not None else prev_t) if quiet else None
+    quiet, quiet_since, onset = _quiet_streak(prev, prev_t, ranks, obs, progressing, devices_busy, stack_quiet)
     base = replace(base, quiet_since=quiet_since)
-    onset = prev.onset if prev.onset is not None else prev_t  # the last tick that saw progress
-    if not quiet and stack_quiet and not devices_busy:
-        quiet = True  # the CPU "progress" was a host-side spin: the stacks never moved
-        onset = prev.onset if prev.onset is not None else (prev.waiting_since or prev_t)
     # Stacks that moved count only from two dumps taken while the counters were quiet: a pair from before (a job
     # that waited on a slow rank at start-up, then hung) says what the ranks did then, not now.
     slow_movers = quiet and bool(moving) and prev.state != STALLED and quiet_since is not None \
@@ -450,6 +454,24 @@ def _job_facts(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tuple[
         return facts
     waiting_since = prev.waiting_since if prev.waiting_since is not None else (onset if slow_movers else prev_t)
     return _waiting_facts(facts, prev, waiting_since, progressing, moving, obs, devs, sigs)
+
+
+def _quiet_streak(prev: JobStatus, prev_t: float, ranks: Sequence[int], obs: Mapping[int, _RankObs],
+                  progressing: Sequence[int], devices_busy: bool,
+                  stack_quiet: bool) -> tuple[bool, float | None, float]:
+    """(whether nothing moved this tick, since when no counter moved (None: one did), the quiet streak's onset).
+
+    ``quiet_since`` rests on the counters alone: a job made quiet only by stacks that never moved keeps it None."""
+    # Every rank's heartbeat went still for several of its own step times: the job is suspect whatever its GPUs
+    # show; a GPU that looks busy then needs stack proof, never time alone (a long evaluation keeps it busy).
+    stale_all = all(obs[r].stale for r in ranks)
+    quiet = not progressing and (not devices_busy or stale_all)
+    quiet_since = (prev.quiet_since if prev.quiet_since is not None else prev_t) if quiet else None
+    onset = prev.onset if prev.onset is not None else prev_t  # the last tick that saw progress
+    if not quiet and stack_quiet and not devices_busy:
+        quiet = True  # the CPU "progress" was a host-side spin: the stacks never moved
+        onset = prev.onset if prev.onset is not None else (prev.waiting_since or prev_t)
+    return quiet, quiet_since, onset
 
 
 def _progress_and_devices(ranks: Sequence[int], obs: Mapping[int, _RankObs], sigs: Sequence[str | None],
