@@ -11,6 +11,8 @@ from gpu_watchdog.act.recovery import _on_gpus, observe
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.load import load_config
 from gpu_watchdog.detect.detector import Finding
+from gpu_watchdog.evidence.fr_incident import FlightRecorderAtIncident
+from gpu_watchdog.evidence.incident_source import IncidentJob
 from gpu_watchdog.evidence.report import action_status
 from gpu_watchdog.export.metrics import AgentMetrics
 from gpu_watchdog.model import DeviceSample, NodeSample
@@ -58,6 +60,6 @@ def test_flight_recorder_without_a_trigger_is_not_available(tmp_path: Path, monk
     inc = ctx.open_incident(finding())
     env = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr-")}  # gloo: no pipe
     monkeypatch.setattr(psutil.Process, "environ", lambda self: env)
-    EvidenceGatherer(ctx)._flight_recorder(inc, {0: 1, 1: 1})
+    EvidenceGatherer(ctx).ask(inc, FlightRecorderAtIncident(), IncidentJob("", {0: 1, 1: 1}, None, inc.dir))
     (fr,) = [a for a in inc.summary["actions"] if a["action"] == "flight_recorder"]
     assert (fr["ok"], fr["outcome"], action_status(fr)) == (False, "not_available", "not available"), fr

@@ -20,6 +20,8 @@ from gpu_watchdog.config.schema import Config, FlightRecorderConfig
 from gpu_watchdog.detect.detector import RUNNING, SUSPECT, Finding, JobStatus
 from gpu_watchdog.engine.loop import Engine
 from gpu_watchdog.evidence.flight_recorder import fr_settings, recording_env
+from gpu_watchdog.evidence.fr_incident import FlightRecorderAtIncident
+from gpu_watchdog.evidence.incident_source import IncidentJob
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.incidents import IncidentStore
@@ -72,9 +74,9 @@ def test_a_suspect_jobs_ranks_dump_once_per_streak_and_the_incident_takes_those_
         inc = ctx.open_incident(Finding("stall", "idle_held", "j", (0, 1), (), 100.0, 130.0, (), "no progress",
                                         "stacks"))
         t0 = time.monotonic()
-        analysis = EvidenceGatherer(ctx)._flight_recorder(inc, pids, "j")
+        found = EvidenceGatherer(ctx).ask(inc, FlightRecorderAtIncident(e.fr_dumps), IncidentJob("j", pids, 2, inc.dir))
         assert time.monotonic() - t0 < 5.0  # no FR_WAIT_S wait
-        assert analysis is not None and analysis.culprit_ranks == (1,), analysis
+        assert found is not None and found.verdict is not None and found.verdict.culprit_ranks == (1,), found
         (action,) = [a for a in inc.summary["actions"] if a["action"] == "flight_recorder"]
         assert action["ok"] and action["detail"].startswith("2 dump(s) collected, 2 triggered (at suspect, "), action
         time.sleep(1.5)

@@ -120,6 +120,8 @@ def test_a_job_whose_ranks_serve_no_fifo_has_nothing_to_report(tmp_path: Path, m
     from gpu_watchdog.act.target import ActContext
     from gpu_watchdog.config.schema import Config
     from gpu_watchdog.detect.detector import Finding
+    from gpu_watchdog.evidence.fr_incident import FlightRecorderAtIncident
+    from gpu_watchdog.evidence.incident_source import IncidentJob
     from gpu_watchdog.store.fallback_levels import FallbackStore
     from gpu_watchdog.store.incidents import IncidentStore
 
@@ -131,12 +133,14 @@ def test_a_job_whose_ranks_serve_no_fifo_has_nothing_to_report(tmp_path: Path, m
     ctx = ActContext(Config(), "n1", IncidentStore(tmp_path / "st"), FallbackStore(tmp_path / "st"))
     inc = ctx.open_incident(Finding("stall", "idle_held", "j", (0, 1), (1,), 1.0, 6.0, (), "no progress", "stacks"))
     pids = {0: os.getpid(), 1: os.getpid()}
-    assert EvidenceGatherer(ctx)._flight_recorder(inc, pids, "j") is None
+    job = IncidentJob("j", pids, 2, inc.dir)
+    assert EvidenceGatherer(ctx).ask(inc, FlightRecorderAtIncident(), job) is None
     assert not [a for a in inc.summary.get("actions", []) if a["action"] == "flight_recorder"]
     pipe1 = tmp_path / "pipe-1.pipe"
     os.mkfifo(pipe1)  # rank 1 serves the FIFO (nobody reads it here): asked, and the incident says so
     assert not unserved(s, [0, 1], 0.0)
-    assert EvidenceGatherer(ctx)._flight_recorder(inc, pids, "j") is None
+    found = EvidenceGatherer(ctx).ask(inc, FlightRecorderAtIncident(), job)
+    assert found is not None and found.verdict is None
     (action,) = [a for a in inc.summary["actions"] if a["action"] == "flight_recorder"]
     assert not action["ok"] and action["detail"] == "no dump collected, 0 triggered", action
     os.unlink(pipe1)

@@ -1,21 +1,23 @@
 """An incident's evidence, gathered the same way for every stall: a fresh py-spy dump of every rank kept raw in
-the incident, the diagnosis that names the culprit, the workers of a culprit waiting on them, Flight Recorder
-dumps when the job configured them (analyzed across every process group), NCCL RAS for jobs that serve it (two
-polls compared, ``ras.json``), and the readable report. One verdict over the sources (``evidence.culprit``): the
-stacks name the culprit when they can tell the ranks apart, else the Flight Recorder, else RAS; the summary's
-``culprit_evidence`` says which source named it."""
+the incident, the diagnosis that names the culprit, the workers of a culprit waiting on them, then every registered
+source (``SOURCES``, each an ``evidence.incident_source``: the Flight Recorder, NCCL RAS) asked in turn, and the
+readable report. One verdict over the sources (``evidence.culprit``): the stacks name the culprit when they can
+tell the ranks apart, else the first registered source that can; the summary's ``culprit_evidence`` says which
+source named it. The gatherer writes the incident: each source's action, section and console lines."""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import psutil
 
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.detect.detector import Finding, JobStatus
-from gpu_watchdog.evidence import flight_recorder as fr
-from gpu_watchdog.evidence.analyze import fr_dir, write_rank_stacks
+from gpu_watchdog.evidence.analyze import write_rank_stacks
 from gpu_watchdog.evidence.collect import (
     WAITS_ON_WORKERS,
     blocked_workers,
@@ -25,16 +27,27 @@ from gpu_watchdog.evidence.collect import (
     pids_on_gpu,
     rank_workers,
 )
-from gpu_watchdog.evidence.culprit import FLIGHT_RECORDER, NCCL_RAS, STACKS, SourceVerdict, merge_evidence
+from gpu_watchdog.evidence.culprit import STACKS, SourceVerdict, from_stacks, merge_sources
 from gpu_watchdog.evidence.diagnosis import Diagnosis, communication_evidence, diagnose, format_ranks
-from gpu_watchdog.evidence.fr_analysis import FrAnalysis, analyze_traces, rank_trace
-from gpu_watchdog.evidence.ras_poll import RasPoller, write_ras_evidence
+from gpu_watchdog.evidence.fr_incident import FlightRecorderAtIncident
+from gpu_watchdog.evidence.incident_source import Found, IncidentJob, IncidentSource
+from gpu_watchdog.evidence.ras_incident import NcclRasAtIncident
+from gpu_watchdog.evidence.ras_poll import RasPoller
 from gpu_watchdog.evidence.report import render_report
 from gpu_watchdog.model import NodeSample, RankStack, rank_known, rank_label
 from gpu_watchdog.sample import ray_node
 from gpu_watchdog.sample.group_members import fd_targets
 from gpu_watchdog.sample.processes import command_text
 from gpu_watchdog.store.incidents import Incident
+
+log = logging.getLogger("gpu_watchdog.act")
+
+# The sources asked at every incident after the stacks, in the order their verdicts are preferred: a new source is
+# one module (evidence.incident_source) and one line here.
+SOURCES: tuple[Callable[[ActContext], IncidentSource], ...] = (
+    lambda ctx: FlightRecorderAtIncident(ctx.fr_dumps),
+    lambda ctx: NcclRasAtIncident(ctx.ras or RasPoller(lambda: ctx.cfg.ras)),
+)
 
 
 @dataclass(frozen=True)
@@ -72,11 +85,14 @@ def _culprit_stack(diag: Diagnosis, stacks: list[RankStack]) -> RankStack | None
 class EvidenceGatherer:
     def __init__(self, ctx: ActContext) -> None:
         self.ctx = ctx
+        self.sources = tuple(make(ctx) for make in SOURCES)
 
     def gather(self, inc: Incident, finding: Finding, status: JobStatus | None, sample: NodeSample) -> Gathered:
         ctx, cfg = self.ctx, self.ctx.cfg
         job_id = finding.job_id or ""
         rank_pids = dict(status.rank_pids) if status else {}
+        world = max((p.job.world_size or 0 for p in sample.processes if p.job and p.job.job_id == job_id),
+                    default=0) or None
         diag: Diagnosis | None = None
         if not rank_pids or not cfg.stacks.enabled:
             out = Gathered()
@@ -84,8 +100,6 @@ class EvidenceGatherer:
             entry = inc.begin_action("dump_stacks")
             t0 = time.monotonic()
             results = dump_job(rank_pids, cfg.stacks, pids_on_gpu(sample, rank_pids.values()))
-            world = max((p.job.world_size or 0 for p in sample.processes
-                         if p.job and p.job.job_id == job_id), default=0) or None
             for rank, res in results.items():
                 write_rank_stacks(inc.dir, rank, ctx.host, res, world_size=world, job_id=job_id)
                 ctx.metric("pyspy_dump", res.outcome)
@@ -109,12 +123,13 @@ class EvidenceGatherer:
             self._identities(inc, diag, rank_pids)
             behind = self._workers(inc, diag, stacks, rank_pids, job_id)
             out = Gathered(tuple(stacks), diag, behind or culprit, alive_elsewhere=_alive(diag, remote))
-        fr = self._flight_recorder(inc, rank_pids, job_id)
-        ras = self._nccl_ras(inc, job_id, rank_pids, sample)
-        merged = self._decide(inc, finding, diag, fr, ras)
+        job = IncidentJob(job_id, rank_pids, world, inc.dir, spin=finding.signature == "spin")
+        found = [f for source in self.sources if (f := self.ask(inc, source, job)) is not None]
+        merged = self._decide(inc, finding, diag, [f.verdict for f in found if f.verdict is not None])
         if merged is not None and merged is not diag:  # the recovery acts on the merged verdict
             out = replace(out, diagnosis=merged, culprit=out.culprit or _culprit_stack(merged, list(out.stacks)))
-        comm = communication_sources(finding, diag, out.stacks, inc.summary.get("workers") or [], fr, ras)
+        comm = communication_sources(finding, diag, out.stacks, inc.summary.get("workers") or [],
+                                     [f.communication for f in found if f.communication])
         inc.update(communication_evidence=comm or None)
         out = replace(out, communication="; ".join(comm))
         out.report(inc)
@@ -146,27 +161,48 @@ class EvidenceGatherer:
                                       for host, ev in sorted(peers.items())})
         return [rs for _, (_, rs) in sorted(newest.items())]
 
-    def _decide(self, inc: Incident, finding: Finding, diag: Diagnosis | None, fr: FrAnalysis | None,
-                ras: SourceVerdict | None = None) -> Diagnosis | None:
-        """One verdict over the evidence sources (``merge_evidence``): the stacks decide when they tell the ranks
-        apart, else the Flight Recorder (NCCL ranks all busy-waiting in the same device sync), else NCCL RAS. Returns
-        the diagnosis the recovery acts on: ``diag`` itself unless another source named the culprit."""
-        verdict = merge_evidence(diag, fr, *([ras] if ras is not None else []))
+    def ask(self, inc: Incident, source: IncidentSource, job: IncidentJob) -> Found | None:
+        """One source asked about the job, its action, section and console lines written into the incident. None:
+        the source had nothing to ask (no action), or it broke (its action says how: diagnostics never block
+        recovery)."""
+        entry: dict[str, Any] | None = None
+
+        def begin(detail: str) -> None:
+            nonlocal entry
+            entry = inc.begin_action(source.action, detail)
+
+        try:
+            found = source.gather(job, begin)
+        except Exception as e:
+            log.exception("evidence source %s failed", source.action)
+            if entry is not None:
+                inc.end_action(entry, False, f"{source.action}: {e}")
+            return None
+        if found is None or entry is None:
+            return None
+        inc.end_action(entry, found.ok, found.detail, outcome=found.outcome)
+        if found.section:
+            inc.update(**found.section)
+        for line in found.said:
+            self.ctx.say(line)
+        return found
+
+    def _decide(self, inc: Incident, finding: Finding, diag: Diagnosis | None,
+                verdicts: Sequence[SourceVerdict]) -> Diagnosis | None:
+        """One verdict over the evidence sources (``merge_sources``): the stacks decide when they tell the ranks
+        apart, else the first registered source that names ranks (the Flight Recorder for NCCL ranks all
+        busy-waiting in the same device sync, then NCCL RAS). Returns the diagnosis the recovery acts on: ``diag``
+        itself unless another source named the culprit."""
+        verdict = merge_sources([*([from_stacks(diag)] if diag is not None else []), *verdicts])
         evidence = verdict.evidence or ("detector" if finding.culprit_ranks else None)
         inc.update(culprit_evidence=evidence, evidence_disagreements=list(verdict.disagreements))
-        if fr is not None:
-            inc.update(flight_recorder={"culprit_ranks": list(fr.culprit_ranks), "reason": fr.reason,
-                                        "process_groups": [g.as_json() for g in fr.groups],
-                                        "ranks": list(fr.ranks), "no_dump": list(fr.no_dump),
-                                        "versions": list(fr.versions)})
         for line in verdict.disagreements:
             self.ctx.say(f"evidence disagrees: {line}")
         if verdict.evidence in (None, STACKS):
             return diag
-        stuck = [g for g in fr.groups if g.kind != "in_progress"] if fr and verdict.evidence == FLIGHT_RECORDER else []
-        collective = stuck[0].op if stuck else (diag.collective if diag else None)
-        desync = bool(diag and diag.desync) or any(g.kind == "mismatch" for g in stuck) or (
-            verdict.evidence == NCCL_RAS and ras is not None and ras.desync)
+        named = next(v for v in verdicts if v.source == verdict.evidence)
+        collective = named.collective or (diag.collective if diag else None)
+        desync = bool(diag and diag.desync) or named.desync
         inc.update(culprit_ranks=list(verdict.culprit_ranks), reason=verdict.reason, collective=collective,
                    desync=desync)
         self.ctx.say(f"culprit: {verdict.reason}")
@@ -228,117 +264,22 @@ class EvidenceGatherer:
         self.ctx.say(f"culprit: {reason}")
         return first.stack
 
-    def _flight_recorder(self, inc: Incident, rank_pids: dict[int, int], job_id: str = "") -> FrAnalysis | None:
-        """Ask every rank for a Flight Recorder dump (NCCL's dump pipe, or the in-job helper serving the same FIFO
-        for gloo), wait for the fresh dumps, copy them and the job's dump-on-timeout files into the incident's
-        ``flight-recorder/``, and analyze them. None when the job runs without FR or no dump came. Dumps the engine
-        asked for when the job turned suspect (``ctx.fr_dumps``) count as fresh: only ranks without one are asked."""
-        env, started = _rank_env(rank_pids)
-        settings = fr.fr_settings(env)
-        if settings is None or fr.unserved(settings, rank_pids, started):
-            return None
-        entry = inc.begin_action("flight_recorder")
-        try:
-            suspect = self.ctx.fr_dumps.asked_at(job_id) if self.ctx.fr_dumps is not None and job_id else None
-            asked_at = suspect[0] if suspect else time.time()
-            ask = [r for r in sorted(rank_pids) if suspect is None or not _fresh(settings, {r: 0}, asked_at)]
-            triggered = list(dict.fromkeys([*(suspect[1] if suspect else ()), *fr.trigger_dumps(settings, ask)]))
-            when = f" (at suspect, {time.time() - suspect[0]:.0f}s earlier)" if suspect else ""
-            deadline = time.monotonic() + (FR_WAIT_S if triggered else 0.0)
-            while time.monotonic() < deadline and not _fresh(settings, rank_pids, asked_at):
-                time.sleep(0.2)
-            # this job's ranks only, written since they started: another job may share the default dump prefix
-            files = fr.collect_dumps(settings, fr_dir(inc.dir), ranks=sorted(rank_pids), newer_than=started)
-            traces = [rank_trace(fr.load_dump(f), rank, f.stat().st_mtime)
-                      for f in files if (rank := fr.dump_rank(f)) is not None]
-        except Exception as e:  # diagnostics must never block recovery; a bad dump is "no evidence"
-            inc.end_action(entry, False, f"flight recorder: {e}")
-            return None
-        if not traces:
-            if not triggered and not settings.pipe_prefix and not settings.dump_on_timeout:
-                # FR records but nothing can ask it to dump (gloo has no dump pipe): not available, not a failure
-                inc.end_action(entry, False, "not available: no dump trigger (TORCH_NCCL_DEBUG_INFO_PIPE_FILE "
-                                             "unset; gloo ranks have no dump pipe)", outcome="not_available")
-            else:
-                inc.end_action(entry, False, f"no dump collected, {len(triggered)} triggered")
-            return None
-        analysis = analyze_traces(traces, min_wait_s=0.0)  # the stall is confirmed: every wait counts
-        inc.end_action(entry, True, f"{len(files)} dump(s) collected, {len(triggered)} triggered{when}; "
-                                    f"{analysis.reason}")
-        return analysis
-
-    def _nccl_ras(self, inc: Incident, job_id: str, rank_pids: dict[int, int],
-                  sample: NodeSample) -> SourceVerdict | None:
-        """NCCL RAS, two polls compared (evidence.ras_poll): ``ras.json`` in the incident and ``ras_culprit_ranks``
-        in its summary. Nothing at all for a job RAS is not asked about (a gloo job, ``ras.enabled = off``).
-        Returns what RAS says as an evidence source (None: not asked, or it failed)."""
-        poller = self.ctx.ras or RasPoller(lambda: self.ctx.cfg.ras)
-        addr = poller.address(job_id, rank_pids)
-        if addr is None:
-            return None
-        world = max((p.job.world_size or 0 for p in sample.processes if p.job and p.job.job_id == job_id),
-                    default=0) or None
-        entry = inc.begin_action("nccl_ras", addr)
-        try:
-            evidence = poller.incident_evidence(job_id, rank_pids, world)
-            write_ras_evidence(inc.dir, evidence)
-            inc.update(ras_culprit_ranks=evidence.culprit_ranks, ras_hung_communicators=len(evidence.hung))
-            inc.end_action(entry, bool(evidence.hung), evidence.summary)
-            if evidence.hung:
-                self.ctx.say(evidence.summary)
-        except Exception as e:  # diagnostics must never block recovery
-            inc.end_action(entry, False, f"nccl ras: {e}")
-            return None
-        return SourceVerdict(NCCL_RAS, tuple(evidence.culprit_ranks) if evidence.hung else (), evidence.summary,
-                             desync=evidence.desync, inside_collective=evidence.frozen_equal)
 
 def communication_sources(finding: Finding, diag: Diagnosis | None, stacks: tuple[RankStack, ...],
-                          workers: list[dict[str, object]], fr: FrAnalysis | None,
-                          ras: SourceVerdict | None) -> list[str]:
+                          workers: list[dict[str, object]], sources: Sequence[str] = ()) -> list[str]:
     """Every source that says the hang is in communication, one line each (empty: none does): the ranks' stacks
-    (evidence.diagnosis.communication_evidence), a rank's worker blocked in a collective, the Flight Recorder's
-    pending collectives, NCCL RAS's ranks behind, the GPUs' NCCL spin (a kernel polling for its peers)."""
+    (evidence.diagnosis.communication_evidence), a rank's worker blocked in a collective, the registered sources'
+    lines (the Flight Recorder's pending collectives, NCCL RAS's ranks behind), the GPUs' NCCL spin (a kernel
+    polling for its peers)."""
     out = []
     if diag is not None and (line := communication_evidence(diag, stacks)):
         out.append(line)
     for w in workers:
         out.append(f"worker pid {w.get('pid')} of rank {w.get('rank')} blocked in {w.get('op') or w.get('state')}")
-    pending = [g for g in fr.groups if g.kind != "in_progress"] if fr is not None else []
-    if fr is not None and pending:
-        out.append(f"flight recorder: {len(pending)} process group(s) with pending collectives ({fr.reason})")
-    if ras is not None and (ras.culprit_ranks or (ras.inside_collective and finding.signature == "spin")):
-        out.append(f"NCCL RAS: {ras.reason}")
+    out.extend(sources)
     if finding.signature == "spin":
         out.append("GPUs spin at idle power with no traffic (an NCCL kernel polling for its peers)")
     return out
 
 
-FR_WAIT_S = 10.0  # how long to wait for the triggered ranks' dumps (the first one may import torch._dynamo)
 PEER_WAIT_S = 6.0  # how long a job whose local ranks all wait alike waits for another node's published dump
-
-
-def _rank_env(rank_pids: dict[int, int]) -> tuple[dict[str, str], float | None]:
-    """The environment of one of the job's ranks (FR settings are job-wide) and the earliest rank start time (older
-    dump files belong to an earlier run)."""
-    import psutil
-
-    env: dict[str, str] = {}
-    started: list[float] = []
-    for pid in rank_pids.values():
-        try:
-            p = psutil.Process(pid)
-            started.append(p.create_time())
-            env = env or p.environ()
-        except Exception:
-            continue
-    return env, min(started) if started else None
-
-
-def _fresh(settings: fr.FrSettings, rank_pids: dict[int, int], asked_at: float) -> bool:
-    for rank in rank_pids:
-        try:
-            if settings.dump_path(rank).stat().st_mtime < asked_at:
-                return False
-        except OSError:
-            return False
-    return True

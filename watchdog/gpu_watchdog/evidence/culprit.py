@@ -30,6 +30,7 @@ class SourceVerdict:
     reason: str
     desync: bool = False  # the source shows the ranks issued different collectives (the culprits are the odd ones)
     inside_collective: bool = False  # every rank launched the same collectives and none completes (RAS, frozen)
+    collective: str | None = None  # the collective it shows the ranks waiting in, when it knows one
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,12 @@ def from_stacks(diag: Diagnosis) -> SourceVerdict:
 
 
 def from_flight_recorder(fr: FrAnalysis) -> SourceVerdict:
-    return SourceVerdict(FLIGHT_RECORDER, tuple(fr.culprit_ranks), fr.reason)
+    """Its collective: the first process group's with pending collectives; desync: a group whose ranks entered
+    different collectives."""
+    pending = [g for g in fr.groups if g.kind != "in_progress"]
+    return SourceVerdict(FLIGHT_RECORDER, tuple(fr.culprit_ranks), fr.reason,
+                         desync=any(g.kind == "mismatch" for g in pending),
+                         collective=pending[0].op if pending else None)
 
 
 def _title(source: str) -> str:
