@@ -88,6 +88,16 @@ def _waits(ranks: Sequence[int]) -> str:
     return f"{format_ranks(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
 
 
+def _in_family(in_coll: Mapping[int, str], fam: str | None) -> list[int]:
+    """The ranks on one collective family's side, in order."""
+    return sorted(r for r, f in in_coll.items() if f == fam)
+
+
+def _ops(by_rank: Mapping[int, RankStack], ranks: Iterable[int]) -> str:
+    """The ops the ranks sit in, for people: ``all_gather_into_tensor/_all_gather_base``."""
+    return "/".join(sorted({by_rank[r].op or "?" for r in ranks}))
+
+
 @dataclass(frozen=True)
 class _Verdict:
     """Who waits where and who is at fault, before any wording (``_verdict``)."""
@@ -108,7 +118,6 @@ class _Verdict:
     majority: str | None
     waiting: list[int]  # the ranks of the majority's collective
     waiters: bool  # is there a waiting group to compare the others against?
-    culprits: set[int]
 
     @property
     def majority_op(self) -> str | None:
@@ -117,6 +126,24 @@ class _Verdict:
     @property
     def split(self) -> bool:
         return len(self.top) >= 2
+
+    @property
+    def never_arrived(self) -> list[list[int]]:
+        """The groups neither in a collective nor in a device sync, where there is a waiting group to compare them
+        against."""
+        if not self.waiters:
+            return []
+        return [members for _key, members in self.ordered
+                if self.by_rank[members[0]].state not in WAITING_STATES + SYNC_STATES]
+
+    @property
+    def culprits(self) -> set[int]:
+        """The missing ranks, the ones in an odd collective, and the ones that never arrived."""
+        culprits: set[int] = set(self.missing)
+        if not self.tie:  # every rank in another collective than the majority's
+            culprits |= {r for r, fam in self.in_coll.items() if fam != self.majority}
+        culprits |= {r for members in self.never_arrived for r in members}
+        return culprits
 
 
 def diagnose(
@@ -134,6 +161,33 @@ def _verdict(ranks: Sequence[RankStack], world_size: int | None, missing_ranks: 
     missing = set(missing_ranks) - set(by_rank)
     if world_size is not None:
         missing |= set(range(world_size)) - set(by_rank)
+    ordered, groups = _grouped(by_rank, missing)
+    in_coll, in_wait = _sides(by_rank)
+    names = {fam: _ops(by_rank, _in_family(in_coll, fam)) for fam in set(in_coll.values())}
+    syncing = sorted(r for r, rs in by_rank.items() if rs.state in SYNC_STATES)
+    # The ranks in DDP's regular flow leave the sides; they count on the side of a collective they can be told to
+    # have passed.
+    ddp_aside = _ddp_aside(by_rank, in_coll)
+    in_coll = {r: fam for r, fam in in_coll.items() if r not in ddp_aside}
+    names = {fam: n for fam, n in names.items() if fam in set(in_coll.values())}
+    passed = _passed(in_coll) if ddp_aside else None
+    counts = Counter(in_coll.values())
+    if passed is not None:
+        counts[passed] += len(ddp_aside)
+    # Different collectives are a desync (the ranks issued different sequences); a rank in a point-to-point
+    # send/recv while the others sit in a collective is waiting for its partner's bytes: a transport hang.
+    desync = len([fam for fam in counts if fam not in P2P_FAMILIES]) >= 2
+    top, tie = _settle_tie(counts.most_common())
+    majority = top[0][0] if top and not tie else None
+    return _Verdict(by_rank, ordered, groups, missing, in_coll, in_wait, names, syncing, ddp_aside, passed, top,
+                    desync, tie, majority, waiting=_in_family(in_coll, majority),
+                    waiters=bool(in_coll or syncing or ddp_aside))
+
+
+def _grouped(by_rank: Mapping[int, RankStack], missing: set[int]) -> tuple[
+        list[tuple[str, list[int]]], tuple[tuple[str, tuple[int, ...]], ...]]:
+    """The ranks grouped by stack (``group_key``), largest group first; and the same for ``Diagnosis.groups``, with
+    the missing ranks as a group of their own last."""
     grouped: dict[str, list[int]] = defaultdict(list)
     for r in sorted(by_rank):
         grouped[group_key(by_rank[r])].append(r)
@@ -141,120 +195,126 @@ def _verdict(ranks: Sequence[RankStack], world_size: int | None, missing_ranks: 
     group_t = tuple((k, tuple(v)) for k, v in ordered)
     if missing:
         group_t += (("missing", tuple(sorted(missing))),)
+    return ordered, group_t
 
+
+def _sides(by_rank: Mapping[int, RankStack]) -> tuple[dict[int, str], list[int]]:
+    """Rank → collective family for the ranks that take a side, and the ranks in a bare wait (taking none)."""
     # Ranks are compared by collective family (all_gather_single and _all_gather_base are one all_gather); a rank
     # in a bare Work.wait()/wait_tensor() could be waiting for any of them, so it waits without taking sides.
     in_coll = {r: collective_family(rs.op or "?") for r, rs in by_rank.items() if rs.state in WAITING_STATES}
     in_wait = sorted(r for r, fam in in_coll.items() if fam == WAIT_FAMILY)
-    in_coll = {r: fam for r, fam in in_coll.items() if fam != WAIT_FAMILY} or {r: WAIT_FAMILY for r in in_wait}
-    names = {fam: "/".join(sorted({by_rank[r].op or "?" for r, f in in_coll.items() if f == fam}))
-             for fam in set(in_coll.values())}
-    syncing = sorted(r for r, rs in by_rank.items() if rs.state in SYNC_STATES)
+    sides = {r: fam for r, fam in in_coll.items() if fam != WAIT_FAMILY} or {r: WAIT_FAMILY for r in in_wait}
+    return sides, in_wait
+
+
+def _ddp_aside(by_rank: Mapping[int, RankStack], in_coll: Mapping[int, str]) -> list[int]:
+    """The ranks in DDP's regular flow that take no side (none where their group is the clear majority)."""
     # DDP's gradient all-reduce is issued by every rank every step: a rank there has passed whatever the others
     # are stuck in and waits in the regular flow. Unless its group is the clear majority it takes no side (like a
     # bare wait) and is never a culprit: a desync's culprit is the rank in the odd collective, not the one in
     # backward.
     top = Counter(in_coll.values()).most_common()
     in_ddp = sorted(r for r in in_coll if is_ddp_op(by_rank[r].op))
-    ddp_aside: list[int] = []
-    passed: str | None = None  # the collective the ranks in DDP's regular flow passed, where it can be told
     if in_ddp and len(top) >= 2 and not (top[0][0] == in_coll[in_ddp[0]] and top[0][1] > top[1][1]):
-        in_coll = {r: fam for r, fam in in_coll.items() if r not in in_ddp}
-        ddp_aside = in_ddp
-        names = {fam: n for fam, n in names.items() if fam in set(in_coll.values())}
-        counts = Counter(in_coll.values())
-        # The ranks past the point passed the collective the others sit in at that point — and could only have
-        # passed one some members leave before all arrive: where one side is such a collective and another is not,
-        # the ranks past it are on that side (3 ranks: 0 in broadcast, 2 past it, 1 in all_gather: 1 is the odd one).
-        passable = [fam for fam in counts if fam in PASSABLE_FAMILIES]
-        if len(passable) == 1 and len(counts) >= 2:
-            passed = passable[0]
-            counts[passed] += len(ddp_aside)
-        top = counts.most_common()
-    split = len(top) >= 2
-    # Different collectives are a desync (the ranks issued different sequences); a rank in a point-to-point
-    # send/recv while the others sit in a collective is waiting for its partner's bytes: a transport hang.
-    desync = len([fam for fam, _ in top if fam not in P2P_FAMILIES]) >= 2
-    tie = split and top[0][1] == top[1][1]
-    if tie:
-        # One collective against point-to-point ops only: the collective is the common path and the ranks in
-        # send/recv wait for their partners' bytes (a node that sees one rank in recv and its local peer in
-        # all_reduce names the one in recv, whatever the unseen nodes hold).
-        tied = [fam for fam, n in top if n == top[0][1]]
-        colls = [fam for fam in tied if fam not in P2P_FAMILIES]
-        if len(colls) == 1:
-            top = sorted(top, key=lambda kv: (-kv[1], kv[0] != colls[0]))
-            tie = False
-    majority = top[0][0] if top and not tie else None
-    waiting = sorted(r for r, fam in in_coll.items() if fam == majority)
-    waiters = bool(in_coll or syncing or ddp_aside)
+        return in_ddp
+    return []
 
-    culprits: set[int] = set(missing)
-    if not tie:  # every rank in another collective than the majority's
-        culprits |= {r for r, fam in in_coll.items() if fam != majority}
-    if waiters:  # every rank neither in a collective nor in a device sync never arrived
-        culprits |= {r for _key, members in ordered for r in members
-                     if by_rank[members[0]].state not in WAITING_STATES + SYNC_STATES}
-    return _Verdict(by_rank, ordered, group_t, missing, in_coll, in_wait, names, syncing, ddp_aside, passed, top,
-                    desync, tie, majority, waiting, waiters, culprits)
+
+def _passed(in_coll: Mapping[int, str]) -> str | None:
+    """The collective the ranks in DDP's regular flow passed, where it can be told (they then count on its side)."""
+    # The ranks past the point passed the collective the others sit in at that point — and could only have
+    # passed one some members leave before all arrive: where one side is such a collective and another is not,
+    # the ranks past it are on that side (3 ranks: 0 in broadcast, 2 past it, 1 in all_gather: 1 is the odd one).
+    families = set(in_coll.values())
+    passable = [fam for fam in families if fam in PASSABLE_FAMILIES]
+    return passable[0] if len(passable) == 1 and len(families) >= 2 else None
+
+
+def _settle_tie(top: list[tuple[str, int]]) -> tuple[list[tuple[str, int]], bool]:
+    """``top`` with a tie between one collective and point-to-point ops settled in the collective's favour, and
+    whether a tie remains."""
+    if len(top) < 2 or top[0][1] != top[1][1]:
+        return top, False
+    # One collective against point-to-point ops only: the collective is the common path and the ranks in
+    # send/recv wait for their partners' bytes (a node that sees one rank in recv and its local peer in
+    # all_reduce names the one in recv, whatever the unseen nodes hold).
+    tied = [fam for fam, n in top if n == top[0][1]]
+    colls = [fam for fam in tied if fam not in P2P_FAMILIES]
+    if len(colls) != 1:
+        return top, True
+    return sorted(top, key=lambda kv: (-kv[1], kv[0] != colls[0])), False
 
 
 def _wording(v: _Verdict, unseen: Iterable[int]) -> str:
     """The verdict in one line for people: the sides, the culprits and what each does, who waits where."""
-    by_rank, in_coll, names, majority, majority_op = v.by_rank, v.in_coll, v.names, v.majority, v.majority_op
-    parts: list[str] = []
-    if v.tie:
-        sides = ", ".join(f"{format_ranks([r for r, f in in_coll.items() if f == fam])} in {names[fam]}"
-                          for fam, _ in v.top)
-        parts.append(f"{'desync: ' if v.desync else ''}{sides} (equal groups: cannot tell which side "
-                     f"{'ran ahead' if v.desync else 'is behind'})")
-    else:
-        for fam in sorted({f for f in in_coll.values() if f != majority}):
-            members = sorted(r for r, f in in_coll.items() if f == fam)
-            if fam in P2P_FAMILIES or majority in P2P_FAMILIES:
-                parts.append(f"{format_ranks(members)} in {names[fam]} while {_waits(v.waiting)} in {majority_op}")
-            else:
-                parts.append(f"desync: {format_ranks(members)} in {names[fam]} while {_waits(v.waiting)} in "
-                             f"{majority_op} ({format_ranks(members)} ran ahead or fell behind)")
-    if v.waiters:
-        for _key, members in v.ordered:
-            rs0 = by_rank[members[0]]
-            if rs0.state in WAITING_STATES or rs0.state in SYNC_STATES:
-                continue
-            if rs0.state == "stopped":
-                parts.append(f"{format_ranks(members)} {_verb(members)} stopped (SIGSTOP or job control: state T)")
-                continue
-            how = "busy" if rs0.active else "stuck"
-            at = f" at {rs0.where}" if rs0.where else ""
-            parts.append(f"{format_ranks(members)} {_verb(members)} {how} in {rs0.state}{at}")
+    parts = _sides_wording(v) + [_doing(v.by_rank[members[0]], members) for members in v.never_arrived]
     if v.missing:
         m = sorted(v.missing)
         parts.append(f"{format_ranks(m)} {_verb(m)} missing (no stack: exited or not dumpable)")
-    if parts and v.waiting and not v.split:
-        parts.append(f"{_waits(v.waiting)} in {majority_op}")
-    if parts and v.syncing:
-        parts.append(f"{_waits(v.syncing)} in device_sync")
-    if parts and v.in_wait and majority != WAIT_FAMILY:
-        parts.append(f"{_waits(v.in_wait)} in a collective's wait()")
-    if parts and v.ddp_aside:
-        ops = "/".join(sorted({by_rank[r].op or "?" for r in v.ddp_aside}))
-        past = f"past the {names[v.passed]}, which lets some members go before all arrive" if v.passed else \
-            "past what the others are stuck in"
-        parts.append(f"{_waits(v.ddp_aside)} in {ops} (DDP's regular flow: {past})")
-
+    if parts:  # who waits where goes next to what went wrong; with nothing wrong, _all_wait says it
+        parts += _who_waits(v)
     if not v.waiters:
-        states = ", ".join(f"{format_ranks(m)} {by_rank[m[0]].state}" for _, m in v.ordered) or "no stacks"
+        states = ", ".join(f"{format_ranks(m)} {v.by_rank[m[0]].state}" for _, m in v.ordered) or "no stacks"
         parts.append(f"no rank is in a collective ({states})" + ("" if v.culprits else "; culprit unknown"))
     elif not parts:
-        everyone = sorted(by_rank)
-        what = majority_op if not v.syncing else (f"{majority_op} or device_sync" if v.waiting else "device_sync")
-        who = f"all {len(everyone)} ranks wait" if len(everyone) > 1 else _waits(everyone)
-        parts.append(f"{who} in {what}; culprit unknown, possibly on another "
-                     "node (merge the nodes' stacks with `gpu-watchdog analyze`)")
-    away = sorted(set(unseen) - set(by_rank) - v.missing)
+        parts.append(_all_wait(v))
+    away = sorted(set(unseen) - set(v.by_rank) - v.missing)
     if away:
         parts.append(f"{format_ranks(away)} {_verb(away)} not seen (on other nodes whose stacks are not here)")
     return "; ".join(parts)
+
+
+def _sides_wording(v: _Verdict) -> list[str]:
+    """The collectives the ranks sit in where they differ: both sides of a tie, or each odd one against the
+    majority's."""
+    if v.tie:
+        sides = ", ".join(f"{format_ranks(_in_family(v.in_coll, fam))} in {v.names[fam]}" for fam, _ in v.top)
+        return [f"{'desync: ' if v.desync else ''}{sides} (equal groups: cannot tell which side "
+                f"{'ran ahead' if v.desync else 'is behind'})"]
+    parts = []
+    for fam in sorted({f for f in v.in_coll.values() if f != v.majority}):
+        members = format_ranks(_in_family(v.in_coll, fam))
+        if fam in P2P_FAMILIES or v.majority in P2P_FAMILIES:
+            parts.append(f"{members} in {v.names[fam]} while {_waits(v.waiting)} in {v.majority_op}")
+        else:
+            parts.append(f"desync: {members} in {v.names[fam]} while {_waits(v.waiting)} in "
+                         f"{v.majority_op} ({members} ran ahead or fell behind)")
+    return parts
+
+
+def _doing(rs0: RankStack, members: Sequence[int]) -> str:
+    """What a group of ranks that never arrived does instead (``rs0``: its first rank's stack)."""
+    if rs0.state == "stopped":
+        return f"{format_ranks(members)} {_verb(members)} stopped (SIGSTOP or job control: state T)"
+    how = "busy" if rs0.active else "stuck"
+    at = f" at {rs0.where}" if rs0.where else ""
+    return f"{format_ranks(members)} {_verb(members)} {how} in {rs0.state}{at}"
+
+
+def _who_waits(v: _Verdict) -> list[str]:
+    """Where the ranks that take no blame wait: the majority's collective, a device sync, a bare wait(), DDP."""
+    parts = []
+    if v.waiting and not v.split:
+        parts.append(f"{_waits(v.waiting)} in {v.majority_op}")
+    if v.syncing:
+        parts.append(f"{_waits(v.syncing)} in device_sync")
+    if v.in_wait and v.majority != WAIT_FAMILY:
+        parts.append(f"{_waits(v.in_wait)} in a collective's wait()")
+    if v.ddp_aside:
+        past = f"past the {v.names[v.passed]}, which lets some members go before all arrive" if v.passed else \
+            "past what the others are stuck in"
+        parts.append(f"{_waits(v.ddp_aside)} in {_ops(v.by_rank, v.ddp_aside)} (DDP's regular flow: {past})")
+    return parts
+
+
+def _all_wait(v: _Verdict) -> str:
+    """Everybody waits in the same place: the culprit is not among these ranks."""
+    everyone = sorted(v.by_rank)
+    what = v.majority_op if not v.syncing else (f"{v.majority_op} or device_sync" if v.waiting else "device_sync")
+    who = f"all {len(everyone)} ranks wait" if len(everyone) > 1 else _waits(everyone)
+    return (f"{who} in {what}; culprit unknown, possibly on another "
+            "node (merge the nodes' stacks with `gpu-watchdog analyze`)")
 
 
 @dataclass(frozen=True)

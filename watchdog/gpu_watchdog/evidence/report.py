@@ -27,7 +27,13 @@ def action_status(action: dict[str, Any]) -> str:
 
 
 def render_report(summary: dict[str, Any], stacks: Sequence[RankStack]) -> str:
-    s = summary
+    lines = (_verdict_lines(summary) + _stack_lines(summary, stacks) + _flight_recorder_lines(summary)
+             + _action_lines(summary))
+    return "\n".join(lines) + "\n"
+
+
+def _verdict_lines(s: dict[str, Any]) -> list[str]:
+    """The incident, its culprit and why, when it began and was caught, and what else the summary tells."""
     lines = [
         f"incident {s['id']} — {s['kind']} ({s.get('signature')}) in job {s.get('job_id')} on {s.get('host')}",
         "",
@@ -51,25 +57,36 @@ def render_report(summary: dict[str, Any], stacks: Sequence[RankStack]) -> str:
         where = str(Path(s["stacks_dir"]).parent) if s.get("stacks_dir") else "INCIDENT_DIR"
         lines.append(f"trace:   {s['trace']}, the samples before confirmation (gpu-watchdog replay {where}; "
                      f"picture: gpu-watchdog incidents show {s['id']} --plot {s['id']}.png)")
+    return lines
+
+
+def _stack_lines(s: dict[str, Any], stacks: Sequence[RankStack]) -> list[str]:
+    """The ranks grouped by stack, the culprits' groups first, each group's frames once."""
     groups: dict[str, list[RankStack]] = {}
     for rs in stacks:
         groups.setdefault(group_key(rs), []).append(rs)
     culprits = set(s.get("culprit_ranks") or [])
     ordered = sorted(groups.values(), key=lambda g: (not (culprits & {r.rank for r in g}), -len(g)))
-    if ordered:
-        lines += ["", "stacks (main thread, innermost first), grouped:"]
+    lines = ["", "stacks (main thread, innermost first), grouped:"] if ordered else []
     for g in ordered:
         ranks = [r.rank for r in g]
         tag = "  <- culprit" if culprits & set(ranks) else ""
         lines.append(f"  {format_ranks(ranks)}: {g[0].state}{':' + g[0].op if g[0].op else ''}{tag}")
         for frame in g[0].signature.split(" <- "):
             lines.append(f"      {frame}")
+    return lines
+
+
+def _flight_recorder_lines(s: dict[str, Any]) -> list[str]:
     fr_groups = (s.get("flight_recorder") or {}).get("process_groups") or []
-    if fr_groups:
-        lines += ["", "flight recorder, process groups with an unfinished collective:"]
-        lines += [f"  {g.get('kind')}: {g.get('detail')}" for g in fr_groups]
-    if s.get("actions"):
-        lines += ["", "actions:"]
-        for a in s["actions"]:
-            lines.append(f"  {_when(a.get('at'))} {a['action']}: {action_status(a)} — {a.get('detail', '')}")
-    return "\n".join(lines) + "\n"
+    if not fr_groups:
+        return []
+    return (["", "flight recorder, process groups with an unfinished collective:"]
+            + [f"  {g.get('kind')}: {g.get('detail')}" for g in fr_groups])
+
+
+def _action_lines(s: dict[str, Any]) -> list[str]:
+    if not s.get("actions"):
+        return []
+    return ["", "actions:"] + [f"  {_when(a.get('at'))} {a['action']}: {action_status(a)} — {a.get('detail', '')}"
+                               for a in s["actions"]]
