@@ -202,58 +202,80 @@ def rank_trace(doc: Mapping[str, Any], rank: int, dumped_at: float | None = None
     entries = [e for e in doc.get("entries", ()) if isinstance(e, Mapping)]
     entries.sort(key=lambda e: _int(e.get("record_id"), 0))
     groups: dict[str, GroupView] = {}
-    pg_id_name: dict[str, str] = {}
-
-    def view(name: str, desc: str) -> GroupView:
-        gv = groups.get(name)
-        if gv is None:
-            gv = groups[name] = GroupView(name, desc)
-        elif desc and not gv.desc:
-            gv.desc = desc
-        return gv
-
     config = doc.get("pg_config")
-    if isinstance(config, Mapping):
-        for key, info in config.items():
-            if not isinstance(info, Mapping):
-                continue
-            members = parse_ranks(info.get("ranks"))
-            name = str(info.get("name", key))
-            if members and name:
-                view(name, str(info.get("desc") or "")).members = members
-    for e in entries:
-        name, desc = _group_of(e)
-        view(name, desc)
-        if "pg_id" in e:
-            pg_id_name[str(e["pg_id"])] = name
+    _add_config_groups(groups, config)
+    pg_id_name = _add_entry_groups(groups, entries)
     status = doc.get("pg_status")
     if isinstance(status, Mapping):
-        pg_id_name = _status_names(status, config, pg_id_name, groups)
-        for pg_id, st in status.items():
-            known = pg_id_name.get(str(pg_id))
-            if known is None or not isinstance(st, Mapping):
-                continue  # a group whose entries left the ring buffer: its name is unknown
-            gv = groups[known]
-            gv.last_enqueued = max(gv.last_enqueued, _int(st.get("last_enqueued_collective")))
-            gv.last_completed = max(gv.last_completed, _int(st.get("last_completed_collective")))
+        _apply_status(groups, status, _status_names(status, config, pg_id_name, groups))
     for e in entries:
-        gv = groups[_group_of(e)[0]]
-        op, peer = _op_of(e)
-        seq = _int(e.get("collective_seq_id"), 0)
-        gloo = str(e.get("profiling_name", "")).startswith("gloo:")
-        done = _is_done(e, op, seq, gv, gloo)
-        if op == COALESCED:
-            _close_batch(gv, bool(e.get("is_p2p")), seq, _int(e.get("p2p_seq_id"), 0), str(e.get("state", "?")), done)
-            continue
-        created = e.get("time_created_ns")
-        gv.ops.append(FrOp(
-            seq=seq, p2p_seq=_int(e.get("p2p_seq_id"), 0), op=op, peer=peer, sizes=_sizes(e.get("input_sizes")),
-            dtypes=tuple(str(d) for d in e.get("input_dtypes") or () if isinstance(d, str)),
-            state=str(e.get("state", "?")), done=done,
-            created_s=created / 1e9 if isinstance(created, (int, float)) and created > 0 else None))
-        if not (peer is not None or e.get("is_p2p")):
-            gv.last_enqueued = max(gv.last_enqueued, seq)
+        _record_entry(groups[_group_of(e)[0]], e)
     return RankTrace(rank, version, groups, told_dump_time(entries, dumped_at), len(entries))
+
+
+def _view(groups: dict[str, GroupView], name: str, desc: str) -> GroupView:
+    """The group named ``name``, added when new; a description learnt later fills an empty one."""
+    gv = groups.get(name)
+    if gv is None:
+        gv = groups[name] = GroupView(name, desc)
+    elif desc and not gv.desc:
+        gv.desc = desc
+    return gv
+
+
+def _add_config_groups(groups: dict[str, GroupView], config: Any) -> None:
+    """Add the groups ``pg_config`` lists, with their members (gloo's one empty entry lists none)."""
+    if not isinstance(config, Mapping):
+        return
+    for key, info in config.items():
+        if not isinstance(info, Mapping):
+            continue
+        members = parse_ranks(info.get("ranks"))
+        name = str(info.get("name", key))
+        if members and name:
+            _view(groups, name, str(info.get("desc") or "")).members = members
+
+
+def _add_entry_groups(groups: dict[str, GroupView], entries: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Add the groups the entries name; return the rank-local pg ids they show → group names."""
+    pg_id_name: dict[str, str] = {}
+    for e in entries:
+        name, desc = _group_of(e)
+        _view(groups, name, desc)
+        if "pg_id" in e:
+            pg_id_name[str(e["pg_id"])] = name
+    return pg_id_name
+
+
+def _apply_status(groups: Mapping[str, GroupView], status: Mapping[Any, Any], pg_id_name: Mapping[str, str]) -> None:
+    """Take each named group's last enqueued and last completed collective from ``pg_status``."""
+    for pg_id, st in status.items():
+        known = pg_id_name.get(str(pg_id))
+        if known is None or not isinstance(st, Mapping):
+            continue  # a group whose entries left the ring buffer: its name is unknown
+        gv = groups[known]
+        gv.last_enqueued = max(gv.last_enqueued, _int(st.get("last_enqueued_collective")))
+        gv.last_completed = max(gv.last_completed, _int(st.get("last_completed_collective")))
+
+
+def _record_entry(gv: GroupView, e: Mapping[str, Any]) -> None:
+    """Add one entry to its group's ops (a "coalesced" entry instead closes its batch)."""
+    op, peer = _op_of(e)
+    seq = _int(e.get("collective_seq_id"), 0)
+    p2p_seq = _int(e.get("p2p_seq_id"), 0)
+    gloo = str(e.get("profiling_name", "")).startswith("gloo:")
+    done = _is_done(e, op, seq, gv, gloo)
+    if op == COALESCED:
+        _close_batch(gv, bool(e.get("is_p2p")), seq, p2p_seq, str(e.get("state", "?")), done)
+        return
+    created = e.get("time_created_ns")
+    gv.ops.append(FrOp(
+        seq=seq, p2p_seq=p2p_seq, op=op, peer=peer, sizes=_sizes(e.get("input_sizes")),
+        dtypes=tuple(str(d) for d in e.get("input_dtypes") or () if isinstance(d, str)),
+        state=str(e.get("state", "?")), done=done,
+        created_s=created / 1e9 if isinstance(created, (int, float)) and created > 0 else None))
+    if not (peer is not None or e.get("is_p2p")):
+        gv.last_enqueued = max(gv.last_enqueued, seq)
 
 
 def _status_names(status: Mapping[Any, Any], config: Any, from_entries: Mapping[str, str],
@@ -407,9 +429,7 @@ def _collective_finding(name: str, desc: str, members: tuple[int, ...], views: M
     seq = min(o.seq for o in coll)
     present = {r: o for r in members if (o := _op_at(views.get(r), seq)) is not None}
     waiting = tuple(sorted(r for r, o in present.items() if not o.done))
-    lost = {r for r in members if r not in traces}
-    missing = tuple(sorted(lost | {r for r in members if r in traces and r not in present
-                                   and (views.get(r) is None or views[r].last_enqueued < seq)}))  # type: ignore[union-attr]
+    missing = _never_enqueued(seq, members, present, views, traces)
     ref = present[waiting[0]] if waiting else next(iter(present.values()))
     waited = _waited(traces, {r: present[r] for r in waiting})
     kind_m, deviants = _deviants(present, name, desc, seq, traces) if len(present) > 1 else (None, ())
@@ -419,14 +439,7 @@ def _collective_finding(name: str, desc: str, members: tuple[int, ...], views: M
     where = f"{_where(name, desc)} {ref.op} #{seq}"
     g.blocked.update(waiting)
     if deviants:
-        g.direct.update(deviants)
-        for r in waiting:
-            g.waits[r] |= set(deviants) - {r}
-        what = ", ".join(f"{format_ranks([r])} {present[r].op} {_fmt_sizes(present[r])}" for r in deviants)
-        normal = next((o for r, o in present.items() if r not in deviants), ref)
-        return GroupFinding(kind="mismatch", mismatch=kind_m, culprits=deviants, **base,
-                            detail=f"{where}: {kind_m} mismatch: {what} where the others run {normal.op} "
-                                   f"{_fmt_sizes(normal)}")
+        return _mismatch_finding(base, where, present, ref, kind_m, deviants, g)
     for r in waiting:
         g.waits[r] |= set(missing)
     if missing:
@@ -435,24 +448,54 @@ def _collective_finding(name: str, desc: str, members: tuple[int, ...], views: M
                                    "enqueued it")
     behind = _behind_in_completion(members, views)
     if behind:
-        g.direct.update(behind)  # the cause wherever else they wait
-        # The others' work past what the behind ranks completed cannot finish without them: whoever has a
-        # collective pending here waits for them (a rank 13 blocked in its TP group behind rank 12's dead GPU is
-        # not the end of the chain its pipeline peers' sends lead to).
-        others = tuple(sorted(r for r in members if r not in behind and (v := views.get(r)) is not None
-                              and any(not o.is_p2p for o in v.pending())))
-        for r in others:
-            g.waits[r] |= set(behind)
-        g.blocked.update(others)
-        base["waiting"] = tuple(sorted(set(waiting) | set(others)))
-        done = max(v.last_completed for v in views.values() if v is not None)
-        what = ", ".join(f"{format_ranks([r])} enqueued #{views[r].last_enqueued} but completed only "  # type: ignore[union-attr]
-                         f"#{views[r].last_completed}" for r in behind)  # type: ignore[union-attr]
-        return GroupFinding(kind="behind", culprits=behind, **base,
-                            detail=f"{_where(name, desc)}: {what} while the others completed #{done} "
-                                   f"({'their devices' if len(behind) > 1 else 'its device'} stopped completing work: "
-                                   "a failed GPU, a stuck kernel)")
+        return _behind_finding(base, members, views, behind, g)
     return GroupFinding(kind="blocked", **base, detail=f"{where}: {_waits(waiting)}, no member is missing")
+
+
+def _never_enqueued(seq: int, members: tuple[int, ...], present: Mapping[int, FrOp],
+                    views: Mapping[int, GroupView | None], traces: Mapping[int, RankTrace]) -> tuple[int, ...]:
+    """Members that never enqueued the collective ``seq``: those without a dump, and those without its entry whose
+    group shows nothing enqueued that far."""
+    lost = {r for r in members if r not in traces}
+    return tuple(sorted(lost | {r for r in members if r in traces and r not in present
+                                and (views.get(r) is None or views[r].last_enqueued < seq)}))  # type: ignore[union-attr]
+
+
+def _mismatch_finding(base: dict[str, Any], where: str, present: Mapping[int, FrOp], ref: FrOp, kind_m: str | None,
+                      deviants: tuple[int, ...], g: _Graph) -> GroupFinding:
+    """The members at the frontier run different collectives: the deviants are the cause, and every waiter waits
+    for them."""
+    g.direct.update(deviants)
+    for r in base["waiting"]:
+        g.waits[r] |= set(deviants) - {r}
+    what = ", ".join(f"{format_ranks([r])} {present[r].op} {_fmt_sizes(present[r])}" for r in deviants)
+    normal = next((o for r, o in present.items() if r not in deviants), ref)
+    return GroupFinding(kind="mismatch", mismatch=kind_m, culprits=deviants, **base,
+                        detail=f"{where}: {kind_m} mismatch: {what} where the others run {normal.op} "
+                               f"{_fmt_sizes(normal)}")
+
+
+def _behind_finding(base: dict[str, Any], members: tuple[int, ...], views: Mapping[int, GroupView | None],
+                    behind: tuple[int, ...], g: _Graph) -> GroupFinding:
+    """Members behind in completion (``_behind_in_completion``) are the cause, and the members with a collective
+    pending here wait for them."""
+    g.direct.update(behind)  # the cause wherever else they wait
+    # The others' work past what the behind ranks completed cannot finish without them: whoever has a
+    # collective pending here waits for them (a rank 13 blocked in its TP group behind rank 12's dead GPU is
+    # not the end of the chain its pipeline peers' sends lead to).
+    others = tuple(sorted(r for r in members if r not in behind and (v := views.get(r)) is not None
+                          and any(not o.is_p2p for o in v.pending())))
+    for r in others:
+        g.waits[r] |= set(behind)
+    g.blocked.update(others)
+    base = {**base, "waiting": tuple(sorted(set(base["waiting"]) | set(others)))}
+    done = max(v.last_completed for v in views.values() if v is not None)
+    what = ", ".join(f"{format_ranks([r])} enqueued #{views[r].last_enqueued} but completed only "  # type: ignore[union-attr]
+                     f"#{views[r].last_completed}" for r in behind)  # type: ignore[union-attr]
+    return GroupFinding(kind="behind", culprits=behind, **base,
+                        detail=f"{_where(base['name'], base['desc'])}: {what} while the others completed #{done} "
+                               f"({'their devices' if len(behind) > 1 else 'its device'} stopped completing work: "
+                               "a failed GPU, a stuck kernel)")
 
 
 def _behind_in_completion(members: tuple[int, ...], views: Mapping[int, GroupView | None]) -> tuple[int, ...]:
@@ -539,6 +582,36 @@ def analyze_traces(traces: Sequence[RankTrace], *, world_size: int | None = None
     world = set(range(world_size)) if world_size else set()
     world |= set(by_rank)
     g = _Graph()
+    findings = _group_findings(traces, by_rank, world, g)
+    # Structure first: a mismatch, and a member behind in completion (the others completed what it enqueued: its
+    # device stopped), are hangs however young. The clock is asked only where the dumps tell it (told_dump_time)
+    # and only of what a slow job also shows: every member inside the same collective (blocked), or a member not
+    # there yet (missing, p2p) — where every wait is young, the job may just be slow (tests/data/fr/slow). Judged
+    # over the whole job, not group by group: one chain of waits started by one slow rank spans several groups.
+    # Where the dumps do not tell when they were taken, the structure alone decides.
+    longest = max((f.waited_s for f in findings if f.kind in CLOCKED and f.waited_s is not None), default=None)
+    young = longest is not None and longest < min_wait_s
+    if young:
+        findings = [f if f.kind not in CLOCKED else replace(
+            f, kind="in_progress", culprits=(), detail=f"{f.detail} (waiting {longest:.1f} s at most, < "
+                                                       f"{min_wait_s:g} s: still in progress)") for f in findings]
+        g = _Graph(direct=g.direct)
+    stuck = [f for f in findings if f.kind != "in_progress"]
+    members_all = {r for f in findings for r in f.members}
+    no_dump = tuple(sorted((members_all | world) - set(by_rank)))
+    notes = _notes(findings, by_rank, no_dump)
+    versions = tuple(sorted({t.version for t in traces}))
+    if not stuck:
+        return FrAnalysis((), _no_hang_reason(findings, traces), tuple(findings), tuple(sorted(by_rank)), no_dump,
+                          versions, notes)
+    culprits = tuple(sorted(_roots(g) | g.direct)) or (no_dump if not young else ())
+    return FrAnalysis(culprits, _hang_reason(stuck, culprits, no_dump), tuple(findings), tuple(sorted(by_rank)),
+                      no_dump, versions, notes)
+
+
+def _group_findings(traces: Sequence[RankTrace], by_rank: Mapping[int, RankTrace], world: set[int],
+                    g: _Graph) -> list[GroupFinding]:
+    """Every group's unfinished collective and unmatched sends/recvs, each group's waits added to ``g``."""
     findings: list[GroupFinding] = []
     for name in sorted({n for t in traces for n in t.groups}, key=lambda n: (len(n), n)):
         members = _members(name, by_rank, world)
@@ -548,22 +621,12 @@ def analyze_traces(traces: Sequence[RankTrace], *, world_size: int | None = None
         desc = next((gv.desc for gv in views.values() if gv is not None and gv.desc), "")
         f = _collective_finding(name, desc, members, views, by_rank, g)
         findings += ([f] if f else []) + _p2p_findings(name, desc, members, views, by_rank, g)
-    # Structure first: a mismatch, and a member behind in completion (the others completed what it enqueued: its
-    # device stopped), are hangs however young. The clock is asked only where the dumps tell it (told_dump_time)
-    # and only of what a slow job also shows: every member inside the same collective (blocked), or a member not
-    # there yet (missing, p2p) — where every wait is young, the job may just be slow (tests/data/fr/slow). Judged
-    # over the whole job, not group by group: one chain of waits started by one slow rank spans several groups.
-    # Where the dumps do not tell when they were taken, the structure alone decides.
-    ages = [f.waited_s for f in findings if f.kind in CLOCKED and f.waited_s is not None]
-    young = bool(ages) and max(ages) < min_wait_s
-    if young:
-        findings = [f if f.kind not in CLOCKED else replace(
-            f, kind="in_progress", culprits=(), detail=f"{f.detail} (waiting {max(ages):.1f} s at most, < "
-                                                       f"{min_wait_s:g} s: still in progress)") for f in findings]
-        g = _Graph(direct=g.direct)
-    stuck = [f for f in findings if f.kind != "in_progress"]
-    members_all = {r for f in findings for r in f.members}
-    no_dump = tuple(sorted((members_all | world) - set(by_rank)))
+    return findings
+
+
+def _notes(findings: Sequence[GroupFinding], by_rank: Mapping[int, RankTrace],
+           no_dump: tuple[int, ...]) -> tuple[str, ...]:
+    """What limits the analysis: dumps without entries, ranks without a dump, waiters whose dumps tell no time."""
     notes: list[str] = []
     empty = sorted(r for r, t in by_rank.items() if t.entries == 0)
     if empty:
@@ -577,16 +640,20 @@ def analyze_traces(traces: Sequence[RankTrace], *, world_size: int | None = None
         notes.append(f"the {whose[0]} of {format_ranks(untimed)} {whose[1]} not tell when {whose[2]} taken ({whose[3]} "
                      "mtime disagrees with the dump's own clock: copied or checked out): how long the ranks waited is "
                      "unknown; the structure of the dumps decides")
-    versions = tuple(sorted({t.version for t in traces}))
-    if not stuck:
-        if findings:
-            reason = "; ".join(f.detail for f in findings) + "; no hang in the Flight Recorder"
-        elif not traces:
-            reason = "no Flight Recorder dumps"
-        else:
-            reason = "every process group finished its last collective; no hang in the Flight Recorder"
-        return FrAnalysis((), reason, tuple(findings), tuple(sorted(by_rank)), no_dump, versions, tuple(notes))
-    culprits = tuple(sorted(_roots(g) | g.direct)) or (no_dump if not young else ())
+    return tuple(notes)
+
+
+def _no_hang_reason(findings: Sequence[GroupFinding], traces: Sequence[RankTrace]) -> str:
+    """The reason when nothing is stuck: the findings still in progress, or why there are none."""
+    if findings:
+        return "; ".join(f.detail for f in findings) + "; no hang in the Flight Recorder"
+    if not traces:
+        return "no Flight Recorder dumps"
+    return "every process group finished its last collective; no hang in the Flight Recorder"
+
+
+def _hang_reason(stuck: Sequence[GroupFinding], culprits: tuple[int, ...], no_dump: tuple[int, ...]) -> str:
+    """The culprits, then every stuck group's finding, then the ranks its findings named that wait elsewhere."""
     parts = [f.detail for f in stuck]
     chained = sorted({r for f in stuck for r in f.culprits} - set(culprits))
     if chained:
@@ -595,5 +662,4 @@ def analyze_traces(traces: Sequence[RankTrace], *, world_size: int | None = None
     if culprits and set(culprits) <= set(no_dump):
         parts.append(f"{format_ranks(culprits)} left no dump")
     parts.insert(0, f"culprit {format_ranks(culprits)}" if culprits else "culprit unknown")
-    return FrAnalysis(culprits, "; ".join(parts), tuple(findings), tuple(sorted(by_rank)), no_dump, versions,
-                      tuple(notes))
+    return "; ".join(parts)

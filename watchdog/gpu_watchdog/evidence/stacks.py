@@ -231,47 +231,87 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
             pass
 
 
-def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking: bool = False,
-              with_locals: bool = False) -> DumpResult:
-    t0 = time.monotonic()
+@dataclass
+class _Attempt:
+    """One pid's dump in progress: its clock and the counters read around it, which every outcome carries."""
 
-    wakeups: list[int | None] = [None, None]
-    io: list[int | None] = [None, None]
+    pid: int
+    paused: bool  # py-spy stops the process while it reads (native, or not nonblocking)
+    t0: float = field(default_factory=lambda: time.monotonic())  # the same clock done() reads
+    kernel_waits: KernelWaits = field(default_factory=dict)
+    counters: ThreadCounters = field(default_factory=dict)
+    wakeups_before: int | None = None
+    wakeups_after: int | None = None
+    io_before: int | None = None
+    io_after: int | None = None
 
-    def done(outcome: str, detail: str, raw: str = "", threads: tuple[dict[str, Any], ...] = ()) -> DumpResult:
-        return DumpResult(pid, outcome, detail, threads, raw, round(time.monotonic() - t0, 4), *wakeups, *io)
+    def done(self, outcome: str, detail: str, raw: str = "", threads: tuple[dict[str, Any], ...] = ()) -> DumpResult:
+        return DumpResult(self.pid, outcome, detail, threads, raw, round(time.monotonic() - self.t0, 4),
+                          self.wakeups_before, self.wakeups_after, self.io_before, self.io_after)
 
-    def read_after(attached: bool = True) -> None:
+    def read_before(self) -> None:
+        """Read the threads' kernel waits and counters, and the main thread's, before py-spy attaches."""
+        self.kernel_waits = _read_kernel_waits(self.pid)
+        self.counters = _thread_counters(self.pid)
+        self.wakeups_before = _wakeups(self.pid)
+        self.io_before = _main_thread_io(self.pid)
+
+    def read_after(self, attached: bool = True) -> None:
         # A paused (blocking) attach may cost the thread one more wakeup just after this read, as it blocks again:
         # it is the dump's, not the job's ("did it wake between two dumps" must not see it). Read after a failed
         # attempt too (a timeout, an error): py-spy may have stopped the thread all the same, and a later dump of
         # the same collection (collect.py's native re-dump) carries these counters on.
-        io[1] = _main_thread_io(pid)
-        after = _wakeups(pid)
-        blocking = attached and (native or not nonblocking)
-        wakeups[1] = after + 1 if after is not None and blocking else after
+        self.io_after = _main_thread_io(self.pid)
+        after = _wakeups(self.pid)
+        blocking = attached and self.paused
+        self.wakeups_after = after + 1 if after is not None and blocking else after
 
+
+def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking: bool = False,
+              with_locals: bool = False) -> DumpResult:
+    run = _Attempt(pid, paused=native or not nonblocking)
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return done("error", f"invalid pid {pid!r}")
+        return run.done("error", f"invalid pid {pid!r}")
     if _is_stopped(pid):  # py-spy would wait for a stopped process until its timeout: its state says enough
-        return done("stopped", f"process {pid} is stopped (SIGSTOP or job control, state T): not dumped")
-    argv = [py_spy, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else []) + \
-        (["--locals"] if with_locals else [])
-    if nonblocking and not native:  # py-spy can only unwind native frames of a paused process
-        argv.append("--nonblocking")
-    waits_before = _read_kernel_waits(pid)
-    counters_before = _thread_counters(pid)
-    wakeups[0] = _wakeups(pid)
-    io[0] = _main_thread_io(pid)
+        return run.done("stopped", f"process {pid} is stopped (SIGSTOP or job control, state T): not dumped")
+    argv = _py_spy_argv(pid, py_spy, native, nonblocking, with_locals)
+    run.read_before()
     try:
         proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
     except OSError as e:  # vanished since find_py_spy, not executable, bad format
-        return done("py_spy_missing", f"cannot run py-spy at {py_spy}: {e.strerror or e}")
+        return run.done("py_spy_missing", f"cannot run py-spy at {py_spy}: {e.strerror or e}")
+    out_b, err_b, timed_out = _communicate(proc, timeout_s)
+    out, err = out_b.decode(errors="replace"), err_b.decode(errors="replace")
+    raw = out + err
+    if timed_out:
+        run.read_after()
+        return run.done(
+            "timeout",
+            f"py-spy did not finish within {timeout_s:g} s and was killed "
+            "(process stopped, in uninterruptible sleep, or the machine is overloaded)",
+            raw,
+        )
+    if proc.returncode == 0:
+        return _dumped(run, out, raw)
+    return _failed(run, proc.returncode, err, raw)
+
+
+def _py_spy_argv(pid: int, py_spy: str, native: bool, nonblocking: bool, with_locals: bool) -> list[str]:
+    argv = [py_spy, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else []) + \
+        (["--locals"] if with_locals else [])
+    if nonblocking and not native:  # py-spy can only unwind native frames of a paused process
+        argv.append("--nonblocking")
+    return argv
+
+
+def _communicate(proc: subprocess.Popen[bytes], timeout_s: float) -> tuple[bytes, bytes, bool]:
+    """py-spy's stdout and stderr, and whether it ran past ``timeout_s`` (then it was killed with its group)."""
     try:
         out_b, err_b = proc.communicate(timeout=timeout_s)
+        return out_b, err_b, False
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         try:
@@ -279,43 +319,41 @@ def _dump_one(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking
         except subprocess.TimeoutExpired:  # something outside the group holds the pipes: give up on output
             out_b, err_b = b"", b""
             proc.wait()
-        raw = out_b.decode(errors="replace") + err_b.decode(errors="replace")
-        read_after()
-        return done(
-            "timeout",
-            f"py-spy did not finish within {timeout_s:g} s and was killed "
-            "(process stopped, in uninterruptible sleep, or the machine is overloaded)",
-            raw,
-        )
+        return out_b, err_b, True
     finally:
         if proc.returncode is None:  # an unexpected exception: never leave py-spy attached
             _kill_group(proc)
             proc.wait()
-    out, err = out_b.decode(errors="replace"), err_b.decode(errors="replace")
-    raw = out + err
-    if proc.returncode == 0:
-        read_after()
-        try:
-            threads = json.loads(out)
-            if not isinstance(threads, list):
-                raise ValueError("not a JSON list")
-        except ValueError as e:
-            return done("error", f"py-spy printed unreadable JSON for pid {pid}: {e}", raw)
-        _add_kernel_waits(threads, waits_before, _read_kernel_waits(pid), pid)
-        _add_thread_counters(threads, counters_before, _thread_counters(pid), native or not nonblocking)
-        return done("ok", f"{len(threads)} threads", raw, tuple(threads))
+
+
+def _dumped(run: _Attempt, out: str, raw: str) -> DumpResult:
+    """py-spy exited 0: its JSON threads, with the kernel waits and counters read around the dump."""
+    run.read_after()
+    try:
+        threads = json.loads(out)
+        if not isinstance(threads, list):
+            raise ValueError("not a JSON list")
+    except ValueError as e:
+        return run.done("error", f"py-spy printed unreadable JSON for pid {run.pid}: {e}", raw)
+    _add_kernel_waits(threads, run.kernel_waits, _read_kernel_waits(run.pid), run.pid)
+    _add_thread_counters(threads, run.counters, _thread_counters(run.pid), run.paused)
+    return run.done("ok", f"{len(threads)} threads", raw, tuple(threads))
+
+
+def _failed(run: _Attempt, returncode: int, err: str, raw: str) -> DumpResult:
     # Failed: decide by the process's fate first (the text differs between versions), then by text.
+    pid = run.pid
     if _is_gone(pid):
-        return done("exited", f"process {pid} is not running (exited before or during the dump)", raw)
-    read_after(attached=not _PERMISSION_RE.search(err))  # a refused attach stopped nothing
+        return run.done("exited", f"process {pid} is not running (exited before or during the dump)", raw)
+    run.read_after(attached=not _PERMISSION_RE.search(err))  # a refused attach stopped nothing
     if _PERMISSION_RE.search(err):
-        return done("permission_denied", f"permission denied reading process {pid}: {PERMISSION_HINT}", raw)
+        return run.done("permission_denied", f"permission denied reading process {pid}: {PERMISSION_HINT}", raw)
     if _NOT_PYTHON_RE.search(err):
-        return done("error", f"process {pid} is not a Python process py-spy can read: {_first_error_line(err)}",
-                    raw)
-    if proc.returncode < 0:  # killed from outside (the OOM killer, an admin): the target was not left traced
-        return done("error", f"py-spy was killed by {signal.Signals(-proc.returncode).name} during the dump", raw)
-    return done("error", f"py-spy exited {proc.returncode}: {_first_error_line(err)}", raw)
+        return run.done("error", f"process {pid} is not a Python process py-spy can read: {_first_error_line(err)}",
+                        raw)
+    if returncode < 0:  # killed from outside (the OOM killer, an admin): the target was not left traced
+        return run.done("error", f"py-spy was killed by {signal.Signals(-returncode).name} during the dump", raw)
+    return run.done("error", f"py-spy exited {returncode}: {_first_error_line(err)}", raw)
 
 
 def _dump_guarded(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking: bool = False,
