@@ -88,42 +88,13 @@ class EvidenceGatherer:
         self.sources = tuple(make(ctx) for make in SOURCES)
 
     def gather(self, inc: Incident, finding: Finding, status: JobStatus | None, sample: NodeSample) -> Gathered:
-        ctx, cfg = self.ctx, self.ctx.cfg
         job_id = finding.job_id or ""
         rank_pids = dict(status.rank_pids) if status else {}
         world = max((p.job.world_size or 0 for p in sample.processes if p.job and p.job.job_id == job_id),
                     default=0) or None
-        diag: Diagnosis | None = None
-        if not rank_pids or not cfg.stacks.enabled:
-            out = Gathered()
-        else:
-            entry = inc.begin_action("dump_stacks")
-            t0 = time.monotonic()
-            results = dump_job(rank_pids, cfg.stacks, pids_on_gpu(sample, rank_pids.values()))
-            for rank, res in results.items():
-                write_rank_stacks(inc.dir, rank, ctx.host, res, world_size=world, job_id=job_id)
-                ctx.metric("pyspy_dump", res.outcome)
-            stacks = classify_results(results)
-            ok = sum(r.ok for r in results.values())
-            inc.end_action(entry, ok > 0, f"{ok}/{len(results)} ranks dumped in {time.monotonic() - t0:.2f}s"
-                           + "".join(f"; {rank_label(r)}: {res.detail}" for r, res in results.items() if not res.ok))
-            missing = set(finding.ranks) - set(rank_pids)
-            elsewhere = set(range(world or 0)) - set(rank_pids) - missing  # other nodes' ranks
-            diag = diagnose(stacks, None, missing, elsewhere)
-            remote = self._remote_stacks(inc, finding, diag, stacks, job_id)
-            if remote:  # the other nodes' ranks, from their agents' dumps: the culprit named from any node
-                diag = diagnose([*stacks, *remote], None, missing, elsewhere)
-            inc.update(culprit_ranks=list(diag.culprit_ranks) or list(finding.culprit_ranks),
-                       collective=diag.collective, reason=diag.reason, desync=diag.desync,
-                       groups=[[k, list(v)] for k, v in diag.groups])
-            ctx.say(f"culprit: {diag.reason}")
-            culprit = _culprit_stack(diag, [*stacks, *remote])
-            if culprit is not None:
-                ctx.say(f"culprit {rank_label(culprit.rank)} stack: {culprit.signature}")
-            self._identities(inc, diag, rank_pids)
-            behind = self._workers(inc, diag, stacks, rank_pids, job_id)
-            out = Gathered(tuple(stacks), diag, behind or culprit, alive_elsewhere=_alive(diag, remote))
         job = IncidentJob(job_id, rank_pids, world, inc.dir, spin=finding.signature == "spin")
+        out = self._stacks(inc, finding, job, sample) if rank_pids and self.ctx.cfg.stacks.enabled else Gathered()
+        diag = out.diagnosis  # the stacks' own: what they say about communication stands whoever names the culprit
         found = [f for source in self.sources if (f := self.ask(inc, source, job)) is not None]
         merged = self._decide(inc, finding, diag, [f.verdict for f in found if f.verdict is not None])
         if merged is not None and merged is not diag:  # the recovery acts on the merged verdict
@@ -134,6 +105,37 @@ class EvidenceGatherer:
         out = replace(out, communication="; ".join(comm))
         out.report(inc)
         return out
+
+    def _stacks(self, inc: Incident, finding: Finding, job: IncidentJob, sample: NodeSample) -> Gathered:
+        """A fresh dump of every rank (kept raw in the incident), the diagnosis over them and the other nodes'
+        published ones, what names each rank, and the workers a culprit waits on."""
+        ctx, rank_pids = self.ctx, dict(job.rank_pids)
+        entry = inc.begin_action("dump_stacks")
+        t0 = time.monotonic()
+        results = dump_job(rank_pids, ctx.cfg.stacks, pids_on_gpu(sample, rank_pids.values()))
+        for rank, res in results.items():
+            write_rank_stacks(inc.dir, rank, ctx.host, res, world_size=job.world_size, job_id=job.job_id)
+            ctx.metric("pyspy_dump", res.outcome)
+        stacks = classify_results(results)
+        ok = sum(r.ok for r in results.values())
+        inc.end_action(entry, ok > 0, f"{ok}/{len(results)} ranks dumped in {time.monotonic() - t0:.2f}s"
+                       + "".join(f"; {rank_label(r)}: {res.detail}" for r, res in results.items() if not res.ok))
+        missing = set(finding.ranks) - set(rank_pids)
+        elsewhere = set(range(job.world_size or 0)) - set(rank_pids) - missing  # other nodes' ranks
+        diag = diagnose(stacks, None, missing, elsewhere)
+        remote = self._remote_stacks(inc, finding, diag, stacks, job.job_id)
+        if remote:  # the other nodes' ranks, from their agents' dumps: the culprit named from any node
+            diag = diagnose([*stacks, *remote], None, missing, elsewhere)
+        inc.update(culprit_ranks=list(diag.culprit_ranks) or list(finding.culprit_ranks),
+                   collective=diag.collective, reason=diag.reason, desync=diag.desync,
+                   groups=[[k, list(v)] for k, v in diag.groups])
+        ctx.say(f"culprit: {diag.reason}")
+        culprit = _culprit_stack(diag, [*stacks, *remote])
+        if culprit is not None:
+            ctx.say(f"culprit {rank_label(culprit.rank)} stack: {culprit.signature}")
+        self._identities(inc, diag, rank_pids)
+        behind = self._workers(inc, diag, stacks, rank_pids, job.job_id)
+        return Gathered(tuple(stacks), diag, behind or culprit, alive_elsewhere=_alive(diag, remote))
 
     def _remote_stacks(self, inc: Incident, finding: Finding, diag: Diagnosis, stacks: list[RankStack],
                        job_id: str) -> list[RankStack]:
