@@ -4,7 +4,7 @@
 
 The agent on rank 0's node asks NCCL RAS about each NCCL job every ``ras.watch_interval_s`` (2 s): one query is a
 TCP connection to localhost:28028, the four-line handshake, the JSON report of every communicator of the whole
-job (all nodes), its parsing and the comparison with the previous report (``evidence.ras_poll.comm_progress``).
+job (all nodes), its parsing and the comparison with the previous report (``evidence.nccl_ras.poll.comm_progress``).
 Here a RAS stand-in in a child process (tests/support/ras_standin.py, NCCL's own report layout) serves reports
 of a job with one world communicator plus one per node (8 ranks per node), so the agent's side is measured
 alone: CPU seconds of this process (``time.process_time``) and wall time per query, for jobs of 2 ranks to
@@ -27,8 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "support"))
 
-from gpu_watchdog.evidence.nccl_ras import query, read_reply  # noqa: E402
-from gpu_watchdog.evidence.ras_poll import comm_progress  # noqa: E402
+from gpu_watchdog.evidence.nccl_ras.client import query, read_reply  # noqa: E402
+from gpu_watchdog.evidence.nccl_ras.poll import comm_progress  # noqa: E402
 
 SERVER = """
 import sys, time

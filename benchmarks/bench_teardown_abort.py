@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "watchdog"))
-from gpu_watchdog.evidence.flight_recorder import recording_env  # noqa: E402
+from gpu_watchdog.evidence.flight_recorder.dumps import recording_env  # noqa: E402
 
 ZOO = REPO / "tests" / "zoo"
 ARMS = ("without FR", "with FR")

@@ -2,7 +2,7 @@
 
 Each case is one real 4-rank torchrun job hung (or not) in a sub-group; every rank's dump is taken through the real
 FR API (``torch._C._distributed_c10d._dump_fr_trace()`` behind a FIFO, train.py's ``--fr-pipe`` helper) 12 s after
-the fault, so the waiting ranks have waited longer than ``fr_analysis.DEFAULT_MIN_WAIT_S``. Files::
+the fault, so the waiting ranks have waited longer than ``flight_recorder.analysis.DEFAULT_MIN_WAIT_S``. Files::
 
     tests/data/fr/<case>/trace_<rank>     the dumps, as torch wrote them (pickles, version 2.10 on torch 2.13)
     tests/data/fr/<case>/case.json        {"scenario", "rank_at", "culprit_ranks": the faulted ranks,

@@ -222,7 +222,7 @@ def test_an_nccl_hang_is_confirmed_fast_names_the_culprit_and_the_rerun_finishes
 # ------------------------------------------------------------------------------------------ launch: healthy twins
 def ras_counts(report: str) -> dict[int, int]:
     """rank → collectives launched, from one served RAS report (the job's live communicator)."""
-    from gpu_watchdog.evidence.nccl_ras import parse_report
+    from gpu_watchdog.evidence.nccl_ras.client import parse_report
 
     comms = parse_report(report).communicators
     return {r.rank: sum(r.collective_counts.values()) for c in comms for r in c.ranks}
@@ -366,7 +366,7 @@ def test_the_ras_stand_in_follows_the_state_files(tmp_path):
     """Fast: the report built from nccl_like.py's files (launched counts, one communicator per run, a stopped rank
     unresponsive, a run whose processes are gone forgotten) parses with the agent's own RAS reader, which names the
     rank behind."""
-    from gpu_watchdog.evidence.nccl_ras import analyze_report, parse_report
+    from gpu_watchdog.evidence.nccl_ras.client import analyze_report, parse_report
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

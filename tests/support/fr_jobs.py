@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from gloo_jobs import start_job
-from gpu_watchdog.evidence.flight_recorder import FrSettings, fr_settings, trigger_dumps
+from gpu_watchdog.evidence.flight_recorder.dumps import FrSettings, fr_settings, trigger_dumps
 from repo_paths import REPO
 
 GROUPS = REPO / "tests" / "jobs" / "groups.py"

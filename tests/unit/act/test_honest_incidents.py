@@ -11,7 +11,7 @@ from gpu_watchdog.act.recovery import _on_gpus, observe
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.load import load_config
 from gpu_watchdog.detect.detector import Finding
-from gpu_watchdog.evidence.fr_incident import FlightRecorderAtIncident
+from gpu_watchdog.evidence.flight_recorder.incident import FlightRecorderAtIncident
 from gpu_watchdog.evidence.incident_source import IncidentJob
 from gpu_watchdog.evidence.report import action_status
 from gpu_watchdog.export.metrics import AgentMetrics

@@ -19,8 +19,8 @@ from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.schema import Config, FlightRecorderConfig
 from gpu_watchdog.detect.detector import RUNNING, SUSPECT, Finding, JobStatus
 from gpu_watchdog.engine.loop import Engine
-from gpu_watchdog.evidence.flight_recorder import fr_settings, recording_env
-from gpu_watchdog.evidence.fr_incident import FlightRecorderAtIncident
+from gpu_watchdog.evidence.flight_recorder.dumps import fr_settings, recording_env
+from gpu_watchdog.evidence.flight_recorder.incident import FlightRecorderAtIncident
 from gpu_watchdog.evidence.incident_source import IncidentJob
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.store.fallback_levels import FallbackStore

@@ -1,5 +1,5 @@
-"""gpu_watchdog.evidence.flight_recorder: settings, the non-blocking FIFO trigger, safe loading, and the culprit of
-REAL gloo Flight Recorder dumps (``_dump_fr_trace()`` inside a hung 2-rank torchrun job)."""
+"""gpu_watchdog.evidence.flight_recorder.dumps: settings, the non-blocking FIFO trigger, safe loading, and the
+culprit of REAL gloo Flight Recorder dumps (``_dump_fr_trace()`` inside a hung 2-rank torchrun job)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from gloo_jobs import start_job
-from gpu_watchdog.evidence.flight_recorder import (
+from gpu_watchdog.evidence.flight_recorder.analysis import analyze_traces, rank_trace
+from gpu_watchdog.evidence.flight_recorder.dumps import (
     DEFAULT_DUMP_PREFIX,
     FlightRecorderError,
     FrSettings,
@@ -20,7 +21,6 @@ from gpu_watchdog.evidence.flight_recorder import (
     load_dump,
     trigger_dumps,
 )
-from gpu_watchdog.evidence.fr_analysis import analyze_traces, rank_trace
 
 
 def test_settings_from_env() -> None:

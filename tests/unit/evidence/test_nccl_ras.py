@@ -8,7 +8,7 @@ import time
 
 import pytest
 from gpu_watchdog.errors import EXIT_UNAVAILABLE, UsageError
-from gpu_watchdog.evidence.nccl_ras import (
+from gpu_watchdog.evidence.nccl_ras.client import (
     RasReply,
     RasReportError,
     RasUnavailable,

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import ras_standin
 from gpu_watchdog.config.schema import RasConfig
-from gpu_watchdog.evidence.nccl_ras import DEFAULT_ADDR, parse_report
-from gpu_watchdog.evidence.ras_poll import RasPoller, compare_polls, hung_communicators, poll_once, ras_target
+from gpu_watchdog.evidence.nccl_ras.client import DEFAULT_ADDR, parse_report
+from gpu_watchdog.evidence.nccl_ras.poll import RasPoller, compare_polls, hung_communicators, poll_once, ras_target
 from ras_standin import Comm, Missing, Rank, RasStandIn, free_port, report_json
 from waiting import wait_for
 
@@ -174,7 +174,7 @@ def test_a_job_not_asked_gets_no_connection(rank_procs: Callable[..., int]) -> N
 
 # -- NCCL's counts as the detector's observation (comm_progress) ------------------------------------------------
 def _progress(before: str, after: str) -> tuple[str, tuple[int, ...]] | None:
-    from gpu_watchdog.evidence.ras_poll import comm_progress
+    from gpu_watchdog.evidence.nccl_ras.poll import comm_progress
 
     p = comm_progress("j", parse_report(before), parse_report(after), 1.0, source="RAS")
     return None if p is None else (p.state, p.behind)
@@ -197,8 +197,8 @@ def test_a_new_communicator_is_progress() -> None:
 
 
 def test_a_text_report_carries_no_counts() -> None:
-    from gpu_watchdog.evidence.nccl_ras import parse_text_report
-    from gpu_watchdog.evidence.ras_poll import comm_progress
+    from gpu_watchdog.evidence.nccl_ras.client import parse_text_report
+    from gpu_watchdog.evidence.nccl_ras.poll import comm_progress
 
     text = parse_text_report(ras_standin.OLD_TEXT_REPORT)
     assert comm_progress("j", text, parse_report(job([1, 1, 1, 1])), 1.0) is None
@@ -207,7 +207,7 @@ def test_a_text_report_carries_no_counts() -> None:
 def test_a_job_whose_reports_cost_more_is_watched_less_often(monkeypatch: pytest.MonkeyPatch) -> None:
     """Watching stays under WATCH_CPU_SHARE of a core: a job whose last query cost 10 ms is next asked after
     10 ms / share, not at the watch interval (a suspect job is still asked at poll_interval_s)."""
-    from gpu_watchdog.evidence import ras_poll
+    from gpu_watchdog.evidence.nccl_ras import poll as ras_poll
 
     with RasStandIn([job([1, 1, 1, 1])]) as s:
         p = RasPoller(lambda: RasConfig(enabled="on", addr=s.addr, timeout_s=2.0, poll_interval_s=0.1))
@@ -226,7 +226,7 @@ def test_a_job_whose_reports_cost_more_is_watched_less_often(monkeypatch: pytest
 def test_a_watched_job_without_a_ras_socket_is_looked_up_ever_less_often_a_suspect_one_at_once() -> None:
     """A gloo job (no RAS socket) under watching: each lookup reads the kernel's socket tables, so they back off
     (0.05 s, 0.1 s, 0.2 s, ...); once the job is suspect it is looked at again after poll_interval_s."""
-    from gpu_watchdog.evidence.ras_poll import port_listening
+    from gpu_watchdog.evidence.nccl_ras.poll import port_listening
 
     lookups: list[float] = []
 
@@ -251,7 +251,7 @@ def test_a_watched_job_without_a_ras_socket_is_looked_up_ever_less_often_a_suspe
 def test_port_listening_reads_the_kernels_tables(tmp_path: Path) -> None:
     import socket
 
-    from gpu_watchdog.evidence.ras_poll import port_listening
+    from gpu_watchdog.evidence.nccl_ras.poll import port_listening
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -271,8 +271,8 @@ def _typed(counts: list[dict[str, int]]) -> str:
 def test_a_desync_names_the_odd_rank_not_everyone() -> None:
     """Rank 1 launched an all_gather where ranks 0 and 2 launched a broadcast (helper-measured on the NCCL-like
     stand-in job): each side is behind on one type. Only rank 1 is named, and the verdict says desync."""
-    from gpu_watchdog.evidence.nccl_ras import analyze_report, format_analysis
-    from gpu_watchdog.evidence.ras_poll import comm_progress
+    from gpu_watchdog.evidence.nccl_ras.client import analyze_report, format_analysis
+    from gpu_watchdog.evidence.nccl_ras.poll import comm_progress
 
     counts = [{"Broadcast": 2, "AllGather": 0, "AllReduce": 19}, {"Broadcast": 1, "AllGather": 1, "AllReduce": 19},
               {"Broadcast": 2, "AllGather": 0, "AllReduce": 19}]
@@ -286,8 +286,8 @@ def test_a_desync_names_the_odd_rank_not_everyone() -> None:
 
 
 def test_ranks_merely_behind_are_no_desync_and_a_tied_desync_names_nobody() -> None:
-    from gpu_watchdog.evidence.nccl_ras import analyze_report
-    from gpu_watchdog.evidence.ras_poll import comm_progress
+    from gpu_watchdog.evidence.nccl_ras.client import analyze_report
+    from gpu_watchdog.evidence.nccl_ras.poll import comm_progress
 
     behind = [{"AllReduce": 5, "Broadcast": 2}, {"AllReduce": 4, "Broadcast": 1}]
     a = analyze_report(parse_report(_typed(behind)))
@@ -300,8 +300,8 @@ def test_ranks_merely_behind_are_no_desync_and_a_tied_desync_names_nobody() -> N
 
 
 def poll_of(report: str) -> Any:
-    from gpu_watchdog.evidence.nccl_ras import RasReply
-    from gpu_watchdog.evidence.ras_poll import RasPoll
+    from gpu_watchdog.evidence.nccl_ras.client import RasReply
+    from gpu_watchdog.evidence.nccl_ras.poll import RasPoll
 
     reply = RasReply("x", 2, "json", report, 0.01)
     return RasPoll(time.time(), time.monotonic(), reply, parse_report(report))

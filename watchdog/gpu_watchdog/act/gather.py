@@ -29,10 +29,10 @@ from gpu_watchdog.evidence.collect import (
 )
 from gpu_watchdog.evidence.culprit import STACKS, SourceVerdict, from_stacks, merge_sources
 from gpu_watchdog.evidence.diagnosis import Diagnosis, communication_evidence, diagnose, format_ranks
-from gpu_watchdog.evidence.fr_incident import FlightRecorderAtIncident
+from gpu_watchdog.evidence.flight_recorder.incident import FlightRecorderAtIncident
 from gpu_watchdog.evidence.incident_source import Found, IncidentJob, IncidentSource
-from gpu_watchdog.evidence.ras_incident import NcclRasAtIncident
-from gpu_watchdog.evidence.ras_poll import RasPoller
+from gpu_watchdog.evidence.nccl_ras.incident import NcclRasAtIncident
+from gpu_watchdog.evidence.nccl_ras.poll import RasPoller
 from gpu_watchdog.evidence.report import render_report
 from gpu_watchdog.model import NodeSample, RankStack, rank_known, rank_label
 from gpu_watchdog.sample import ray_node

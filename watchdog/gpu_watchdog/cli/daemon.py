@@ -130,7 +130,7 @@ def _readable(op: str, reply: dict[str, Any]) -> str:
 def _task_prolog_exports(reply: dict[str, Any]) -> str:
     """The job-start reply as Slurm TaskProlog lines: the fallback overlay, the level, the run's control dir and the
     Flight Recorder settings the job's own environment (this process's: the TaskProlog runs with it) leaves unset."""
-    from gpu_watchdog.evidence.flight_recorder import recording_env
+    from gpu_watchdog.evidence.flight_recorder.dumps import recording_env
     from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV
     from gpu_watchdog.policy.ladder import task_prolog_lines
 

@@ -13,7 +13,7 @@ from gpu_watchdog.cli.args import add_common_options, positive_float
 
 def _addr_arg(text: str) -> str:
     from gpu_watchdog.errors import UsageError
-    from gpu_watchdog.evidence.nccl_ras import parse_addr
+    from gpu_watchdog.evidence.nccl_ras.client import parse_addr
 
     try:
         parse_addr(text)
@@ -24,7 +24,7 @@ def _addr_arg(text: str) -> str:
 
 def cmd_ras(args: argparse.Namespace) -> int:
     from gpu_watchdog.config.load import load_config
-    from gpu_watchdog.evidence.nccl_ras import (
+    from gpu_watchdog.evidence.nccl_ras.client import (
         ADDR_ENV,
         DEFAULT_ADDR,
         analyze_report,

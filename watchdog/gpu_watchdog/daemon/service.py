@@ -42,7 +42,7 @@ from gpu_watchdog.daemon.targets import RegisteredJob
 from gpu_watchdog.detect.detector import DetectorState, Finding
 from gpu_watchdog.detect.states import STALLED
 from gpu_watchdog.errors import ConfigError, NoInputError
-from gpu_watchdog.evidence import flight_recorder as fr
+from gpu_watchdog.evidence.flight_recorder import dumps as fr
 from gpu_watchdog.export.health import LoopHealth, Pinger
 from gpu_watchdog.export.sdnotify import Notifier
 from gpu_watchdog.job.protocol import ControlDir

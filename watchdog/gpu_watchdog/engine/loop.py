@@ -32,8 +32,8 @@ from gpu_watchdog.detect.detector import (
 )
 from gpu_watchdog.detect.stragglers import StragglerWatch
 from gpu_watchdog.evidence.collect import collect_stack_evidence, pids_on_gpu
-from gpu_watchdog.evidence.flight_recorder import SuspectDumps
-from gpu_watchdog.evidence.ras_poll import RasPoller
+from gpu_watchdog.evidence.flight_recorder.dumps import SuspectDumps
+from gpu_watchdog.evidence.nccl_ras.poll import RasPoller
 from gpu_watchdog.evidence.spawned_ranks import SpawnedRanks
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.model import CommProgress, NodeSample, StackEvidence

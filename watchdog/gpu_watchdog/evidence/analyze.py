@@ -4,8 +4,8 @@ Each node's agent sees only its own ranks; when they all wait in the same collec
 another node. ``gpu-watchdog analyze DIR…`` reads every node's incident directory and runs the same
 diagnosis over all ranks. An incident directory also holds the ranks' Flight Recorder dumps
 (``flight-recorder/fr-rank-<rank>.pkl``); a directory may hold only dumps (raw ``<prefix><rank>`` files). With
-both, ``evidence.culprit.merge_evidence`` decides: the FR analysis (``evidence.fr_analysis``) names the culprit
-when the stacks cannot tell the ranks apart, and disagreements are reported (docs/evidence.md).
+both, ``evidence.culprit.merge_evidence`` decides: the FR analysis (``evidence.flight_recorder.analysis``) names the
+culprit when the stacks cannot tell the ranks apart, and disagreements are reported (docs/evidence.md).
 
 On-disk format (version 1), one file per rank under an incident directory::
 
@@ -44,8 +44,14 @@ from gpu_watchdog.errors import EXIT_DATAERR, EXIT_NOINPUT, EXIT_OK, WatchdogErr
 from gpu_watchdog.evidence.classify import classify_threads
 from gpu_watchdog.evidence.culprit import SOURCE_TITLES, Verdict, merge_evidence
 from gpu_watchdog.evidence.diagnosis import Diagnosis, diagnose, format_ranks
-from gpu_watchdog.evidence.flight_recorder import FlightRecorderError, dump_files, dump_rank, load_dump
-from gpu_watchdog.evidence.fr_analysis import DEFAULT_MIN_WAIT_S, FrAnalysis, RankTrace, analyze_traces, rank_trace
+from gpu_watchdog.evidence.flight_recorder.analysis import (
+    DEFAULT_MIN_WAIT_S,
+    FrAnalysis,
+    RankTrace,
+    analyze_traces,
+    rank_trace,
+)
+from gpu_watchdog.evidence.flight_recorder.dumps import FlightRecorderError, dump_files, dump_rank, load_dump
 from gpu_watchdog.evidence.stacks import DumpResult
 from gpu_watchdog.model import RankStack
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpu_watchdog.evidence.diagnosis import Diagnosis, format_ranks
-from gpu_watchdog.evidence.fr_analysis import FrAnalysis
+from gpu_watchdog.evidence.flight_recorder.analysis import FrAnalysis
 
 STACKS = "stacks"
 FLIGHT_RECORDER = "flight_recorder"

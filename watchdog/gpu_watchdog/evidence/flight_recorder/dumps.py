@@ -19,8 +19,8 @@ We unpickle with an unpickler that refuses every class, so a planted file in /tm
 ``recording_env`` is what ``launch`` and the TaskProlog add to every job (``[flight_recorder]``, docs/evidence.md
 "Flight Recorder on every job": the cost measured); ``SuspectDumps`` asks a job's ranks for their dumps once per
 suspect streak, so that the incident finds them written when the stall is confirmed.
-The shipped ``torchfrtrace`` analyzer crashes on gloo dumps; nothing here uses it: ``fr_analysis`` reads the dumps
-of every process group and names the culprit.
+The shipped ``torchfrtrace`` analyzer crashes on gloo dumps; nothing here uses it: ``flight_recorder.analysis`` reads
+the dumps of every process group and names the culprit.
 """
 
 from __future__ import annotations

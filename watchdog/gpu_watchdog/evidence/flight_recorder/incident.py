@@ -11,10 +11,10 @@ from pathlib import Path
 
 import psutil
 
-from gpu_watchdog.evidence import flight_recorder as fr
 from gpu_watchdog.evidence.analyze import fr_dir
 from gpu_watchdog.evidence.culprit import from_flight_recorder
-from gpu_watchdog.evidence.fr_analysis import FrAnalysis, analyze_traces, rank_trace
+from gpu_watchdog.evidence.flight_recorder import dumps as fr
+from gpu_watchdog.evidence.flight_recorder.analysis import FrAnalysis, analyze_traces, rank_trace
 from gpu_watchdog.evidence.incident_source import Begin, Found, IncidentJob
 
 FR_WAIT_S = 10.0  # how long to wait for the triggered ranks' dumps (the first one may import torch._dynamo)

@@ -23,7 +23,7 @@ from typing import Any
 from gpu_watchdog.atomic import note_write_error, write_atomic
 from gpu_watchdog.config.schema import RasConfig
 from gpu_watchdog.errors import WatchdogError
-from gpu_watchdog.evidence.nccl_ras import (
+from gpu_watchdog.evidence.nccl_ras.client import (
     ADDR_ENV,
     DEFAULT_ADDR,
     HostPid,
