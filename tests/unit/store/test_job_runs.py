@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_watchdog.act.gather import EvidenceGatherer
-from gpu_watchdog.act.recovery import Recovery
+from gpu_watchdog.act.recovery import GAVE_UP, GIVEN_UP_ELSEWHERE, RESTARTED, STOOD_DOWN, Recovery
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.schema import Config, FallbackConfig, RecoveryConfig, StacksConfig
 from gpu_watchdog.detect.detector import Finding, JobStatus
@@ -98,7 +98,7 @@ def test_two_nodes_confirm_the_same_hang_exactly_one_restarts(tmp_path: Path) ->
     r1 = first.handle(_finding(), t1, sample, None)
     r2 = second.handle(_finding(), t2, sample, None)
     assert (t1.restarts, t2.restarts) == ([0], [])  # one restart hook for the run, on the node that decided it
-    assert r1.restarted and not r1.restarted_by and r2.restarted_by == "node1" and not r2.restarted
+    assert r1.outcome == RESTARTED and (r2.outcome, r2.by) == (STOOD_DOWN, "node1")
     restart = [a for a in r2.incident.summary["actions"] if a["action"] == "restart"]
     assert restart and restart[0]["outcome"] == "skipped" and "restarted by node1" in restart[0]["detail"]
     assert r2.incident.summary["restarted_by"]["incident"] == r1.incident.id
@@ -109,7 +109,8 @@ def test_two_nodes_confirm_the_same_hang_exactly_one_restarts(tmp_path: Path) ->
     assert rec["env"]["NCCL_DEBUG_FILE"].startswith(str(shared / "job-7" / "run-1"))
     # a late agent still watching run 0 can never restart run 1 either
     late, t3 = _agent(tmp_path, "node3", shared)
-    assert late.handle(_finding(), t3, sample, None).restarted_by == "node1" and t3.restarts == []
+    late_result = late.handle(_finding(), t3, sample, None)
+    assert (late_result.outcome, late_result.by) == (STOOD_DOWN, "node1") and t3.restarts == []
 
 
 def _stack(rank: int, state: str, op: str | None = None, active: bool = False) -> RankStack:
@@ -183,7 +184,7 @@ def test_rank_0s_node_decides_and_another_node_waits_for_it(tmp_path: Path) -> N
     waited = time.monotonic() - t0
     later.join()
     assert 0.9 <= waited < 5.0, waited  # it waited for node 1, not the whole grace
-    assert (t1.restarts, t2.restarts) == ([0], []) and r2.restarted_by == "node1"
+    assert (t1.restarts, t2.restarts) == ([0], []) and (r2.outcome, r2.by) == (STOOD_DOWN, "node1")
     claim = [a for a in r2.incident.summary["actions"] if a["action"] == "claim_run"]
     assert "decided by node1 (rank 0's node" in claim[0]["detail"]
 
@@ -194,7 +195,7 @@ def test_without_rank_0s_agent_another_node_decides_after_the_grace(tmp_path: Pa
     node2, t2 = _agent(tmp_path, "node2", shared, actor_grace_s=1.0)
     t0 = time.monotonic()
     r2 = node2.handle(_finding(), t2, sample, _status(2, 3))
-    assert time.monotonic() - t0 >= 1.0 and r2.restarted and t2.restarts == [0]
+    assert time.monotonic() - t0 >= 1.0 and r2.outcome == RESTARTED and t2.restarts == [0]
     assert JobRuns(shared, "x").get("job-7", 1)["decided_by"] == "node2"  # type: ignore[index]
 
 
@@ -205,13 +206,13 @@ def test_the_restart_budget_is_the_jobs_not_each_nodes(tmp_path: Path) -> None:
     sample = NodeSample(t=time.time(), hostname="x", backend="proc", devices=(), processes=(), errors=())
     node1, t1 = _agent(tmp_path, "node1", shared, max_restarts=1)
     node2, t2 = _agent(tmp_path, "node2", shared, max_restarts=1)
-    assert node1.handle(_finding(), t1, sample, None).restarted
+    assert node1.handle(_finding(), t1, sample, None).outcome == RESTARTED
     t1.run = t2.run = 1
     r2 = node2.handle(_finding(), t2, sample, None)
-    assert r2.give_up and t2.restarts == [] and "restart budget spent" in str(
+    assert r2.outcome == GAVE_UP and t2.restarts == [] and "restart budget spent" in str(
         JobRuns(shared, "x").get("job-7", 2)["give_up"])  # type: ignore[index]
     r1 = node1.handle(_finding(), t1, sample, None)
-    assert r1.given_up_by == "node2" and not r1.give_up and t1.restarts == [0]
+    assert (r1.outcome, r1.by) == (GIVEN_UP_ELSEWHERE, "node2") and t1.restarts == [0]
     assert r1.incident.summary["given_up_by"]["incident"] == r2.incident.id
     assert JobRuns(shared, "x").restart_times("job-7") == [JobRuns(shared, "x").get("job-7", 1)["decided_at"]]  # type: ignore[index]
 
@@ -238,7 +239,7 @@ def test_an_agent_that_confirms_after_the_run_was_decided_stands_down_without_ga
     now = time.time()
     idle = Finding("stall", "idle_held", "job-7", (2, 3), (), now - 5, now, (), "no progress", "stacks")
     r2 = node2.handle(idle, t2, sample, _status(2, 3))  # alone, no evidence: it would be held as waiting
-    assert r2.restarted_by == "node1" and not r2.held and t2.restarts == []
+    assert (r2.outcome, r2.by) == (STOOD_DOWN, "node1") and r2.hold is None and t2.restarts == []
     assert r2.incident.summary["restarted_by"]["incident"] == "inc-1"
 
 

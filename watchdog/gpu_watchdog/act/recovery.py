@@ -27,22 +27,34 @@ from gpu_watchdog.policy.plan import GIVE_UP, HOLD, RESTART, STAND_DOWN, Plan, S
 from gpu_watchdog.store.incidents import Incident
 from gpu_watchdog.store.job_runs import JobRuns
 
+# What a recovery ended in: the one value the hosts read.
+HELD = "held"  # not acted on (no proof the hang is in communication): the job waits (Engine.hold), watched on
+RESTARTED = "restarted"  # the target restarted the job (launch: a new run; the daemon: the restart hook ran)
+NOT_RESTARTED = "not_restarted"  # stopped, and the target's restart did not happen (hook failed; launch stopping)
+RESTARTED_ELSEWHERE = "restarted_elsewhere"  # stopped; another node's agent restarted the job (its requeue)
+BY_ENGINE = "by_engine"  # the hung ranks ended; the job's own engine restarts them (Ray Train), the job runs on
+GAVE_UP = "gave_up"  # stopped, no next run: the restart budget is spent
+STOOD_DOWN = "stood_down"  # another node's agent decided (and restarts) the next run: ranks here stopped
+GIVEN_UP_ELSEWHERE = "given_up_elsewhere"  # another node's agent decided the job gets no next run
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Why a job is held waiting, the ranks it waits on and what they do (Engine.hold's arguments)."""
+
+    why: str
+    on: tuple[int, ...] = ()
+    doing: str = ""
+
 
 @dataclass
 class RecoveryResult:
     incident: Incident
-    give_up: bool
+    outcome: str  # one of the outcomes above
     restart_env: dict[str, str] = field(default_factory=dict)
     level: int = 0
-    restarted: bool = False
-    # Not acted on: no proof the hang is in communication (the incident is finished as observed). The caller
-    # puts the job in the waiting state (Engine.hold) with these: why, the ranks it waits on, what they do.
-    held: str = ""
-    held_on: tuple[int, ...] = ()
-    held_doing: str = ""
-    restarted_by: str = ""  # another node's agent decided (and restarts) the next run: this one stood down
-    by_engine: str = ""  # the job's own engine restarts its ended ranks (Ray Train): the job itself runs on
-    given_up_by: str = ""  # another node's agent decided the job gets no next run: this one stood down
+    by: str = ""  # BY_ENGINE: the engine's restart; STOOD_DOWN, GIVEN_UP_ELSEWHERE: the node that decided
+    hold: Hold | None = None  # HELD only
 
 
 def stall_facts(gathered: Gathered, status: JobStatus | None, on_gpus: bool = False,
@@ -167,13 +179,15 @@ class Recovery:
             inc.record_action("give_up", True, plan.why_not)
             gathered.report(inc)
             ctx.say(f"giving up: {plan.why_not}")
-            return RecoveryResult(inc, give_up=True, level=decision.level)
+            return RecoveryResult(inc, GAVE_UP, level=decision.level)
         ctx.say(f"fallback level {decision.level}: {decision.reason}")
         if decision.advice:
             ctx.say(f"advice: {decision.advice}")
         restarted = self._restart(inc, target, decision)
         gathered.report(inc)
-        return RecoveryResult(inc, False, restart_env, decision.level, restarted)
+        outcome = (RESTARTED if restarted else RESTARTED_ELSEWHERE if inc.summary.get("restarted_by")
+                   else NOT_RESTARTED)
+        return RecoveryResult(inc, outcome, restart_env, decision.level)
 
     def _restart_by_engine(self, inc: Incident, plan: Plan, target: JobTarget, sample: NodeSample,
                            status: JobStatus | None, gathered: Gathered, restart_env: dict[str, str]) -> RecoveryResult:
@@ -193,7 +207,7 @@ class Recovery:
         ctx.metric("restart", target.job_id)
         ctx.metric("action", "restart", True)
         gathered.report(inc)
-        return RecoveryResult(inc, False, restart_env, decision.level, True, by_engine=plan.by_engine)
+        return RecoveryResult(inc, BY_ENGINE, restart_env, decision.level, by=plan.by_engine)
 
     def _restart(self, inc: Incident, target: JobTarget, decision: FallbackDecision) -> bool:
         """The backoff (restarts in a row are spaced), then the target's restart at the decision's level."""
@@ -292,9 +306,7 @@ class Recovery:
             say = f"job {target.job_id}: restarted by {who} (run {rec.get('run')}, level {level}): standing down"
         gathered.report(inc)
         self.ctx.say(say)
-        gave_up = bool(rec.get("give_up"))
-        return RecoveryResult(inc, give_up=False, level=level, restarted_by="" if gave_up else who,
-                              given_up_by=who if gave_up else "")
+        return RecoveryResult(inc, GIVEN_UP_ELSEWHERE if rec.get("give_up") else STOOD_DOWN, level=level, by=who)
 
     def _hold_waiting(self, inc: Incident, finding: Finding, gathered: Gathered) -> RecoveryResult:
         """No proof the hang is in communication: the job is waiting (every rank asleep, polling, reading, in its
@@ -315,8 +327,8 @@ class Recovery:
         inc.finish("observed: waiting (no communication evidence)")
         self.ctx.say(detail)
         self.ctx.metric("action", "observe", True)
-        return RecoveryResult(inc, give_up=False, held=why, held_on=tuple(diag.culprit_ranks) if diag else (),
-                              held_doing=diag.reason if diag else "")
+        return RecoveryResult(inc, HELD, hold=Hold(why, tuple(diag.culprit_ranks) if diag else (),
+                                                   diag.reason if diag else ""))
 
     def _checkpoint(self, inc: Incident, target: JobTarget, sample: NodeSample, status: JobStatus | None) -> None:
         rc = self.ctx.cfg.recovery

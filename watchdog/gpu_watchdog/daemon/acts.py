@@ -12,7 +12,17 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from gpu_watchdog.act.faults import GpuFaultHandler
-from gpu_watchdog.act.recovery import Recovery, observe
+from gpu_watchdog.act.recovery import (
+    BY_ENGINE,
+    GAVE_UP,
+    GIVEN_UP_ELSEWHERE,
+    NOT_RESTARTED,
+    RESTARTED,
+    RESTARTED_ELSEWHERE,
+    STOOD_DOWN,
+    Recovery,
+    observe,
+)
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.agent.dispatch import record_finding
 from gpu_watchdog.config.schema import DaemonSettings
@@ -28,6 +38,17 @@ from gpu_watchdog.policy.respond import Response
 from gpu_watchdog.store.db import Store
 
 log = logging.getLogger("gpu_watchdog.daemon")
+
+# How the daemon finishes an incident, by the recovery's outcome ({by}: the engine's restart or the deciding node).
+_FINISHED = {
+    GAVE_UP: "gave up: restart budget spent (no restart hook run)",
+    BY_ENGINE: "restarted by the job's engine ({by})",
+    STOOD_DOWN: "restarted by {by}",
+    GIVEN_UP_ELSEWHERE: "given up by {by}",
+    RESTARTED_ELSEWHERE: "restarted by another agent (Slurm)",
+    RESTARTED: "restart hook ran",
+    NOT_RESTARTED: "restart hook failed or missing",
+}
 
 
 class DaemonActs:
@@ -156,17 +177,12 @@ class DaemonActs:
             else None
         result = Recovery(self.ctx, self.budget(job_id), before_give_up, wait=self._backoff_wait).handle(
             finding, self.target(job_id, reg), sample, status)
-        if result.held:  # observed, not acted on: the job waits (Engine.hold) and is watched on
-            self.engine.hold(job_id, finding.onset, result.held, result.held_on, result.held_doing)
+        if result.hold is not None:  # observed, not acted on: the job waits (Engine.hold) and is watched on
+            self.engine.hold(job_id, finding.onset, result.hold.why, result.hold.on, result.hold.doing)
             return
-        if result.by_engine:  # its ranks are restarted by the job's own engine: watched afresh from the next tick
+        if result.outcome == BY_ENGINE:  # its ranks are restarted by the job's own engine: watched afresh
             self.engine.restarted_in_place(job_id)
-        result.incident.finish("gave up: restart budget spent (no restart hook run)" if result.give_up
-                               else f"restarted by the job's engine ({result.by_engine})" if result.by_engine
-                               else f"restarted by {result.restarted_by}" if result.restarted_by
-                               else f"given up by {result.given_up_by}" if result.given_up_by
-                               else "restarted by another agent (Slurm)" if result.incident.summary.get("restarted_by")
-                               else "restart hook ran" if result.restarted else "restart hook failed or missing")
+        result.incident.finish(_FINISHED[result.outcome].format(by=result.by))
 
     def _backoff_wait(self, seconds: float) -> bool:
         """The restart backoff on a worker thread, cut short when the daemon stops: False when cut."""

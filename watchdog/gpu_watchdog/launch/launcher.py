@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gpu_watchdog.act.faults import GpuFaultHandler
-from gpu_watchdog.act.recovery import Recovery
+from gpu_watchdog.act.recovery import BY_ENGINE, GAVE_UP, RESTARTED, Recovery
 from gpu_watchdog.act.stopper import JobProcess, alive, job_tree, stop_processes
 from gpu_watchdog.agent.build import Watched, build_agent
 from gpu_watchdog.agent.dispatch import Dispatcher, record_finding
@@ -334,19 +334,20 @@ class Launcher:
             result = Recovery(self.ctx, self.budget, wait=self._backoff_wait).handle(finding, target, sample, status)
         finally:
             self.health.busy(None)
-        if result.held:  # observed, not acted on: the job waits (Engine.hold) and is watched on
-            self.engine.hold(self.job_id, finding.onset, result.held, result.held_on, result.held_doing)
+        if result.hold is not None:  # observed, not acted on: the job waits (Engine.hold) and is watched on
+            self.engine.hold(self.job_id, finding.onset, result.hold.why, result.hold.on, result.hold.doing)
             return None
-        if result.by_engine:  # the job runs on: its engine restarts the ranks that were ended, watched afresh
-            result.incident.finish(f"restarted by the job's engine ({result.by_engine})")
+        if result.outcome == BY_ENGINE:  # the job runs on: its engine restarts the ranks that were ended
+            result.incident.finish(f"restarted by the job's engine ({result.by})")
             self.engine.new_run(self.job_id)
             self._exits.forget()
             return None
-        if result.give_up:
+        if result.outcome == GAVE_UP:
             result.incident.finish(f"gave up: restart budget spent; launch exits {EXIT_BUDGET_SPENT}")
             self.say(f"giving up (exit {EXIT_BUDGET_SPENT})")
             return _Outcome(exit_code=EXIT_BUDGET_SPENT)
-        result.incident.finish(f"restarted at fallback level {result.level}" if result.restarted
+        # launch has no job-wide runs (no other node decides): restarted here, or stopping
+        result.incident.finish(f"restarted at fallback level {result.level}" if result.outcome == RESTARTED
                                else "stopped; not restarted (launch is stopping)")
         return _Outcome(restart_env=result.restart_env, level=result.level)
 
