@@ -21,11 +21,10 @@ import time
 import urllib.request
 from collections.abc import Callable
 
-from gpu_watchdog.detect.detector import JobStatus
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.export.http import serve
 from gpu_watchdog.export.metrics import AgentMetrics
-from gpu_watchdog.model import DeviceSample, GpuProcess, JobIdentity, NodeSample, ProcessSample, SampleError
+from gpu_watchdog.model import DeviceSample, GpuProcess, JobIdentity, JobStatus, NodeSample, ProcessSample, SampleError
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 

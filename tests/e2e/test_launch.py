@@ -30,13 +30,13 @@ from gpu_watchdog.atomic import write_errors
 from gpu_watchdog.config.schema import FallbackConfig, FallbackLevel, RecoveryConfig
 from gpu_watchdog.demo import train as demo_job
 from gpu_watchdog.demo.runner import read_events
-from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.errors import EXIT_BUDGET_SPENT, NoInputError, UsageError
 from gpu_watchdog.job import Client
 from gpu_watchdog.job.protocol import EXIT_ABORTED, EXIT_CHECKPOINTED, ControlDir
+from gpu_watchdog.model import Finding, validate_job_id
 from gpu_watchdog.policy import ladder
 from gpu_watchdog.policy.budget import RestartBudget
-from gpu_watchdog.policy.ladder import FallbackDecision, decide, hang_place, validate_job_id
+from gpu_watchdog.policy.ladder import FallbackDecision, decide, hang_place
 from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.incidents import IncidentStore
 from repo_paths import REPO

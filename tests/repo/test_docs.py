@@ -169,7 +169,7 @@ def test_every_test_docs_reliability_names_exists() -> None:
 def test_the_json_contract_is_in_the_repository_and_names_every_summary_field(tmp_path: Path) -> None:
     """The contract other tools rely on lives in docs/json-contract.md (README links it, nothing points outside the
     repository), and names every field a new incident's summary has."""
-    from gpu_watchdog.detect.detector import Finding
+    from gpu_watchdog.model import Finding
     from gpu_watchdog.store.incidents import IncidentStore
 
     readme = (REPO / "README.md").read_text()

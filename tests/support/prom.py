@@ -306,9 +306,8 @@ def populated_metrics(t: float | None = None) -> Any:
     """An AgentMetrics with every family holding at least one series: two real GPUs with every field, a
     stalled job and a job waiting on rank 3, every counter and histogram touched. For name checks and for
     "every dashboard expression returns data" against a live scrape."""
-    from gpu_watchdog.detect.detector import JobStatus
     from gpu_watchdog.export.metrics import AgentMetrics
-    from gpu_watchdog.model import DeviceSample, NodeSample, SampleError
+    from gpu_watchdog.model import DeviceSample, JobStatus, NodeSample, SampleError
 
     now = time.time() if t is None else t
     m = AgentMetrics(interval_s=1.0)

@@ -5,7 +5,12 @@ Everything downstream (detector, trace, metrics) consumes these; only the sampli
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
+
+from gpu_watchdog.errors import UsageError
 
 
 def unknown_rank(pid: int) -> int:
@@ -211,3 +216,75 @@ class StackEvidence:
     job_id: str
     t: float
     ranks: tuple[RankStack, ...] = field(default_factory=tuple)
+
+
+# A job's id: a file name in the state directory and a label value, so a narrow alphabet.
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
+
+
+def validate_job_id(job_id: str) -> str:
+    if not isinstance(job_id, str) or not JOB_ID_RE.fullmatch(job_id) or ".." in job_id:
+        raise UsageError(f"invalid job id {job_id!r}: use letters, digits and ._:@+- (no '/', '..' or control "
+                         "characters, at most 128)")
+    return job_id
+
+
+class JobState(str, Enum):
+    """What the detector believes about a job (the strings are the CLI/JSON contract's and the metrics')."""
+
+    RUNNING = "running"  # its ranks progress
+    SUSPECT = "suspect"  # nothing progressed for detect.suspect_after_s: stacks are being taken
+    STALLED = "stalled"  # confirmed: stacks unchanged with nothing moving, or quiet for confirm_after_s
+    WAITING = "waiting"  # some ranks progress, the others wait for them (or a judged stall is held)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # "stall" | "gpu_fault" | "config_mismatch" | "rank_exited" | "straggler"
+    signature: str  # stall: idle_held | spin | rank_exited | waiting_timeout; fault: gpu_lost | ...
+    job_id: str | None
+    ranks: tuple[int, ...]  # the job's ranks seen on this node
+    culprit_ranks: tuple[int, ...]  # what the detector alone can tell; stacks refine it
+    onset: float
+    confirmed_at: float
+    devices: tuple[str, ...] = ()  # GPU UUIDs involved
+    detail: str = ""
+    basis: str = "time"  # what the confirmation rests on: "stacks" | "time" | "fault" | "process" (JSON: "evidence")
+    # A kind's own section of its incident (``straggler``: rank, score, causes); not part of the finding's identity.
+    facts: Mapping[str, object] = field(default_factory=dict, compare=False)
+
+    def to_json(self) -> dict[str, object]:
+        return {"kind": self.kind, "signature": self.signature, "job": self.job_id, "ranks": list(self.ranks),
+                "culprit_ranks": list(self.culprit_ranks), "onset": self.onset,
+                "confirmed_at": self.confirmed_at, "devices": list(self.devices), "detail": self.detail,
+                "evidence": self.basis}
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """What the detector believes about one job right now (also what metrics export)."""
+
+    job_id: str
+    state: JobState = JobState.RUNNING
+    since: float = 0.0  # when ``state`` began
+    onset: float | None = None  # start of the current no-progress streak
+    waiting_since: float | None = None
+    waiting_on: tuple[int, ...] = ()  # ranks still making progress while the others wait
+    waiting_doing: str = ""  # what they do, from stacks when known ("io at write (ckpt.py:12)")
+    signature: str = ""
+    ranks: tuple[int, ...] = ()
+    rank_pids: Mapping[int, int] = field(default_factory=dict)
+    ranks_seen: frozenset[int] = frozenset()
+    devices: tuple[str, ...] = ()
+    evidence: tuple[StackEvidence, ...] = ()  # stack dumps taken during the current streak
+    progress_since: float | None = None  # for clearing a confirmed stall
+    needs_stacks: bool = False
+    stopped: tuple[int, ...] = ()  # ranks in the stopped state (SIGSTOP): culprits from process state alone
+    # Why a confirmed stall was not acted on (no communication evidence: hold_waiting): the job waits, and only
+    # ``waiting_timeout_s`` after the onset is it a stall again ("waiting_timeout"). Cleared when it runs again.
+    held: str = ""
+    comm: CommProgress | None = None  # NCCL's counts as last observed (NCCL RAS), fresh or not
+    quiet_since: float | None = None  # since when no counter of the job moved (None: one moved this tick)

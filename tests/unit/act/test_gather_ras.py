@@ -14,8 +14,8 @@ from pathlib import Path
 from gpu_watchdog.act.gather import EvidenceGatherer
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.schema import Config, RasConfig, StacksConfig
-from gpu_watchdog.detect.detector import STALLED, Finding, JobStatus
-from gpu_watchdog.model import NodeSample
+from gpu_watchdog.detect.detector import STALLED
+from gpu_watchdog.model import Finding, JobStatus, NodeSample
 from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.incidents import IncidentStore
 from ras_standin import Comm, Rank, RasStandIn, report_json

@@ -10,12 +10,11 @@ from gpu_watchdog.act.gather import EvidenceGatherer
 from gpu_watchdog.act.recovery import _on_gpus, observe
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.load import load_config
-from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.evidence.flight_recorder.incident import FlightRecorderAtIncident
 from gpu_watchdog.evidence.incident_source import IncidentJob
 from gpu_watchdog.evidence.report import action_status
 from gpu_watchdog.export.metrics import AgentMetrics
-from gpu_watchdog.model import DeviceSample, NodeSample
+from gpu_watchdog.model import DeviceSample, Finding, NodeSample
 from gpu_watchdog.policy.ladder import decide
 from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.incidents import IncidentStore

@@ -192,7 +192,8 @@ def test_preempt_with_signal_opt_in(base: Path) -> None:
         # SIGUSR1 before the handler is installed would kill the job (the default action), not preempt it.
         wait_for(ready.exists, 15, "the job's SIGUSR1 handler")
         handle_request(d, {"op": "job-start", "job_id": "j", "pids": [job.pid], "checkpoint_opt_in": True}, ROOT)
-        from gpu_watchdog.detect.detector import DetectorState, JobStatus
+        from gpu_watchdog.detect.detector import DetectorState
+        from gpu_watchdog.model import JobStatus
 
         d.state = DetectorState(jobs={"j": JobStatus("j", rank_pids={0: job.pid})})
         reply = handle_request(d, {"op": "preempt", "job_id": "j", "timeout_s": 5}, ROOT)

@@ -29,9 +29,8 @@ from gpu_watchdog.detect.consistency import (
     relevant,
     run_key,
 )
-from gpu_watchdog.detect.detector import JobStatus
 from gpu_watchdog.launch.launcher import Launcher
-from gpu_watchdog.model import NodeSample
+from gpu_watchdog.model import JobStatus, NodeSample
 from gpu_watchdog.store.job_runs import JobRuns
 from launch_harness import base_env, read_events, start_launch, torchrun, write_config
 from repo_paths import REPO

@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 from gpu_watchdog.config.schema import DetectConfig
-from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.detect.replay import replay_trace
-from gpu_watchdog.model import NodeSample
+from gpu_watchdog.model import Finding, NodeSample
 from gpu_watchdog.sample.trace import read_trace
 from repo_paths import REPO, TESTS
 

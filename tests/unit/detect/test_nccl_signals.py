@@ -18,17 +18,8 @@ from pathlib import Path
 
 import pytest
 from gpu_watchdog.config.schema import DetectConfig
-from gpu_watchdog.detect.detector import (
-    RUNNING,
-    SUSPECT,
-    WAITING,
-    DetectorState,
-    Finding,
-    device_signature,
-    step,
-    traffic_rate,
-)
-from gpu_watchdog.model import CommProgress, DeviceSample, NodeSample
+from gpu_watchdog.detect.detector import RUNNING, SUSPECT, WAITING, DetectorState, device_signature, step, traffic_rate
+from gpu_watchdog.model import CommProgress, DeviceSample, Finding, NodeSample
 from gpu_watchdog.sample.trace import read_trace
 from repo_paths import TESTS
 from test_detector import JOB, Node, run, stall_findings

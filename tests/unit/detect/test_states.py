@@ -7,14 +7,8 @@ import json
 import re
 
 import pytest
-from gpu_watchdog.detect.states import (
-    JOB_STATES,
-    TRANSITIONS,
-    Event,
-    IllegalTransition,
-    JobState,
-    transition,
-)
+from gpu_watchdog.detect.states import JOB_STATES, TRANSITIONS, Event, IllegalTransition, transition
+from gpu_watchdog.model import JobState
 from repo_paths import REPO
 
 

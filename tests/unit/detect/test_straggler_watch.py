@@ -15,9 +15,9 @@ import pynvml
 import pytest
 from gpu_watchdog.config.load import config_from_dict
 from gpu_watchdog.detect import stragglers
-from gpu_watchdog.detect.detector import RUNNING, STALLED, SUSPECT, JobStatus
+from gpu_watchdog.detect.detector import RUNNING, STALLED, SUSPECT
 from gpu_watchdog.evidence.straggler.causes import HostCounters
-from gpu_watchdog.model import NodeSample
+from gpu_watchdog.model import JobStatus, NodeSample
 from gpu_watchdog.sample.trace import read_trace
 from nvml_standin import NvmlStandin
 from nvml_standin.fixtures import nvml_standin as _nvml_standin_fixture  # noqa: F401

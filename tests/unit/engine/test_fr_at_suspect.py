@@ -17,12 +17,13 @@ from gloo_jobs import start_job
 from gpu_watchdog.act.gather import EvidenceGatherer
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.schema import Config, FlightRecorderConfig
-from gpu_watchdog.detect.detector import RUNNING, SUSPECT, Finding, JobStatus
+from gpu_watchdog.detect.detector import RUNNING, SUSPECT
 from gpu_watchdog.engine.loop import Engine
 from gpu_watchdog.evidence.flight_recorder.dumps import fr_settings, recording_env
 from gpu_watchdog.evidence.flight_recorder.incident import FlightRecorderAtIncident
 from gpu_watchdog.evidence.incident_source import IncidentJob
 from gpu_watchdog.export.health import LoopHealth
+from gpu_watchdog.model import Finding, JobStatus
 from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.incidents import IncidentStore
 from waiting import wait_for

@@ -11,9 +11,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from gpu_watchdog.config.schema import Config, RasConfig
-from gpu_watchdog.detect.detector import RUNNING, STALLED, SUSPECT, WAITING, JobStatus
+from gpu_watchdog.detect.detector import RUNNING, STALLED, SUSPECT, WAITING
 from gpu_watchdog.engine.loop import Engine
 from gpu_watchdog.export.health import LoopHealth
+from gpu_watchdog.model import JobStatus
 from gpu_watchdog.store.fallback_levels import FallbackStore
 from ras_standin import Comm, Rank, RasStandIn, report_json
 from waiting import wait_for

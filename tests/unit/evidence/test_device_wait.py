@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from gpu_watchdog.config.schema import Config, StacksConfig
-from gpu_watchdog.detect.detector import SUSPECT, DetectorState, JobStatus
+from gpu_watchdog.detect.detector import SUSPECT, DetectorState
 from gpu_watchdog.engine.loop import Engine
 from gpu_watchdog.evidence import source
 from gpu_watchdog.evidence.classify import GPU_LINE, classify_threads, device_sync_call
@@ -38,7 +38,7 @@ from gpu_watchdog.evidence.collect import (
 from gpu_watchdog.evidence.diagnosis import RankContext, communication_evidence, diagnose, rank_moved
 from gpu_watchdog.evidence.stacks import DumpResult, dump_stacks, find_py_spy
 from gpu_watchdog.export.health import LoopHealth
-from gpu_watchdog.model import DeviceSample, GpuProcess, NodeSample
+from gpu_watchdog.model import DeviceSample, GpuProcess, JobStatus, NodeSample
 from gpu_watchdog.store.fallback_levels import FallbackStore
 from waiting import wait_blocked
 

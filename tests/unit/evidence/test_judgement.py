@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 from gpu_watchdog.config.schema import DetectConfig, FallbackConfig, RecoveryConfig
-from gpu_watchdog.detect.detector import STALLED, WAITING, DetectorState, JobStatus, hold_waiting, step
+from gpu_watchdog.detect.detector import STALLED, WAITING, DetectorState, hold_waiting, step
 from gpu_watchdog.evidence.classify import DDP_OP, classify_threads
 from gpu_watchdog.evidence.diagnosis import communication_evidence, diagnose, rank_moved
 from gpu_watchdog.evidence.syscalls import timed_wait
-from gpu_watchdog.model import JobIdentity, NodeSample, ProcessSample, RankStack
+from gpu_watchdog.model import JobIdentity, JobStatus, NodeSample, ProcessSample, RankStack
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.policy.ladder import decide
 

@@ -8,11 +8,10 @@ from typing import Any
 
 import prom
 import pytest
-from gpu_watchdog.detect.detector import JobStatus
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.export.http import serve
 from gpu_watchdog.export.metrics import OVERFLOW, PYSPY_OUTCOMES, AgentMetrics
-from gpu_watchdog.model import DeviceSample, NodeSample, SampleError
+from gpu_watchdog.model import DeviceSample, JobStatus, NodeSample, SampleError
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 

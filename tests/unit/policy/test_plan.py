@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from gpu_watchdog.config.schema import FallbackConfig, RecoveryConfig
-from gpu_watchdog.detect.detector import Finding
+from gpu_watchdog.model import Finding
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.policy.plan import GIVE_UP, HOLD, RESTART, STAND_DOWN, StallFacts, judge
 

@@ -17,8 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 from gloo_jobs import TRAIN, RunningJob, _torchrun
-from gpu_watchdog.model import JobIdentity, ProcessSample
-from gpu_watchdog.policy.ladder import validate_job_id
+from gpu_watchdog.model import JobIdentity, ProcessSample, validate_job_id
 from gpu_watchdog.sample import processes as processes_mod
 from gpu_watchdog.sample.processes import ProcessScanner, _is_launcher, identity_from_env
 from waiting import wait_for
@@ -535,7 +534,7 @@ def test_proc_backend_rates_need_a_minimum_window() -> None:
 def test_identity_without_a_torchrun_run_id() -> None:
     """torchrun without --rdzv-id gives every job TORCHELASTIC_RUN_ID=none: no job id. Its rendezvous endpoint
     (MASTER_ADDR:MASTER_PORT, shared by every node of the job) names the job instead."""
-    from gpu_watchdog.policy.ladder import JOB_ID_RE
+    from gpu_watchdog.model import JOB_ID_RE
 
     ep = {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
     for none in ("none", "None", "NONE", ""):

@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from gpu_watchdog.detect.detector import Finding
+from gpu_watchdog.model import Finding
 from gpu_watchdog.store.incidents import IncidentStore
 
 

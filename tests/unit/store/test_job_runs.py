@@ -14,10 +14,9 @@ from gpu_watchdog.act.gather import EvidenceGatherer
 from gpu_watchdog.act.recovery import GAVE_UP, GIVEN_UP_ELSEWHERE, RESTARTED, STOOD_DOWN, Recovery
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.schema import Config, FallbackConfig, RecoveryConfig, StacksConfig
-from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.evidence.diagnosis import diagnose
 from gpu_watchdog.job.protocol import ControlDir
-from gpu_watchdog.model import NodeSample, RankStack, StackEvidence
+from gpu_watchdog.model import Finding, JobStatus, NodeSample, RankStack, StackEvidence
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.incidents import Incident, IncidentStore

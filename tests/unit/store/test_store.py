@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from gpu_watchdog.config.schema import Config, DaemonSettings, HookSpec
 from gpu_watchdog.daemon.service import Daemon
-from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.export.sdnotify import Notifier
+from gpu_watchdog.model import Finding
 from gpu_watchdog.store.db import Store
 
 

@@ -21,10 +21,9 @@ from gpu_watchdog.act.hooks import HookResult, run_hook
 from gpu_watchdog.act.recovery import stop_job
 from gpu_watchdog.act.target import ActContext, JobTarget
 from gpu_watchdog.config.schema import HookSpec
-from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.errors import WatchdogError
 from gpu_watchdog.evidence.report import render_report
-from gpu_watchdog.model import NodeSample
+from gpu_watchdog.model import Finding, NodeSample
 from gpu_watchdog.policy.drain import drain_reason, drain_spec, drain_values
 from gpu_watchdog.store.incidents import Incident
 

@@ -16,7 +16,6 @@ from typing import Any
 import psutil
 
 from gpu_watchdog.act.target import ActContext
-from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.evidence.analyze import write_rank_stacks
 from gpu_watchdog.evidence.collect import (
     WAITS_ON_WORKERS,
@@ -34,7 +33,7 @@ from gpu_watchdog.evidence.incident_source import Found, IncidentJob, IncidentSo
 from gpu_watchdog.evidence.nccl_ras.incident import NcclRasAtIncident
 from gpu_watchdog.evidence.nccl_ras.poll import RasPoller
 from gpu_watchdog.evidence.report import render_report
-from gpu_watchdog.model import NodeSample, RankStack, rank_known, rank_label
+from gpu_watchdog.model import Finding, JobStatus, NodeSample, RankStack, rank_known, rank_label
 from gpu_watchdog.sample import ray_node
 from gpu_watchdog.sample.group_members import fd_targets
 from gpu_watchdog.sample.processes import command_text

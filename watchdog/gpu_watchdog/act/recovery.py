@@ -19,8 +19,7 @@ from gpu_watchdog.act.engine_restart import engine_restart
 from gpu_watchdog.act.gather import EvidenceGatherer, Gathered
 from gpu_watchdog.act.stopper import JobProcess, stop_processes, wait_memory_released
 from gpu_watchdog.act.target import ActContext, JobTarget
-from gpu_watchdog.detect.detector import Finding, JobStatus
-from gpu_watchdog.model import NodeSample
+from gpu_watchdog.model import Finding, JobStatus, NodeSample
 from gpu_watchdog.policy.budget import BudgetVerdict, RestartBudget
 from gpu_watchdog.policy.ladder import WAITED_ADVICE, FallbackDecision, diagnostics_env
 from gpu_watchdog.policy.plan import GIVE_UP, HOLD, RESTART, STAND_DOWN, Plan, StallFacts, judge

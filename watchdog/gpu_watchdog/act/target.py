@@ -10,10 +10,10 @@ from typing import Any, Protocol
 
 from gpu_watchdog.act.stopper import JobProcess
 from gpu_watchdog.config.schema import Config
-from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.evidence.flight_recorder.dumps import SuspectDumps
 from gpu_watchdog.evidence.nccl_ras.poll import RasPoller
 from gpu_watchdog.job.protocol import ControlDir
+from gpu_watchdog.model import Finding
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.sample.recent import TRACE_NAME, RecentSamples
 from gpu_watchdog.store.fallback_levels import FallbackStore

@@ -11,8 +11,7 @@ from typing import Generic, Protocol, TypeVar
 from gpu_watchdog.act.faults import record
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.schema import Config, HookSpec
-from gpu_watchdog.detect.detector import Finding, JobStatus
-from gpu_watchdog.model import NodeSample
+from gpu_watchdog.model import Finding, JobStatus, NodeSample
 from gpu_watchdog.policy.respond import DRAIN, RECORD, RECOVER, Response, respond
 
 T = TypeVar("T")

@@ -170,7 +170,8 @@ def cmd_incidents(args: argparse.Namespace) -> int:
 
 def cmd_env(args: argparse.Namespace) -> int:
     from gpu_watchdog.config.schema import resolve_state_dir
-    from gpu_watchdog.policy.ladder import export_lines, validate_job_id
+    from gpu_watchdog.model import validate_job_id
+    from gpu_watchdog.policy.ladder import export_lines
     from gpu_watchdog.store.fallback_levels import FallbackStore
 
     store = FallbackStore(args.state_dir or resolve_state_dir(_load_cfg(args)))

@@ -29,10 +29,9 @@ from gpu_watchdog.config.schema import DaemonSettings
 from gpu_watchdog.daemon.registry import Registry
 from gpu_watchdog.daemon.restart_hooks import RestartHooks
 from gpu_watchdog.daemon.targets import RegisteredJob, UnregisteredRanks
-from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.engine.loop import Engine, count_internal_error
 from gpu_watchdog.job.protocol import ControlDir
-from gpu_watchdog.model import NodeSample
+from gpu_watchdog.model import Finding, JobStatus, NodeSample
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.policy.respond import Response
 from gpu_watchdog.store.db import Store

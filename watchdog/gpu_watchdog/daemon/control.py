@@ -44,7 +44,7 @@ from gpu_watchdog.config.schema import Config, DaemonSettings
 from gpu_watchdog.daemon.cgroups import cgroup_pids, validate_cgroup
 from gpu_watchdog.daemon.registry import live_pids
 from gpu_watchdog.errors import ServiceUnavailable, UsageError, WatchdogError
-from gpu_watchdog.policy.ladder import validate_job_id
+from gpu_watchdog.model import validate_job_id
 
 
 class Daemon(Protocol):

@@ -39,14 +39,14 @@ from gpu_watchdog.daemon.registry import Registry
 from gpu_watchdog.daemon.restart_hooks import RestartHooks
 from gpu_watchdog.daemon.resume import resume_incidents
 from gpu_watchdog.daemon.targets import RegisteredJob
-from gpu_watchdog.detect.detector import DetectorState, Finding
+from gpu_watchdog.detect.detector import DetectorState
 from gpu_watchdog.detect.states import STALLED
 from gpu_watchdog.errors import ConfigError, NoInputError
 from gpu_watchdog.evidence.flight_recorder import dumps as fr
 from gpu_watchdog.export.health import LoopHealth, Pinger
 from gpu_watchdog.export.sdnotify import Notifier
 from gpu_watchdog.job.protocol import ControlDir
-from gpu_watchdog.model import NodeSample
+from gpu_watchdog.model import Finding, NodeSample
 from gpu_watchdog.sample.backends import Backend
 from gpu_watchdog.store.db import Store
 from gpu_watchdog.store.fallback_levels import FallbackStore

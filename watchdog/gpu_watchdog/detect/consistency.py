@@ -16,8 +16,8 @@ from typing import Any
 
 import psutil
 
-from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.evidence.diagnosis import format_ranks
+from gpu_watchdog.model import Finding, JobStatus
 
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 ENV_KEYS = ("NPROC_PER_NODE", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

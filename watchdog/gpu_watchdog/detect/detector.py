@@ -33,40 +33,21 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpu_watchdog.config.schema import DetectConfig
-from gpu_watchdog.detect.states import RUNNING, STALLED, SUSPECT, WAITING, Event, JobState, transition
+from gpu_watchdog.detect.states import RUNNING, STALLED, SUSPECT, WAITING, Event, transition
 from gpu_watchdog.evidence.classify import kernel_wait
 from gpu_watchdog.evidence.diagnosis import RankContext, stacks_progressed
 from gpu_watchdog.model import (
     CommProgress,
     DeviceSample,
+    Finding,
+    JobState,
+    JobStatus,
     NodeSample,
     ProcessSample,
     StackEvidence,
     rank_known,
     rank_label,
 )
-
-
-@dataclass(frozen=True)
-class Finding:
-    kind: str  # "stall" | "gpu_fault" | "config_mismatch" | "rank_exited" | "straggler"
-    signature: str  # stall: idle_held | spin | rank_exited | waiting_timeout; fault: gpu_lost | ...
-    job_id: str | None
-    ranks: tuple[int, ...]  # the job's ranks seen on this node
-    culprit_ranks: tuple[int, ...]  # what the detector alone can tell; stacks refine it
-    onset: float
-    confirmed_at: float
-    devices: tuple[str, ...] = ()  # GPU UUIDs involved
-    detail: str = ""
-    basis: str = "time"  # what the confirmation rests on: "stacks" | "time" | "fault" | "process" (JSON: "evidence")
-    # A kind's own section of its incident (``straggler``: rank, score, causes); not part of the finding's identity.
-    facts: Mapping[str, object] = field(default_factory=dict, compare=False)
-
-    def to_json(self) -> dict[str, object]:
-        return {"kind": self.kind, "signature": self.signature, "job": self.job_id, "ranks": list(self.ranks),
-                "culprit_ranks": list(self.culprit_ranks), "onset": self.onset,
-                "confirmed_at": self.confirmed_at, "devices": list(self.devices), "detail": self.detail,
-                "evidence": self.basis}
 
 
 @dataclass(frozen=True)
@@ -87,33 +68,6 @@ class _RankObs:
     stopped: bool = False  # SIGSTOP / job-control stop (T): it cannot make progress until continued
     stale: bool = False  # its step heartbeat has been still for several of its own step times
     io_t: float | None = None  # the last time its tree read or wrote at the progress rate
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    """What the detector believes about one job right now (also what metrics export)."""
-
-    job_id: str
-    state: JobState = RUNNING
-    since: float = 0.0  # when ``state`` began
-    onset: float | None = None  # start of the current no-progress streak
-    waiting_since: float | None = None
-    waiting_on: tuple[int, ...] = ()  # ranks still making progress while the others wait
-    waiting_doing: str = ""  # what they do, from stacks when known ("io at write (ckpt.py:12)")
-    signature: str = ""
-    ranks: tuple[int, ...] = ()
-    rank_pids: Mapping[int, int] = field(default_factory=dict)
-    ranks_seen: frozenset[int] = frozenset()
-    devices: tuple[str, ...] = ()
-    evidence: tuple[StackEvidence, ...] = ()  # stack dumps taken during the current streak
-    progress_since: float | None = None  # for clearing a confirmed stall
-    needs_stacks: bool = False
-    stopped: tuple[int, ...] = ()  # ranks in the stopped state (SIGSTOP): culprits from process state alone
-    # Why a confirmed stall was not acted on (no communication evidence: hold_waiting): the job waits, and only
-    # ``waiting_timeout_s`` after the onset is it a stall again ("waiting_timeout"). Cleared when it runs again.
-    held: str = ""
-    comm: CommProgress | None = None  # NCCL's counts as last observed (NCCL RAS), fresh or not
-    quiet_since: float | None = None  # since when no counter of the job moved (None: one moved this tick)
 
 
 @dataclass(frozen=True)

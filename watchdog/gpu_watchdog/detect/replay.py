@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpu_watchdog.config.schema import DetectConfig
-from gpu_watchdog.detect.detector import DetectorState, Finding, step
+from gpu_watchdog.detect.detector import DetectorState, step
 from gpu_watchdog.errors import TraceError
-from gpu_watchdog.model import NodeSample, StackEvidence
+from gpu_watchdog.model import Finding, NodeSample, StackEvidence
 from gpu_watchdog.sample.trace import read_trace
 
 

@@ -1,4 +1,4 @@
-"""The detector's job states and the one table of moves between them (imports nothing of the package).
+"""The detector's job states (``model.JobState``) and the one table of moves between them.
 
 Each tick the detector observes a job's facts and reduces them to one ``Event``; ``transition`` looks the move up in
 ``TRANSITIONS``. A pair missing from the table is a bug in the detector (``IllegalTransition``), never a silent
@@ -9,17 +9,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-
-class JobState(str, Enum):
-    """What the detector believes about a job (the strings are the CLI/JSON contract's and the metrics')."""
-
-    RUNNING = "running"  # its ranks progress
-    SUSPECT = "suspect"  # nothing progressed for detect.suspect_after_s: stacks are being taken
-    STALLED = "stalled"  # confirmed: stacks unchanged with nothing moving, or quiet for confirm_after_s
-    WAITING = "waiting"  # some ranks progress, the others wait for them (or a judged stall is held)
-
-    def __str__(self) -> str:
-        return self.value
+from gpu_watchdog.model import JobState
 
 
 class Event(str, Enum):
@@ -85,4 +75,4 @@ def transition(state: JobState | str, event: Event) -> JobState:
 
 
 __all__ = ["JOB_STATES", "RUNNING", "STALLED", "SUSPECT", "TRANSITIONS", "WAITING", "Event", "IllegalTransition",
-           "JobState", "transition"]
+           "transition"]

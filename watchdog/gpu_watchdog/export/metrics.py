@@ -54,10 +54,9 @@ from prometheus_client.process_collector import ProcessCollector
 
 from gpu_watchdog import __version__
 from gpu_watchdog.atomic import write_errors
-from gpu_watchdog.detect.detector import JobStatus
 from gpu_watchdog.detect.states import JOB_STATES, STALLED, SUSPECT, WAITING
 from gpu_watchdog.evidence.stacks import OUTCOMES
-from gpu_watchdog.model import NodeSample, SampleError
+from gpu_watchdog.model import JobStatus, NodeSample, SampleError
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,6 @@ from gpu_watchdog.act.stopper import JobProcess, alive, job_tree, stop_processes
 from gpu_watchdog.agent.build import Watched, build_agent
 from gpu_watchdog.agent.dispatch import Dispatcher, record_finding
 from gpu_watchdog.config.schema import Config, HookSpec, resolve_state_dir
-from gpu_watchdog.detect.detector import Finding, JobStatus
 from gpu_watchdog.engine.loop import Engine, count_internal_error
 from gpu_watchdog.errors import EXIT_BUDGET_SPENT, EXIT_GPU_FAULT, EXIT_SOFTWARE, UsageError
 from gpu_watchdog.evidence.flight_recorder import dumps as fr
@@ -40,9 +39,8 @@ from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV, RESTA
 from gpu_watchdog.launch.exits import ExitWatch, finished_work, first_to_exit
 from gpu_watchdog.launch.guardian import Guardian
 from gpu_watchdog.launch.output import JobOutput
-from gpu_watchdog.model import NodeSample, rank_label
+from gpu_watchdog.model import Finding, JobStatus, NodeSample, rank_label, validate_job_id
 from gpu_watchdog.policy.budget import RestartBudget
-from gpu_watchdog.policy.ladder import validate_job_id
 from gpu_watchdog.policy.respond import Response
 from gpu_watchdog.sample import ray_node
 from gpu_watchdog.sample.backends import Backend

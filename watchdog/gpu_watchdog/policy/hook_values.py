@@ -7,7 +7,7 @@ import re
 from collections.abc import Mapping
 
 from gpu_watchdog.errors import UsageError
-from gpu_watchdog.policy.ladder import validate_job_id
+from gpu_watchdog.model import validate_job_id
 
 _NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 _INCIDENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

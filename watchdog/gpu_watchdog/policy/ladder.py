@@ -16,9 +16,7 @@ from pathlib import Path
 
 from gpu_watchdog.atomic import note_write_error
 from gpu_watchdog.config.schema import FallbackConfig
-from gpu_watchdog.errors import UsageError
 
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
 SMALL_SHM_BYTES = 1 << 30  # NCCL without P2P moves data through /dev/shm (nccl#606)
 
 # Culprit states that are the culprit's own code, not communication: a different NCCL transport cannot help.
@@ -45,13 +43,6 @@ DESYNC_ADVICE = ("desync: the ranks are blocked in different collectives, so the
 def hang_place(culprit_state: str | None, where: str = "", signature: str = "") -> str:
     """Where a hang sat, to tell "the same hang again": the culprit's state and frame, else the signature."""
     return f"{culprit_state}@{where}" if culprit_state else f"signature:{signature}"
-
-
-def validate_job_id(job_id: str) -> str:
-    if not isinstance(job_id, str) or not JOB_ID_RE.fullmatch(job_id) or ".." in job_id:
-        raise UsageError(f"invalid job id {job_id!r}: use letters, digits and ._:@+- (no '/', '..' or control "
-                         "characters, at most 128)")
-    return job_id
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpu_watchdog.config.schema import FallbackConfig
-from gpu_watchdog.detect.detector import Finding
+from gpu_watchdog.model import Finding
 from gpu_watchdog.policy.budget import BudgetVerdict
 from gpu_watchdog.policy.ladder import FallbackDecision, decide, hang_place
 

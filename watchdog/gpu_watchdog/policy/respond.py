@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpu_watchdog.config.schema import Config
-from gpu_watchdog.detect.detector import Finding
+from gpu_watchdog.model import Finding
 from gpu_watchdog.sample.xid import is_draining
 
 # Kinds that are recorded and never acted on, with why.

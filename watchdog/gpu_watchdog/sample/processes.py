@@ -46,7 +46,7 @@ _DECLARED_RANK = re.compile(r"\brank\s*[=:]\s*(\d+)\b")  # an actor's __repr__ t
 _REREAD_YOUNG_S = 30.0  # how long after its start a process without a rank of its own is read again (exec)
 _NO_RUN_ID = "none"  # torchrun's --rdzv-id default: every job launched without one says so
 _LAUNCHED_ID_PREFIX = "torchrun-"
-_MAX_JOB_ID = 128  # fallback.JOB_ID_RE: ^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$
+_MAX_JOB_ID = 128  # model.JOB_ID_RE: ^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$
 _NOT_ID_CHAR = re.compile(r"[^A-Za-z0-9._:@+-]")
 
 

@@ -12,7 +12,8 @@ from gpu_watchdog.atomic import note_write_error
 from gpu_watchdog.config.schema import FallbackConfig
 from gpu_watchdog.errors import StateUnreadable
 from gpu_watchdog.job.protocol import write_json_atomic
-from gpu_watchdog.policy.ladder import FallbackDecision, validate_job_id
+from gpu_watchdog.model import validate_job_id
+from gpu_watchdog.policy.ladder import FallbackDecision
 from gpu_watchdog.store import require_state_dir
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from gpu_watchdog.atomic import note_write_error, write_atomic
-from gpu_watchdog.detect.detector import Finding
 from gpu_watchdog.errors import NoInputError, UsageError
+from gpu_watchdog.model import Finding
 from gpu_watchdog.store.db import Store
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

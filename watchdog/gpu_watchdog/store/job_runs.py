@@ -30,8 +30,7 @@ from typing import Any
 
 from gpu_watchdog.atomic import write_atomic
 from gpu_watchdog.config.schema import Config
-from gpu_watchdog.model import COMM_STATES, CommProgress, StackEvidence
-from gpu_watchdog.policy.ladder import validate_job_id
+from gpu_watchdog.model import COMM_STATES, CommProgress, StackEvidence, validate_job_id
 from gpu_watchdog.sample.trace import stacks_from_record, stacks_record
 
 _RUN_FILE = re.compile(r"^run-(\d+)\.json$")
