@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from gpu_watchdog.config.schema import Config
-from gpu_watchdog.detect.detector import STALLED
+from gpu_watchdog.detect.states import STALLED
 from gpu_watchdog.evidence.collect import classify_results, pids_on_gpu, with_gpu_line
 from gpu_watchdog.evidence.stacks import dump_stacks
 from gpu_watchdog.evidence.straggler.causes import Cause, HostCounters, find_causes, host_counters
