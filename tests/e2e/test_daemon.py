@@ -210,6 +210,7 @@ def test_tick_survives_backend_fault_vanished_pid_and_keeps_the_loop_alive(tmp_p
     from gpu_watchdog.config.schema import Config, DaemonSettings
     from gpu_watchdog.daemon.registry import validate_pids_live
     from gpu_watchdog.daemon.service import Daemon
+    from gpu_watchdog.model import Registration
 
     sent: list[str] = []
 
@@ -231,7 +232,7 @@ def test_tick_survives_backend_fault_vanished_pid_and_keeps_the_loop_alive(tmp_p
     assert d.ticks_failed == 1 and "READY" not in sent
     assert d.health.status() == (False, "sampling failed: NVML_ERROR_GPU_IS_LOST") and d.health.loop_alive()
     p = subprocess.Popen(["sleep", "30"])
-    d.register({"job_id": "j", "pids": validate_pids_live([p.pid]), "registered_by_uid": 0})
+    d.register(Registration("j", validate_pids_live([p.pid]), registered_by_uid=0))
     p.kill()
     p.wait()  # the registered process vanishes
     d.tick()
@@ -330,13 +331,14 @@ def test_an_application_xid_never_stops_a_job(tmp_path: Path, registered: bool) 
     from gpu_watchdog.daemon.registry import validate_pids_live
     from gpu_watchdog.daemon.service import Daemon
     from gpu_watchdog.export.sdnotify import Notifier
+    from gpu_watchdog.model import Registration
 
     job = subprocess.Popen(["sleep", "60"])
     try:
         d = Daemon(Config(), DaemonSettings(socket_group="", control_socket="", stop_unregistered=True),
                    tmp_path / "state", backend=_XidOnJobGpu(job.pid, "xid-job"), notifier=Notifier(None))
         if registered:
-            d.register({"job_id": "xid-job", "pids": validate_pids_live([job.pid]), "registered_by_uid": 0})
+            d.register(Registration("xid-job", validate_pids_live([job.pid]), registered_by_uid=0))
         for _ in range(4):
             d.tick()
         d.wait_idle()
@@ -358,6 +360,7 @@ def test_a_broken_metrics_collector_stops_no_recovery_and_touches_no_other_incid
     from gpu_watchdog.daemon.registry import validate_pids_live
     from gpu_watchdog.daemon.service import Daemon
     from gpu_watchdog.export.sdnotify import Notifier
+    from gpu_watchdog.model import Registration
 
     class Broken:
         def __getattr__(self, name: str):
@@ -372,7 +375,7 @@ def test_a_broken_metrics_collector_stops_no_recovery_and_touches_no_other_incid
     for broken in (False, True):
         job = subprocess.Popen(["sleep", "60"])
         try:
-            d.register({"job_id": "j", "pids": validate_pids_live([job.pid]), "registered_by_uid": 0})
+            d.register(Registration("j", validate_pids_live([job.pid]), registered_by_uid=0))
             d.ctx.metrics = Broken() if broken else None
             d.tick()
             assert d.manual_restart("j")

@@ -28,6 +28,7 @@ from gpu_watchdog.errors import EXIT_SOFTWARE
 from gpu_watchdog.export.metrics import AgentMetrics
 from gpu_watchdog.export.sdnotify import Notifier
 from gpu_watchdog.launch.launcher import Launcher
+from gpu_watchdog.model import Registration
 from gpu_watchdog.sample.backends import choose_backend
 from gpu_watchdog.sample.processes import JOB_ID_ENV
 from in_process import ONE_RANK, one_rank_launch
@@ -120,7 +121,7 @@ def test_the_daemon_counts_a_recovery_that_raises_and_keeps_ticking(tmp_path: Pa
     env = {**os.environ, JOB_ID_ENV: JOB, **ONE_RANK}
     job = subprocess.Popen([sys.executable, "-c", SLEEPER], env=env)
     try:
-        d.register({"job_id": JOB, "pids": validate_pids_live([job.pid]), "registered_by_uid": os.getuid()})
+        d.register(Registration(JOB, validate_pids_live([job.pid]), registered_by_uid=os.getuid()))
 
         def failed_incident() -> bool:
             d.tick()

@@ -31,6 +31,7 @@ from gpu_watchdog.export.metrics import AgentMetrics
 from gpu_watchdog.export.sdnotify import Notifier
 from gpu_watchdog.job.protocol import CONTROL_DIR_ENV
 from gpu_watchdog.launch.launcher import Launcher
+from gpu_watchdog.model import Registration
 from gpu_watchdog.policy.ladder import FallbackDecision
 from gpu_watchdog.sample.backends import choose_backend
 from gpu_watchdog.sample.processes import JOB_ID_ENV
@@ -127,7 +128,7 @@ def _run_daemon(cfg: Config, seconds: float, fail_at: set[int], seen: Seen) -> i
     env = {**os.environ, JOB_ID_ENV: JOB, CONTROL_DIR_ENV: str(control.path), **ONE_RANK}
     job = subprocess.Popen([sys.executable, "-c", JOB_CODE, str(seconds)], env=env)
     try:
-        d.register({"job_id": JOB, "pids": validate_pids_live([job.pid]), "registered_by_uid": os.getuid()})
+        d.register(Registration(JOB, validate_pids_live([job.pid]), registered_by_uid=os.getuid()))
         while job.poll() is None:
             d.tick()  # what apscheduler calls every agent.interval_s
             time.sleep(cfg.agent.interval_s)

@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from gpu_watchdog.errors import UsageError
 
@@ -288,3 +289,33 @@ class JobStatus:
     held: str = ""
     comm: CommProgress | None = None  # NCCL's counts as last observed (NCCL RAS), fresh or not
     quiet_since: float | None = None  # since when no counter of the job moved (None: one moved this tick)
+
+
+@dataclass(frozen=True)
+class RegisteredPid:
+    """A process a job was registered with; its create time tells it from a later process that reuses the pid."""
+
+    pid: int
+    create_time: float
+    uid: int
+
+    def to_json(self) -> dict[str, object]:
+        return {"pid": self.pid, "create_time": self.create_time, "uid": self.uid}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RegisteredPid:
+        return cls(int(data["pid"]), float(data["create_time"]), int(data.get("uid", -1)))
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A job registered with the daemon (scheduler prolog, preStop hook, ``gpu-watchdog register``)."""
+
+    job_id: str
+    pids: tuple[RegisteredPid, ...] = ()
+    cgroup: str | None = None  # re-read every tick: it may still be empty at registration (Slurm's prolog)
+    restart_hook: str | None = None  # the name of a hook of the daemon's config
+    checkpoint_opt_in: bool = False  # the job may be sent recovery.checkpoint_signal
+    registered_by_uid: int = 0  # a non-root registrant's job holds only that user's processes
+    run: int | None = None  # the scheduler's run of the job (Slurm's restart count)
+    registered_at: float = 0.0

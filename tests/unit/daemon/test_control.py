@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -121,7 +122,7 @@ def test_unknown_hook_and_fields_refused(daemon: Daemon, sleeper) -> None:
     with pytest.raises(UsageError, match="op must be"):
         handle_request(daemon, {"op": "exec", "job_id": "j"}, ROOT)
     ok = handle_request(daemon, {"op": "job-start", "job_id": "j", "pids": [pid], "restart_hook": "requeue"}, ROOT)
-    assert ok["ok"] and daemon.registrations()["j"]["restart_hook"] == "requeue"
+    assert ok["ok"] and daemon.registrations()["j"].restart_hook == "requeue"
 
 
 def test_pids_must_be_live_and_owned(daemon: Daemon, sleeper) -> None:
@@ -159,13 +160,11 @@ def test_signals_only_reach_registered_job_processes(daemon: Daemon, sleeper) ->
         assert len(pids) == 2  # the job and its child
         # a registered pid that exits and is "reused" does not count: create time is checked
         reg = daemon.registrations()["j"]
-        reg["pids"][0]["create_time"] += 1.0
-        daemon.register(reg)
+        first = reg.pids[0]
+        daemon.register(replace(reg, pids=(replace(first, create_time=first.create_time + 1.0),)))
         assert job.pid not in {p.pid for p in daemon.job_processes("j")}
         # a job registered by a non-root peer never includes another user's processes
-        reg["pids"][0]["create_time"] -= 1.0
-        reg["registered_by_uid"] = 4242
-        daemon.register(reg)
+        daemon.register(replace(reg, registered_by_uid=4242))
         assert daemon.job_processes("j") == []
         # preempt of a job that did not opt in sends nothing
         reply = handle_request(daemon, {"op": "preempt", "job_id": "j", "timeout_s": 0.5}, ROOT)
@@ -283,12 +282,12 @@ def test_a_run_merges_its_tasks_and_a_new_run_gets_a_clean_control_dir(daemon: D
     first, second, rerun = sleeper(), sleeper(), sleeper()
     r0 = handle_request(daemon, {"op": "job-start", "job_id": "77", "pids": [first], "run": 0}, ROOT)
     handle_request(daemon, {"op": "job-start", "job_id": "77", "pids": [second], "run": 0}, ROOT)
-    assert [p["pid"] for p in daemon.registrations()["77"]["pids"]] == [first, second]
+    assert [p.pid for p in daemon.registrations()["77"].pids] == [first, second]
     old = Path(r0["control_dir"])
     assert old.is_dir() and old.name == "run-0"
     (old / "request.json").write_text('{"id": "old"}')
     r1 = handle_request(daemon, {"op": "job-start", "job_id": "77", "pids": [rerun], "run": 1}, ROOT)
-    assert [p["pid"] for p in daemon.registrations()["77"]["pids"]] == [rerun]
+    assert [p.pid for p in daemon.registrations()["77"].pids] == [rerun]
     new = Path(r1["control_dir"])
     assert new != old and new.is_dir() and [p.name for p in new.iterdir()] == ["flight-recorder"]
     assert list((new / "flight-recorder").iterdir()) == []  # [flight_recorder]: the run's own, empty

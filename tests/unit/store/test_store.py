@@ -12,7 +12,7 @@ import pytest
 from gpu_watchdog.config.schema import Config, DaemonSettings, HookSpec
 from gpu_watchdog.daemon.service import Daemon
 from gpu_watchdog.export.sdnotify import Notifier
-from gpu_watchdog.model import Finding
+from gpu_watchdog.model import Finding, RegisteredPid, Registration
 from gpu_watchdog.store.db import Store
 
 
@@ -30,7 +30,7 @@ def test_wal_and_roundtrip(tmp_path: Path) -> None:
     assert not s.problem
     mode = sqlite3.connect(tmp_path / "daemon.sqlite3").execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
-    s.put_job("j1", [{"pid": 5, "create_time": 1.5, "uid": 0}], None, "requeue", True, 0)
+    s.put_job(Registration("j1", (RegisteredPid(5, 1.5, 0),), None, "requeue", True, 0))
     s.add_incident("i1", "j1", "stall", "/x")
     seq = s.begin_action("i1", "restart_hook", "argv")
     assert s.unfinished_incidents()[0]["id"] == "i1"
@@ -39,7 +39,9 @@ def test_wal_and_roundtrip(tmp_path: Path) -> None:
     s.finish_incident("i1", "done")
     s.close()
     s2 = Store(tmp_path)  # survives a reopen
-    assert s2.jobs()["j1"]["checkpoint_opt_in"] is True
+    assert s2.jobs()["j1"] == Registration("j1", (RegisteredPid(5, 1.5, 0),), None, "requeue", True, 0,
+                                           registered_at=s2.jobs()["j1"].registered_at)
+    assert s2.jobs()["j1"].registered_at > 0
     assert s2.actions("i1")[0]["ok"] is True and s2.unfinished_incidents() == []
 
 
@@ -66,7 +68,7 @@ def test_unwritable_store_as_root(tmp_path: Path) -> None:
     (tmp_path / "daemon.sqlite3").mkdir()  # cannot be opened as a file, even by root
     s = Store(tmp_path)
     assert "unusable" in s.problem
-    s.put_job("j", [], None, None, False, 0)
+    s.put_job(Registration("j"))
     assert "j" in s.jobs()
 
 
@@ -74,7 +76,7 @@ def test_resume_never_reruns_an_interrupted_hook(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     hook = HookSpec("h", "command", ("/bin/sh", "-c", f"echo x >> {marker}"), 5.0)
     d = _daemon(tmp_path / "state", hooks={"h": hook})
-    d.register({"job_id": "j1", "pids": [], "restart_hook": "h", "registered_by_uid": 0})
+    d.register(Registration("j1", restart_hook="h"))
     inc = d.incidents.create(_finding(), "node")
     inc.begin_action("restart_hook", "h: ...")  # the daemon "died" here
     d2 = _daemon(tmp_path / "state", hooks={"h": hook})
@@ -91,7 +93,7 @@ def test_resume_runs_a_hook_that_never_started(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     hook = HookSpec("h", "command", ("/bin/sh", "-c", f"echo x >> {marker}"), 5.0)
     d = _daemon(tmp_path / "state", hooks={"h": hook})
-    d.register({"job_id": "j1", "pids": [], "restart_hook": "h", "registered_by_uid": 0})
+    d.register(Registration("j1", restart_hook="h"))
     inc = d.incidents.create(_finding(), "node")
     e = inc.begin_action("stop", "SIGTERM")  # died during the stop ladder
     del e
@@ -135,7 +137,7 @@ def test_restart_budget_survives_a_daemon_restart_and_the_jobs_requeue(tmp_path:
     (job-end from the epilog, job-start under the same id) may hand the job a fresh one."""
     cfg = Config().recovery
     d = _daemon(tmp_path / "state")
-    reg = {"job_id": "j1", "pids": [], "registered_by_uid": 0}
+    reg = Registration("j1")
     d.register(reg)
     now = time.time()
     for i in range(cfg.max_restarts):

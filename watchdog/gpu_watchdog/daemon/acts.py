@@ -31,7 +31,7 @@ from gpu_watchdog.daemon.restart_hooks import RestartHooks
 from gpu_watchdog.daemon.targets import RegisteredJob, UnregisteredRanks
 from gpu_watchdog.engine.loop import Engine, count_internal_error
 from gpu_watchdog.job.protocol import ControlDir
-from gpu_watchdog.model import Finding, JobStatus, NodeSample
+from gpu_watchdog.model import Finding, JobStatus, NodeSample, Registration
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.policy.respond import Response
 from gpu_watchdog.store.db import Store
@@ -162,7 +162,7 @@ class DaemonActs:
                 self._budgets.pop(job_id, None)
 
     # -- targets --------------------------------------------------------------------------------------------------
-    def target(self, job_id: str, reg: dict[str, Any]) -> RegisteredJob:
+    def target(self, job_id: str, reg: Registration) -> RegisteredJob:
         return RegisteredJob(job_id, reg, self._control_dir(job_id),
                              lambda: self.registry.job_processes(job_id, self.engine.last_sample), self.hooks)
 
@@ -202,7 +202,7 @@ class DaemonActs:
         targets = {j: self.target(j, r) for j, r in regs.items()}
         inc, stopped = GpuFaultHandler(self.ctx, self.ctx.cfg.hooks).drain(finding, sample, targets)
         for job_id in stopped:
-            self.hooks.restart(inc, job_id, regs[job_id].get("restart_hook"), self.ctx.fallback.level(job_id),
-                               regs[job_id].get("run"))
+            self.hooks.restart(inc, job_id, regs[job_id].restart_hook, self.ctx.fallback.level(job_id),
+                               regs[job_id].run)
         inc.finish("node drain requested" if any(a["action"] == "drain" and a["ok"] for a in inc.summary["actions"])
                    else "drain not run")

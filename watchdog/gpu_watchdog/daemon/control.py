@@ -36,6 +36,7 @@ import socket
 import stat
 import struct
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,7 +45,7 @@ from gpu_watchdog.config.schema import Config, DaemonSettings
 from gpu_watchdog.daemon.cgroups import cgroup_pids, validate_cgroup
 from gpu_watchdog.daemon.registry import live_pids
 from gpu_watchdog.errors import ServiceUnavailable, UsageError, WatchdogError
-from gpu_watchdog.model import validate_job_id
+from gpu_watchdog.model import RegisteredPid, Registration, validate_job_id
 
 
 class Daemon(Protocol):
@@ -54,8 +55,8 @@ class Daemon(Protocol):
     settings: DaemonSettings
     state_dir: Path
 
-    def registrations(self) -> dict[str, dict[str, Any]]: ...
-    def register(self, reg: dict[str, Any]) -> None: ...
+    def registrations(self) -> dict[str, Registration]: ...
+    def register(self, reg: Registration) -> None: ...
     def start_reply(self, job_id: str) -> dict[str, Any]: ...
     def unregister(self, job_id: str) -> bool: ...
     def manual_restart(self, job_id: str) -> bool: ...
@@ -295,11 +296,11 @@ def _job_id(req: dict[str, Any]) -> str:
     return validate_job_id(job_id)
 
 
-def _owned(daemon: Daemon, job_id: str, cred: PeerCred) -> dict[str, Any]:
+def _owned(daemon: Daemon, job_id: str, cred: PeerCred) -> Registration:
     reg = daemon.registrations().get(job_id)
     if reg is None:
         raise UsageError(f"job {job_id!r} is not registered")
-    if cred.uid != 0 and int(reg.get("registered_by_uid", -1)) != cred.uid:
+    if cred.uid != 0 and reg.registered_by_uid != cred.uid:
         raise UsageError(f"job {job_id!r} was registered by another user")
     return reg
 
@@ -335,14 +336,28 @@ def handle_request(daemon: Daemon, req: dict[str, Any], cred: PeerCred) -> dict[
     return daemon.preempt(job_id, min(float(timeout), daemon.settings.preempt_timeout_s))
 
 
-def _job_start(daemon: Daemon, req: dict[str, Any], job_id: str, cred: PeerCred) -> dict[str, Any]:
+@dataclass(frozen=True)
+class JobStart:
+    """A ``job-start`` request, its fields checked (``parse_job_start``); what the daemon then checks needs the
+    machine (live pids, the cgroup) and its config (the hook names)."""
+
+    pids: tuple[int, ...] = ()
+    cgroup: str | None = None
+    restart_hook: str | None = None
+    checkpoint_opt_in: bool = False
+    run: int | None = None
+
+
+def parse_job_start(req: dict[str, Any], hooks: Collection[str]) -> JobStart:
+    """The request's fields, each of its type, the hook one of ``hooks`` (the daemon's config); UsageError names the
+    first that is wrong or unknown."""
     unknown = set(req) - {"op", "job_id", "pids", "cgroup", "restart_hook", "checkpoint_opt_in", "run"}
     if unknown:
         raise UsageError(f"unknown field {sorted(unknown)[0]!r}")
     hook = req.get("restart_hook")
-    if hook is not None and (not isinstance(hook, str) or hook not in daemon.cfg.hooks):
+    if hook is not None and (not isinstance(hook, str) or hook not in hooks):
         raise UsageError(f"unknown restart_hook {hook!r}: hooks are defined in the daemon's config only "
-                         f"(known: {', '.join(sorted(daemon.cfg.hooks)) or 'none'})")
+                         f"(known: {', '.join(sorted(hooks)) or 'none'})")
     opt_in = req.get("checkpoint_opt_in", False)
     if not isinstance(opt_in, bool):
         raise UsageError("checkpoint_opt_in must be true or false")
@@ -350,37 +365,53 @@ def _job_start(daemon: Daemon, req: dict[str, Any], job_id: str, cred: PeerCred)
     if run is not None and (isinstance(run, bool) or not isinstance(run, int) or run < 0):
         raise UsageError("run must be an integer >= 0 or null")
     pids = req.get("pids", [])
-    cgroup = req.get("cgroup")
     if not isinstance(pids, list) or len(pids) > MAX_PIDS:
         raise UsageError(f"pids must be a list of at most {MAX_PIDS} pids")
-    if cgroup is not None:  # the cgroup is re-read every tick: it may still be empty (Slurm prolog)
-        if not validate_cgroup(cgroup).is_dir():
-            raise UsageError(f"cgroup {cgroup!r} does not exist")
-        pids = list(pids) + cgroup_pids(cgroup)
+    return JobStart(tuple(pids), req.get("cgroup"), hook, opt_in, run)
+
+
+def _job_start(daemon: Daemon, req: dict[str, Any], job_id: str, cred: PeerCred) -> dict[str, Any]:
+    start = parse_job_start(req, daemon.cfg.hooks)
+    procs, gone, cgroup = _live_processes(start)
+    old = daemon.registrations().get(job_id)
+    if cred.uid != 0:
+        _refuse_others(procs, old, job_id, cred)
+    if old is not None and old.run == start.run and old.registered_by_uid == cred.uid:
+        # Another task of the same run (srun step): its pids join the job's; a dead one stays harmless (the
+        # registry checks every pid's create time).
+        mine = {p.pid for p in procs}
+        procs = [p for p in old.pids if p.pid not in mine] + procs
+        cgroup = cgroup or old.cgroup
+    daemon.register(Registration(job_id, tuple(procs), cgroup, start.restart_hook, start.checkpoint_opt_in,
+                                 cred.uid, start.run))
+    log.info("control: job %s (run %s) registered by uid %d: pids %s, hook %s%s", job_id, start.run, cred.uid,
+             [p.pid for p in procs], start.restart_hook, f"; exited before registration: {gone}" if gone else "")
+    return {"ok": True, "job_id": job_id, "pids": [p.pid for p in procs], "gone": gone, "run": start.run,
+            **daemon.start_reply(job_id)}
+
+
+def _live_processes(start: JobStart) -> tuple[list[RegisteredPid], list[int], str | None]:
+    """The request's live processes (its pids and its cgroup's), the pids already gone, and the cgroup."""
+    pids = list(start.pids)
+    if start.cgroup is not None:  # the cgroup is re-read every tick: it may still be empty (Slurm prolog)
+        if not validate_cgroup(start.cgroup).is_dir():
+            raise UsageError(f"cgroup {start.cgroup!r} does not exist")
+        pids += cgroup_pids(start.cgroup)
     elif not pids:
         raise UsageError("job-start needs pids or a cgroup")
     procs, gone = live_pids(pids)
-    if not procs and cgroup is None:
+    if not procs and start.cgroup is None:
         raise UsageError(f"none of the pids {', '.join(map(str, gone))} is a live process")
-    old = daemon.registrations().get(job_id)
-    if cred.uid != 0:
-        for p in procs:
-            if p["uid"] != cred.uid:
-                raise UsageError(f"pid {p['pid']} belongs to uid {p['uid']}, not to you (uid {cred.uid})")
-        if old is not None and int(old.get("registered_by_uid", -1)) != cred.uid:
-            raise UsageError(f"job {job_id!r} is registered by another user")
-    if old is not None and old.get("run") == run and int(old.get("registered_by_uid", -1)) == cred.uid:
-        # Another task of the same run (srun step): its pids join the job's; a dead one stays harmless (the
-        # registry checks every pid's create time).
-        mine = {p["pid"] for p in procs}
-        procs = [p for p in old.get("pids") or [] if p["pid"] not in mine] + procs
-        cgroup = cgroup or old.get("cgroup")
-    daemon.register({"job_id": job_id, "pids": procs, "cgroup": cgroup, "restart_hook": hook,
-                     "checkpoint_opt_in": opt_in, "registered_by_uid": cred.uid, "run": run})
-    log.info("control: job %s (run %s) registered by uid %d: pids %s, hook %s%s", job_id, run, cred.uid,
-             [p["pid"] for p in procs], hook, f"; exited before registration: {gone}" if gone else "")
-    return {"ok": True, "job_id": job_id, "pids": [p["pid"] for p in procs], "gone": gone, "run": run,
-            **daemon.start_reply(job_id)}
+    return procs, gone, start.cgroup
+
+
+def _refuse_others(procs: list[RegisteredPid], old: Registration | None, job_id: str, cred: PeerCred) -> None:
+    """A non-root registrant may register only its own processes, and never join another user's job."""
+    for p in procs:
+        if p.uid != cred.uid:
+            raise UsageError(f"pid {p.pid} belongs to uid {p.uid}, not to you (uid {cred.uid})")
+    if old is not None and old.registered_by_uid != cred.uid:
+        raise UsageError(f"job {job_id!r} is registered by another user")
 
 
 def refuse_if_served(path: str | Path) -> None:

@@ -14,14 +14,13 @@ import os
 import threading
 import time
 from dataclasses import replace
-from typing import Any
 
 import psutil
 
 from gpu_watchdog.act.stopper import JobProcess
 from gpu_watchdog.daemon.cgroups import cgroup_pids
 from gpu_watchdog.errors import UsageError
-from gpu_watchdog.model import NodeSample
+from gpu_watchdog.model import NodeSample, RegisteredPid, Registration
 from gpu_watchdog.sample import ray_node
 from gpu_watchdog.sample.processes import process_table
 from gpu_watchdog.store.db import Store
@@ -33,23 +32,22 @@ class Registry:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._lock = threading.RLock()
-        self._jobs: dict[str, dict[str, Any]] = store.jobs()
+        self._jobs: dict[str, Registration] = store.jobs()
         self._tree: tuple[float, dict[int, list[int]]] | None = None  # (monotonic, ppid → pids): _children
 
-    def registrations(self) -> dict[str, dict[str, Any]]:
+    def registrations(self) -> dict[str, Registration]:
         with self._lock:
-            return {k: dict(v) for k, v in self._jobs.items()}
+            return dict(self._jobs)
 
-    def get(self, job_id: str) -> dict[str, Any] | None:
+    def get(self, job_id: str) -> Registration | None:
         with self._lock:
-            reg = self._jobs.get(job_id)
-            return dict(reg) if reg is not None else None
+            return self._jobs.get(job_id)
 
-    def register(self, reg: dict[str, Any]) -> None:
+    def register(self, reg: Registration) -> None:
         with self._lock:
-            self.store.put_job(reg["job_id"], reg["pids"], reg.get("cgroup"), reg.get("restart_hook"),
-                               bool(reg.get("checkpoint_opt_in")), int(reg["registered_by_uid"]), run=reg.get("run"))
-            self._jobs[reg["job_id"]] = dict(reg, registered_at=time.time())
+            reg = replace(reg, registered_at=time.time())
+            self.store.put_job(reg)
+            self._jobs[reg.job_id] = reg
 
     def unregister(self, job_id: str) -> bool:
         with self._lock:
@@ -74,15 +72,15 @@ class Registry:
         children: dict[int, list[int]] | None = None  # one read of the process table, only when a job has roots
         for job_id, reg in self.registrations().items():
             roots = []
-            for rp in reg.get("pids") or []:
+            for rp in reg.pids:
                 try:
-                    p = psutil.Process(rp["pid"])
-                    if p.create_time() == rp["create_time"]:
+                    p = psutil.Process(rp.pid)
+                    if p.create_time() == rp.create_time:
                         roots.append(p)
                 except psutil.Error:
                     continue
-            if reg.get("cgroup"):
-                for pid in cgroup_pids(reg["cgroup"]):
+            if reg.cgroup:
+                for pid in cgroup_pids(reg.cgroup):
                     try:
                         roots.append(psutil.Process(pid))
                     except psutil.Error:
@@ -105,7 +103,7 @@ class Registry:
         pids = {pid for pid, j in self.owned_pids().items() if j == job_id}
         if sample is not None:
             pids |= {p.pid for p in sample.processes if p.is_rank and p.job and p.job.job_id == job_id}
-        owner = int(reg.get("registered_by_uid", 0))
+        owner = reg.registered_by_uid
         out = []
         for pid in sorted(pids):
             if pid == os.getpid():
@@ -128,8 +126,7 @@ class Registry:
         owned = self.owned_pids()
         if not owned:
             return sample
-        nonroot = {j: int(r.get("registered_by_uid", 0)) for j, r in self.registrations().items()
-                   if int(r.get("registered_by_uid", 0)) != 0}
+        nonroot = {j: r.registered_by_uid for j, r in self.registrations().items() if r.registered_by_uid != 0}
         procs = []
         for p in sample.processes:
             if p.job is not None and p.pid in owned and p.job.job_id != owned[p.pid]:
@@ -149,9 +146,9 @@ def _uid_of(pid: int) -> int:
         return -1
 
 
-def live_pids(pids: list[int]) -> tuple[list[dict[str, Any]], list[int]]:
-    """({pid, create_time, uid} of the live, non-zombie processes, the pids that have exited). A pid that is
-    no pid, or one the daemon may not read, is a UsageError naming it."""
+def live_pids(pids: list[int]) -> tuple[list[RegisteredPid], list[int]]:
+    """(the live, non-zombie processes, the pids that have exited). A pid that is no pid, or one the daemon may not
+    read, is a UsageError naming it."""
     out, gone = [], []
     for pid in pids:
         if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
@@ -161,7 +158,7 @@ def live_pids(pids: list[int]) -> tuple[list[dict[str, Any]], list[int]]:
             if p.status() == psutil.STATUS_ZOMBIE:
                 gone.append(pid)
                 continue
-            out.append({"pid": pid, "create_time": p.create_time(), "uid": p.uids().real})
+            out.append(RegisteredPid(pid, p.create_time(), p.uids().real))
         except psutil.NoSuchProcess:
             gone.append(pid)
         except psutil.AccessDenied:
@@ -169,9 +166,9 @@ def live_pids(pids: list[int]) -> tuple[list[dict[str, Any]], list[int]]:
     return out, gone
 
 
-def validate_pids_live(pids: list[int]) -> list[dict[str, Any]]:
+def validate_pids_live(pids: list[int]) -> tuple[RegisteredPid, ...]:
     """``live_pids`` for callers that need every pid alive: UsageError names the first that is not."""
     live, gone = live_pids(pids)
     if gone:
         raise UsageError(f"pid {gone[0]} is not a live process")
-    return live
+    return tuple(live)

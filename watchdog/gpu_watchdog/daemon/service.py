@@ -46,7 +46,7 @@ from gpu_watchdog.evidence.flight_recorder import dumps as fr
 from gpu_watchdog.export.health import LoopHealth, Pinger
 from gpu_watchdog.export.sdnotify import Notifier
 from gpu_watchdog.job.protocol import ControlDir
-from gpu_watchdog.model import Finding, NodeSample
+from gpu_watchdog.model import Finding, NodeSample, Registration
 from gpu_watchdog.sample.backends import Backend
 from gpu_watchdog.store.db import Store
 from gpu_watchdog.store.fallback_levels import FallbackStore
@@ -128,7 +128,7 @@ class Daemon:
         """The job's control directory; with a run (Slurm's restart count) one per run, so that a requeued
         job's clients never read the previous run's checkpoint request."""
         reg = self.registry.get(job_id)
-        run = reg.get("run") if reg else None
+        run = reg.run if reg else None
         base = self.state_dir / "run" / job_id
         return ControlDir(base / f"run-{int(run)}" if run is not None else base)
 
@@ -136,7 +136,7 @@ class Daemon:
         """What a registration hands back to the job: its control directory and its fallback overlay — with
         ``fallback.shared_dir`` the job-wide record of its run, so every node exports the same settings."""
         reg = self.registry.get(job_id)
-        run = reg.get("run") if reg else None
+        run = reg.run if reg else None
         data = self.ctx.level_record(job_id, run)
         reply = {"control_dir": str(self.control_dir(job_id).path), "level": int(data.get("level", 0)),
                  "env": dict(data.get("env") or {})}
@@ -151,27 +151,27 @@ class Daemon:
         return {job_id: self.control_dir(job_id).steps() for job_id in self.registry.registrations()}
 
     # -- registrations ---------------------------------------------------------------------------
-    def registrations(self) -> dict[str, dict[str, Any]]:
+    def registrations(self) -> dict[str, Registration]:
         return self.registry.registrations()
 
-    def register(self, reg: dict[str, Any]) -> None:
-        old = self.registry.get(reg["job_id"])
+    def register(self, reg: Registration) -> None:
+        old = self.registry.get(reg.job_id)
         self.registry.register(reg)
-        if old is None or old.get("run") != reg.get("run"):
+        if old is None or old.run != reg.run:
             self._fresh_control_dir(reg)
 
-    def _fresh_control_dir(self, reg: dict[str, Any]) -> None:
+    def _fresh_control_dir(self, reg: Registration) -> None:
         """A clean control directory for a new run, owned by the registrant (its clients write there)."""
-        control = self.control_dir(reg["job_id"])
+        control = self.control_dir(reg.job_id)
         control.create()
-        uid = int(reg.get("registered_by_uid", 0))
+        uid = reg.registered_by_uid
         if uid:
             try:
                 os.chown(control.path, uid, -1)
             except OSError as e:
-                log.warning("job %s: cannot hand %s to uid %d: %s", reg["job_id"], control.path, uid, e)
+                log.warning("job %s: cannot hand %s to uid %d: %s", reg.job_id, control.path, uid, e)
         if self.cfg.flight_recorder.enabled and fr.prepare_run_dir(control.path, uid) is None:
-            log.warning("job %s: cannot prepare %s: its ranks get no Flight Recorder dump paths", reg["job_id"],
+            log.warning("job %s: cannot prepare %s: its ranks get no Flight Recorder dump paths", reg.job_id,
                         control.path / fr.RUN_DIR_NAME)
 
     def unregister(self, job_id: str) -> bool:
@@ -229,7 +229,7 @@ class Daemon:
 
         res = request_checkpoint(self.control_dir(job_id), f"preempt-{int(time.time() * 1000)}", self.cfg.recovery,
                                  timeout_s=timeout_s, running=running if ranks else lambda: True,
-                                 signal_ranks=ranks if reg.get("checkpoint_opt_in") else ())
+                                 signal_ranks=ranks if reg.checkpoint_opt_in else ())
         if res.how == "client":  # "skipped" (no step completed yet) leaves the resumed-from state: safe to stop
             error = (f"no acknowledgement from ranks {list(res.missing)} within {timeout_s:g}s" if res.missing
                      else f"a rank's save failed: {res.detail}" if res.outcome == "failed" else "")

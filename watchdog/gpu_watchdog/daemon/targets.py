@@ -6,27 +6,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
 
 from gpu_watchdog.act.stopper import JobProcess
 from gpu_watchdog.daemon.restart_hooks import RestartHooks
 from gpu_watchdog.job.protocol import ControlDir
-from gpu_watchdog.model import NodeSample
+from gpu_watchdog.model import NodeSample, Registration
 from gpu_watchdog.store.incidents import Incident
 
 
 class RegisteredJob:
     """Its processes are the registry's; its restart is the restart hook it registered."""
 
-    def __init__(self, job_id: str, reg: dict[str, Any], control: ControlDir,
+    def __init__(self, job_id: str, reg: Registration, control: ControlDir,
                  processes: Callable[[], list[JobProcess]], hooks: RestartHooks) -> None:
         self.job_id = job_id
         self.reg = reg
         self.control = control
         self._processes = processes
         self._hooks = hooks
-        self.may_signal_checkpoint = bool(reg.get("checkpoint_opt_in"))  # never a signal it did not ask for
-        self.run: int | None = reg.get("run")  # Slurm's restart count, from the TaskProlog
+        self.may_signal_checkpoint = reg.checkpoint_opt_in  # never a signal it did not ask for
+        self.run: int | None = reg.run  # Slurm's restart count, from the TaskProlog
 
     def processes(self) -> list[JobProcess]:
         return self._processes()
@@ -35,7 +34,7 @@ class RegisteredJob:
         return None if self.processes() else 0
 
     def restart(self, inc: Incident, level: int, shown: str) -> bool:
-        return self._hooks.restart(inc, self.job_id, self.reg.get("restart_hook"), level, self.run)
+        return self._hooks.restart(inc, self.job_id, self.reg.restart_hook, level, self.run)
 
 
 class UnregisteredRanks:

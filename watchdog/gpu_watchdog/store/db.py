@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpu_watchdog.model import RegisteredPid, Registration
+
 log = logging.getLogger("gpu_watchdog.store.db")
 
 SCHEMA = """
@@ -110,25 +112,23 @@ class Store:
                 return self._db.execute(sql, args).fetchall()
 
     # -- jobs ----------------------------------------------------------------------------------------
-    def put_job(self, job_id: str, pids: list[dict[str, Any]], cgroup: str | None, restart_hook: str | None,
-                checkpoint_opt_in: bool, uid: int, now: float | None = None, run: int | None = None) -> None:
+    def put_job(self, reg: Registration) -> None:
         self._exec("INSERT OR REPLACE INTO jobs (job_id, pids, cgroup, restart_hook, checkpoint_opt_in,"
                    " registered_by_uid, registered_at, run) VALUES (?,?,?,?,?,?,?,?)",
-                   (job_id, json.dumps(pids), cgroup, restart_hook, int(checkpoint_opt_in), uid,
-                    time.time() if now is None else now, run))
+                   (reg.job_id, json.dumps([p.to_json() for p in reg.pids]), reg.cgroup, reg.restart_hook,
+                    int(reg.checkpoint_opt_in), reg.registered_by_uid, reg.registered_at or time.time(), reg.run))
 
     def delete_job(self, job_id: str) -> bool:
         existed = bool(self._exec("SELECT 1 FROM jobs WHERE job_id=?", (job_id,)))
         self._exec("DELETE FROM jobs WHERE job_id=?", (job_id,))
         return existed
 
-    def jobs(self) -> dict[str, dict[str, Any]]:
+    def jobs(self) -> dict[str, Registration]:
         out = {}
         for row in self._exec("SELECT job_id, pids, cgroup, restart_hook, checkpoint_opt_in, registered_by_uid,"
                               " registered_at, run FROM jobs"):
-            out[row[0]] = {"job_id": row[0], "pids": json.loads(row[1]), "cgroup": row[2], "restart_hook": row[3],
-                           "checkpoint_opt_in": bool(row[4]), "registered_by_uid": row[5],
-                           "registered_at": row[6], "run": row[7]}
+            out[row[0]] = Registration(row[0], tuple(RegisteredPid.from_json(p) for p in json.loads(row[1])), row[2],
+                                       row[3], bool(row[4]), int(row[5]), row[7], float(row[6] or 0.0))
         return out
 
     # -- incidents and actions -----------------------------------------------------------------------
