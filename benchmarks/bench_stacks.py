@@ -19,9 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from gloo_jobs import start_job  # noqa: E402
-from gpu_watchdog.evidence.classify import classify_threads  # noqa: E402
-from gpu_watchdog.evidence.diagnosis import diagnose  # noqa: E402
-from gpu_watchdog.evidence.stacks import dump_stacks  # noqa: E402
+from gpu_watchdog.evidence.stacks.classify import classify_threads  # noqa: E402
+from gpu_watchdog.evidence.stacks.diagnosis import diagnose  # noqa: E402
+from gpu_watchdog.evidence.stacks.dump import dump_stacks  # noqa: E402
 
 
 def timed(pids: list[int], concurrency: int, native: bool) -> tuple[float, list]:

@@ -173,7 +173,7 @@ def ensure_watchdog_importable() -> bool:
 
 
 def find_py_spy() -> str | None:
-    from gpu_watchdog.evidence.stacks import find_py_spy as find  # beside the interpreter, then PATH
+    from gpu_watchdog.evidence.stacks.dump import find_py_spy as find  # beside the interpreter, then PATH
 
     return find()
 

@@ -341,7 +341,8 @@ def _live(g: Gpus, *phases: tuple[int, Callable[[int], str], StackOf]) -> None:
 
 
 def _rs(state: str, where: str, *outer: str, active: bool = False, op: str | None = None) -> RankStack:
-    """A rank's classified main thread as gpu_watchdog.evidence.classify makes it (rank and pid are filled in later)."""
+    """A rank's classified main thread as gpu_watchdog.evidence.stacks.classify makes it (rank and pid are filled
+    in later)."""
     return RankStack(0, 0, state, " <- ".join((where, *outer)), active, op, where)
 
 

@@ -524,7 +524,7 @@ def test_client_aborts_a_blocked_gloo_collective_and_saves_the_last_step(tmp_pat
     wait_for(lambda: Path(f"{out}.blocked").exists(), 120, "rank 1 to reach step 4")
     wait_for(lambda: 1 in ctl.clients() and ctl.steps().get(1) == 3, 10, "the announce and heartbeat")
     # Prove the main thread sits in the collective: py-spy sees all_reduce on top.
-    from gpu_watchdog.evidence.stacks import dump_stacks
+    from gpu_watchdog.evidence.stacks.dump import dump_stacks
 
     def in_all_reduce() -> bool:
         (res,) = dump_stacks([ranks[1].pid], timeout_s=10)

@@ -173,7 +173,7 @@ class RankStack:
 
     rank: int
     pid: int
-    state: str  # see gpu_watchdog.evidence.classify.STATES
+    state: str  # see gpu_watchdog.evidence.stacks.classify.STATES
     signature: str  # the main thread's frames joined, for grouping and "did it move?"
     active: bool  # py-spy's flag: the thread was on CPU
     op: str | None = None  # collective name when state == "collective"
@@ -183,7 +183,7 @@ class RankStack:
     wakeups_before: int | None = None
     wakeups_after: int | None = None
     # The thread waits in a call that ends by itself (a sleep, a poll or futex wait with a timeout): a polling
-    # loop, waiting rather than hung (evidence.syscalls).
+    # loop, waiting rather than hung (evidence.stacks.syscalls).
     timed: bool = False
     io_before: int | None = None  # the main thread's own bytes read + written just before the dump ...
     io_after: int | None = None  # ... and just after it

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from gpu_watchdog.evidence.analyze import analyze_dirs, load_records, main_analyze, write_rank_stacks
-from gpu_watchdog.evidence.stacks import DumpResult
+from gpu_watchdog.evidence.stacks.dump import DumpResult
 
 C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 

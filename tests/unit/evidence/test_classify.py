@@ -1,4 +1,4 @@
-"""gpu_watchdog.evidence.classify: real py-spy dumps of small processes for the states a CPU box can produce,
+"""gpu_watchdog.evidence.stacks.classify: real py-spy dumps of small processes for the states a CPU box can produce,
 and py-spy-shaped frames for those it cannot (CUDA syncs, native C++ frames of NCCL/gloo waits)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpu_watchdog.evidence import classify
-from gpu_watchdog.evidence.classify import STATES, classify_thread, classify_threads, main_thread, signature
-from gpu_watchdog.evidence.stacks import dump_stacks
+from gpu_watchdog.evidence.stacks import classify
+from gpu_watchdog.evidence.stacks.classify import STATES, classify_thread, classify_threads, main_thread, signature
+from gpu_watchdog.evidence.stacks.dump import dump_stacks
 from waiting import wait_blocked
 
 C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"

@@ -1,4 +1,4 @@
-"""A rank that waits on its GPU is not computing (evidence.collect's native re-dump, classify's ``gpu_line``).
+"""A rank that waits on its GPU is not computing (evidence.stacks.collect's native re-dump, classify's ``gpu_line``).
 
 Measured on an H200 (tests/data/real-gpu/, copied from the shared captures): a rank waiting in NCCL spins in
 ``cudaStreamSynchronize`` under ``loss.item()``; py-spy without ``--native`` shows it *active* at that line (read as
@@ -26,17 +26,17 @@ import pytest
 from gpu_watchdog.config.schema import Config, StacksConfig
 from gpu_watchdog.detect.detector import SUSPECT, DetectorState
 from gpu_watchdog.engine.loop import Engine
-from gpu_watchdog.evidence import source
-from gpu_watchdog.evidence.classify import GPU_LINE, classify_threads, device_sync_call
-from gpu_watchdog.evidence.collect import (
+from gpu_watchdog.evidence.stacks import source_lines as source
+from gpu_watchdog.evidence.stacks.classify import GPU_LINE, classify_threads, device_sync_call
+from gpu_watchdog.evidence.stacks.collect import (
     classify_results,
     collect_stack_evidence,
     dump_job,
     merge_native,
     pids_on_gpu,
 )
-from gpu_watchdog.evidence.diagnosis import RankContext, communication_evidence, diagnose, rank_moved
-from gpu_watchdog.evidence.stacks import DumpResult, dump_stacks, find_py_spy
+from gpu_watchdog.evidence.stacks.diagnosis import RankContext, communication_evidence, diagnose, rank_moved
+from gpu_watchdog.evidence.stacks.dump import DumpResult, dump_stacks, find_py_spy
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.model import DeviceSample, GpuProcess, JobStatus, NodeSample
 from gpu_watchdog.store.fallback_levels import FallbackStore

@@ -1,4 +1,4 @@
-"""gpu_watchdog.evidence.diagnosis: rules on RankStacks, then end to end on three real hung 4-rank gloo jobs
+"""gpu_watchdog.evidence.stacks.diagnosis: rules on RankStacks, then end to end on three real hung 4-rank gloo jobs
 (hang, desync, queue) dumped with the real py-spy."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from gloo_jobs import RunningJob, start_job
 from gpu_watchdog.evidence.analyze import analyze_dirs, write_rank_stacks
-from gpu_watchdog.evidence.classify import classify_threads
-from gpu_watchdog.evidence.diagnosis import RankContext, diagnose, format_ranks, stacks_progressed
-from gpu_watchdog.evidence.stacks import DumpResult, dump_stacks
+from gpu_watchdog.evidence.stacks.classify import classify_threads
+from gpu_watchdog.evidence.stacks.diagnosis import RankContext, diagnose, format_ranks, stacks_progressed
+from gpu_watchdog.evidence.stacks.dump import DumpResult, dump_stacks
 from gpu_watchdog.model import RankStack, StackEvidence, unknown_rank
 
 AR = "all_reduce (torch/distributed/distributed_c10d.py:3252)"

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from gpu_watchdog.evidence.analyze import main_analyze, write_rank_stacks
 from gpu_watchdog.evidence.culprit import SourceVerdict, merge_evidence
-from gpu_watchdog.evidence.diagnosis import Diagnosis
 from gpu_watchdog.evidence.flight_recorder.analysis import FrAnalysis, analyze_traces, parse_ranks, rank_trace
-from gpu_watchdog.evidence.stacks import DumpResult
+from gpu_watchdog.evidence.stacks.diagnosis import Diagnosis
+from gpu_watchdog.evidence.stacks.dump import DumpResult
 from repo_paths import REPO
 
 DATA = REPO / "tests" / "data" / "fr"

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 from gpu_watchdog.config.schema import DetectConfig, FallbackConfig, RecoveryConfig
 from gpu_watchdog.detect.detector import STALLED, WAITING, DetectorState, hold_waiting, step
-from gpu_watchdog.evidence.classify import DDP_OP, classify_threads
-from gpu_watchdog.evidence.diagnosis import communication_evidence, diagnose, rank_moved
-from gpu_watchdog.evidence.syscalls import timed_wait
+from gpu_watchdog.evidence.stacks.classify import DDP_OP, classify_threads
+from gpu_watchdog.evidence.stacks.diagnosis import communication_evidence, diagnose, rank_moved
+from gpu_watchdog.evidence.stacks.syscalls import timed_wait
 from gpu_watchdog.model import JobIdentity, JobStatus, NodeSample, ProcessSample, RankStack
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.policy.ladder import decide
 
-# Lines read from real Python processes on x86_64 (see evidence/syscalls.py).
+# Lines read from real Python processes on x86_64 (see evidence/stacks/syscalls.py).
 SLEEP = "230 0x1 0x1 0x7fff36a602d0 0x0 0x0 0x0 0x7fff36a602b8 0x7fcda3aed503"
 EVENT_WAIT_FOREVER = "202 0x55b3779b5cd0 0x189 0x0 0x0 0x0 0xffffffff 0x7fff9076ffa0 0x7f3247ca3e96"
 EVENT_WAIT_30 = "202 0x55843493ecd0 0x89 0x0 0x7fff0ac429e0 0x0 0xffffffff 0x7fff0ac42930 0x7f59d9ea3e96"
@@ -94,7 +94,7 @@ def test_the_time_left_is_read_from_a_live_process() -> None:
     import sys
     import time as _time
 
-    from gpu_watchdog.evidence.syscalls import read_syscall, wait_left_s
+    from gpu_watchdog.evidence.stacks.syscalls import read_syscall, wait_left_s
 
     for code, low, high in (("import time; time.sleep(30)", 20.0, 30.0), ("import time; time.sleep(3600)", 3500, 3600),
                             ("import threading; threading.Event().wait(7)", 1.0, 7.0)):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from gpu_watchdog.evidence import spawned_ranks
-from gpu_watchdog.evidence.spawned_ranks import SpawnedRanks, no_rank_warning, rank_from_stack
+from gpu_watchdog.evidence.stacks import spawned_ranks
+from gpu_watchdog.evidence.stacks.spawned_ranks import SpawnedRanks, no_rank_warning, rank_from_stack
 from repo_paths import REPO
 
 DATA = REPO / "tests" / "data" / "spawned"

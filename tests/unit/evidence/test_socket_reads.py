@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gpu_watchdog.evidence.classify import SOCKET_OP
-from gpu_watchdog.evidence.collect import classify_results
-from gpu_watchdog.evidence.diagnosis import rank_moved
-from gpu_watchdog.evidence.stacks import dump_stacks
+from gpu_watchdog.evidence.stacks.classify import SOCKET_OP
+from gpu_watchdog.evidence.stacks.collect import classify_results
+from gpu_watchdog.evidence.stacks.diagnosis import rank_moved
+from gpu_watchdog.evidence.stacks.dump import dump_stacks
 from gpu_watchdog.model import RankStack
 from waiting import wait_for
 

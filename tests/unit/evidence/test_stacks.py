@@ -1,4 +1,4 @@
-"""gpu_watchdog.evidence.stacks against real processes and the real py-spy; failure modes are real conditions
+"""gpu_watchdog.evidence.stacks.dump against real processes and the real py-spy; failure modes are real conditions
 (a pid that exited, a py-spy that hangs, a py-spy that prints py-spy's own permission error)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from gpu_watchdog.evidence.stacks import PERMISSION_HINT, dump_stacks, find_py_spy, main_dump_stacks
+from gpu_watchdog.evidence.stacks.dump import PERMISSION_HINT, dump_stacks, find_py_spy, main_dump_stacks
 from waiting import wait_blocked
 
 # py-spy 0.4.3's real messages (captured on this machine, RUST_BACKTRACE=1).

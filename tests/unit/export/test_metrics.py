@@ -242,7 +242,7 @@ def test_up_is_0_while_sampling_fails_until_the_next_update() -> None:
 
 
 def test_pyspy_outcomes_match_the_stacks_module() -> None:
-    from gpu_watchdog.evidence.stacks import OUTCOMES
+    from gpu_watchdog.evidence.stacks.dump import OUTCOMES
 
     assert tuple(PYSPY_OUTCOMES) == tuple(OUTCOMES)
 

@@ -21,7 +21,8 @@ from waiting import wait_for
 
 
 class Finder:
-    """A rank finder (evidence.spawned_ranks) with fixed answers; ``gives_up``: on every process it has none for."""
+    """A rank finder (evidence.stacks.spawned_ranks) with fixed answers; ``gives_up``: on every process it has none
+    for."""
 
     def __init__(self, ranks: dict[int, int] | None = None, gives_up: bool = False, fail: bool = False) -> None:
         self.ranks, self.gives_up, self.fail = dict(ranks or {}), gives_up, fail

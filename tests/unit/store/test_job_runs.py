@@ -14,7 +14,7 @@ from gpu_watchdog.act.gather import EvidenceGatherer
 from gpu_watchdog.act.recovery import GAVE_UP, GIVEN_UP_ELSEWHERE, RESTARTED, STOOD_DOWN, Recovery
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.schema import Config, FallbackConfig, RecoveryConfig, StacksConfig
-from gpu_watchdog.evidence.diagnosis import diagnose
+from gpu_watchdog.evidence.stacks.diagnosis import diagnose
 from gpu_watchdog.job.protocol import ControlDir
 from gpu_watchdog.model import Finding, JobStatus, NodeSample, RankStack, StackEvidence
 from gpu_watchdog.policy.budget import RestartBudget

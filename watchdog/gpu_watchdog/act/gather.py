@@ -17,7 +17,13 @@ import psutil
 
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.evidence.analyze import write_rank_stacks
-from gpu_watchdog.evidence.collect import (
+from gpu_watchdog.evidence.culprit import STACKS, SourceVerdict, from_stacks, merge_sources
+from gpu_watchdog.evidence.flight_recorder.incident import FlightRecorderAtIncident
+from gpu_watchdog.evidence.incident_source import Found, IncidentJob, IncidentSource
+from gpu_watchdog.evidence.nccl_ras.incident import NcclRasAtIncident
+from gpu_watchdog.evidence.nccl_ras.poll import RasPoller
+from gpu_watchdog.evidence.report import render_report
+from gpu_watchdog.evidence.stacks.collect import (
     WAITS_ON_WORKERS,
     blocked_workers,
     classify_results,
@@ -26,13 +32,7 @@ from gpu_watchdog.evidence.collect import (
     pids_on_gpu,
     rank_workers,
 )
-from gpu_watchdog.evidence.culprit import STACKS, SourceVerdict, from_stacks, merge_sources
-from gpu_watchdog.evidence.diagnosis import Diagnosis, communication_evidence, diagnose, format_ranks
-from gpu_watchdog.evidence.flight_recorder.incident import FlightRecorderAtIncident
-from gpu_watchdog.evidence.incident_source import Found, IncidentJob, IncidentSource
-from gpu_watchdog.evidence.nccl_ras.incident import NcclRasAtIncident
-from gpu_watchdog.evidence.nccl_ras.poll import RasPoller
-from gpu_watchdog.evidence.report import render_report
+from gpu_watchdog.evidence.stacks.diagnosis import Diagnosis, communication_evidence, diagnose, format_ranks
 from gpu_watchdog.model import Finding, JobStatus, NodeSample, RankStack, rank_known, rank_label
 from gpu_watchdog.sample import ray_node
 from gpu_watchdog.sample.group_members import fd_targets
@@ -269,7 +269,7 @@ class EvidenceGatherer:
 def communication_sources(finding: Finding, diag: Diagnosis | None, stacks: tuple[RankStack, ...],
                           workers: list[dict[str, object]], sources: Sequence[str] = ()) -> list[str]:
     """Every source that says the hang is in communication, one line each (empty: none does): the ranks' stacks
-    (evidence.diagnosis.communication_evidence), a rank's worker blocked in a collective, the registered sources'
+    (evidence.stacks.diagnosis.communication_evidence), a rank's worker blocked in a collective, the registered sources'
     lines (the Flight Recorder's pending collectives, NCCL RAS's ranks behind), the GPUs' NCCL spin (a kernel
     polling for its peers)."""
     out = []

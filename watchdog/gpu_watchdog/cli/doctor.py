@@ -72,7 +72,7 @@ def _caps(status_path: Path, field: str) -> int | None:
 
 
 def check_ptrace(py_spy: str | None, proc_root: Path = Path("/proc"), try_dump: bool = True) -> Check:
-    from gpu_watchdog.evidence.stacks import find_py_spy
+    from gpu_watchdog.evidence.stacks.dump import find_py_spy
 
     exe = find_py_spy(py_spy)
     if exe is None:
@@ -104,7 +104,7 @@ def check_ptrace(py_spy: str | None, proc_root: Path = Path("/proc"), try_dump: 
 
 def _try_dump(exe: str) -> Check | None:
     """Dump a throwaway Python child for real: the only proof that attaching works here."""
-    from gpu_watchdog.evidence.stacks import dump_stacks
+    from gpu_watchdog.evidence.stacks.dump import dump_stacks
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:

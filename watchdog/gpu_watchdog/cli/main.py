@@ -79,7 +79,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_dump_stacks(args: argparse.Namespace) -> int:
-    from gpu_watchdog.evidence.stacks import main_dump_stacks
+    from gpu_watchdog.evidence.stacks.dump import main_dump_stacks
 
     return main_dump_stacks(args.pids, native=args.native, as_json=args.json, timeout_s=args.timeout)
 

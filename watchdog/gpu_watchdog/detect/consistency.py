@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from gpu_watchdog.evidence.diagnosis import format_ranks
+from gpu_watchdog.evidence.stacks.diagnosis import format_ranks
 from gpu_watchdog.model import Finding, JobStatus
 
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")

@@ -23,7 +23,7 @@ Per job, each tick:
 - a rank that exited while its peers sit idle makes the stall's signature ``rank_exited``;
 - a GPU fault (lost, reset required, Xid) is a ``gpu_fault`` finding at once.
 
-Stack evidence is the seam to gpu_watchdog.evidence.stacks: the caller dumps stacks when ``JobStatus.needs_stacks``
+Stack evidence is the seam to gpu_watchdog.evidence.stacks.dump: the caller dumps stacks when ``JobStatus.needs_stacks``
 and passes the classified result back in on a later tick.
 """
 
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field, replace
 
 from gpu_watchdog.config.schema import DetectConfig
 from gpu_watchdog.detect.states import RUNNING, STALLED, SUSPECT, WAITING, Event, transition
-from gpu_watchdog.evidence.classify import kernel_wait
-from gpu_watchdog.evidence.diagnosis import RankContext, stacks_progressed
+from gpu_watchdog.evidence.stacks.classify import kernel_wait
+from gpu_watchdog.evidence.stacks.diagnosis import RankContext, stacks_progressed
 from gpu_watchdog.model import (
     CommProgress,
     DeviceSample,

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 
 from gpu_watchdog.config.schema import Config
 from gpu_watchdog.detect.states import STALLED
-from gpu_watchdog.evidence.collect import classify_results, pids_on_gpu, with_gpu_line
-from gpu_watchdog.evidence.stacks import dump_stacks
+from gpu_watchdog.evidence.stacks.collect import classify_results, pids_on_gpu, with_gpu_line
+from gpu_watchdog.evidence.stacks.dump import dump_stacks
 from gpu_watchdog.evidence.straggler.causes import Cause, HostCounters, find_causes, host_counters
 from gpu_watchdog.evidence.straggler.score import Thresholds, Verdict, WaitWindow, as_sampled
 from gpu_watchdog.model import DeviceSample, Finding, JobStatus, NodeSample, rank_label
@@ -90,7 +90,8 @@ def take_round(rank_pids: Mapping[int, int], cfg: Config, gpu_pids: frozenset[in
                           concurrency=cfg.stacks.concurrency, py_spy=cfg.stacks.py_spy or None, nonblocking=True)
     by_rank = {}
     for r, res in zip(ranks, results, strict=True):
-        if res.ok and res.pid in gpu_pids:  # a device sync spins, active, at its caller's line (evidence.collect)
+        # a device sync spins, active, at its caller's line (evidence.stacks.collect)
+        if res.ok and res.pid in gpu_pids:
             res = replace(res, threads=with_gpu_line(res.threads, res.pid))
         by_rank[r] = res
     states = {s.rank: s.state for s in classify_results(by_rank)}

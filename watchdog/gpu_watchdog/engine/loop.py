@@ -22,10 +22,10 @@ from gpu_watchdog.config.schema import Config
 from gpu_watchdog.detect.consistency import ConfigReport, ConfigWatch, check_nodes, launch_env, run_key
 from gpu_watchdog.detect.detector import RUNNING, STALLED, SUSPECT, DetectorState, hold_waiting, step
 from gpu_watchdog.detect.stragglers import StragglerWatch
-from gpu_watchdog.evidence.collect import collect_stack_evidence, pids_on_gpu
 from gpu_watchdog.evidence.flight_recorder.dumps import SuspectDumps
 from gpu_watchdog.evidence.nccl_ras.poll import RasPoller
-from gpu_watchdog.evidence.spawned_ranks import SpawnedRanks
+from gpu_watchdog.evidence.stacks.collect import collect_stack_evidence, pids_on_gpu
+from gpu_watchdog.evidence.stacks.spawned_ranks import SpawnedRanks
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.model import CommProgress, Finding, JobStatus, NodeSample, StackEvidence
 from gpu_watchdog.sample.backends import Backend

@@ -41,9 +41,7 @@ from typing import Any, TextIO
 
 from gpu_watchdog.atomic import note_write_error, write_atomic
 from gpu_watchdog.errors import EXIT_DATAERR, EXIT_NOINPUT, EXIT_OK, WatchdogError
-from gpu_watchdog.evidence.classify import classify_threads
 from gpu_watchdog.evidence.culprit import SOURCE_TITLES, Verdict, merge_evidence
-from gpu_watchdog.evidence.diagnosis import Diagnosis, diagnose, format_ranks
 from gpu_watchdog.evidence.flight_recorder.analysis import (
     DEFAULT_MIN_WAIT_S,
     FrAnalysis,
@@ -52,7 +50,9 @@ from gpu_watchdog.evidence.flight_recorder.analysis import (
     rank_trace,
 )
 from gpu_watchdog.evidence.flight_recorder.dumps import FlightRecorderError, dump_files, dump_rank, load_dump
-from gpu_watchdog.evidence.stacks import DumpResult
+from gpu_watchdog.evidence.stacks.classify import classify_threads
+from gpu_watchdog.evidence.stacks.diagnosis import Diagnosis, diagnose, format_ranks
+from gpu_watchdog.evidence.stacks.dump import DumpResult
 from gpu_watchdog.model import RankStack
 
 FORMAT_VERSION = 1

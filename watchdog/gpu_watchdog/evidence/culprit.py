@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpu_watchdog.evidence.diagnosis import Diagnosis, format_ranks
 from gpu_watchdog.evidence.flight_recorder.analysis import FrAnalysis
+from gpu_watchdog.evidence.stacks.diagnosis import Diagnosis, format_ranks
 
 STACKS = "stacks"
 FLIGHT_RECORDER = "flight_recorder"

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_watchdog.evidence.culprit import SOURCE_TITLES
-from gpu_watchdog.evidence.diagnosis import format_ranks, group_key
+from gpu_watchdog.evidence.stacks.diagnosis import format_ranks, group_key
 from gpu_watchdog.model import RankStack
 
 

@@ -55,7 +55,7 @@ from prometheus_client.process_collector import ProcessCollector
 from gpu_watchdog import __version__
 from gpu_watchdog.atomic import write_errors
 from gpu_watchdog.detect.states import JOB_STATES, STALLED, SUSPECT, WAITING
-from gpu_watchdog.evidence.stacks import OUTCOMES
+from gpu_watchdog.evidence.stacks.dump import OUTCOMES
 from gpu_watchdog.model import JobStatus, NodeSample, SampleError
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from gpu_watchdog.config.schema import Config, HookSpec, resolve_state_dir
 from gpu_watchdog.engine.loop import Engine, count_internal_error
 from gpu_watchdog.errors import EXIT_BUDGET_SPENT, EXIT_GPU_FAULT, EXIT_SOFTWARE, UsageError
 from gpu_watchdog.evidence.flight_recorder import dumps as fr
-from gpu_watchdog.evidence.spawned_ranks import no_rank_warning
+from gpu_watchdog.evidence.stacks.spawned_ranks import no_rank_warning
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV, RESTART_COUNT_ENV, ControlDir
 from gpu_watchdog.launch.exits import ExitWatch, finished_work, first_to_exit

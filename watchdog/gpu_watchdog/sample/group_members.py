@@ -10,7 +10,7 @@ those sockets: only the topmost one counts, as for ``RANK``.
 
 NCCL ranks name their own rank: with the Flight Recorder's dump pipe on (``launch`` turns it on), each rank opens
 ``<TORCH_NCCL_DEBUG_INFO_PIPE_FILE><rank>.pipe``. Other ranks' numbers are learned from their stacks
-(evidence.spawned_ranks).
+(evidence.stacks.spawned_ranks).
 
 Everything here reads /proc of the processes in question only (their network namespace's TCP table, their fds).
 """

@@ -222,7 +222,7 @@ def _read_process_table() -> dict[int, tuple[int, float]]:
 
 
 class RankFinder(Protocol):
-    """Reads the rank of a process handed its rank in code (evidence.spawned_ranks). Never blocks."""
+    """Reads the rank of a process handed its rank in code (evidence.stacks.spawned_ranks). Never blocks."""
 
     def __call__(self, pid: int, create_time: float) -> int | None:
         """Its rank once learned, None meanwhile."""
@@ -258,8 +258,8 @@ class ProcessScanner:
     Ranks whose rank lives only in code (``mp.spawn``): where no process of the launched tree (or of the
     registered processes) carries a rank in its environment, the ones that joined the process group
     (group_members) are ranks; the number comes from an NCCL rank's dump pipe, else from ``rank_finder`` (the
-    stacks' locals, evidence.spawned_ranks). Until it is known the process is listed in ``unranked``; once every source
-    was asked and none names it, it is a rank all the same, as ``model.unknown_rank`` (minus its pid).
+    stacks' locals, evidence.stacks.spawned_ranks). Until it is known the process is listed in ``unranked``; once
+    every source was asked and none names it, it is a rank all the same, as ``model.unknown_rank`` (minus its pid).
     """
 
     def __init__(self, root_pid: int | None = None, env_filter: Iterable[str] = (),

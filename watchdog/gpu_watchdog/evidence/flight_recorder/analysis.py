@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gpu_watchdog.evidence.diagnosis import format_ranks
+from gpu_watchdog.evidence.stacks.diagnosis import format_ranks
 
 DEFAULT_MIN_WAIT_S = 10.0  # a wait shorter than this at dump time is a slow rank, not a hang
 # The findings a merely slow job also shows, which only the clock (where the dumps tell it) tells from a hang: every

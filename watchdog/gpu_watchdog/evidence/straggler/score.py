@@ -1,6 +1,6 @@
 """Who makes the others wait (pure): per-rank wait shares over a sliding window of stack samples.
 
-Each sampling round classifies every rank's main thread (evidence.classify). A rank *waits* when it sits in a
+Each sampling round classifies every rank's main thread (evidence.stacks.classify). A rank *waits* when it sits in a
 collective or a device sync: on its peers (or, on a GPU, on work queued behind a collective). Its *own* time is
 everything else it was seen doing — compute, input (a data loader, I/O), sleep. A straggler is the rank the others
 keep waiting for: its peers' samples are largely waits while its own are not.

@@ -2,9 +2,10 @@
 
 py-spy names the file and line of every Python frame; what the line *calls* is only in the source. Reading it is
 cheap (a stat per frame, the file read once per version: cached per (path, mtime, size)) and needs no ptrace, so it
-can stand in where a native dump cannot be had (evidence.collect). A rank in another mount namespace (a container)
-is read through ``/proc/PID/root``, a relative file name (``python train.py``) through ``/proc/PID/cwd``; where
-neither is readable the agent's own view of the path is tried. Never raises: None when the line cannot be read.
+can stand in where a native dump cannot be had (evidence.stacks.collect). A rank in another mount namespace (a
+container) is read through ``/proc/PID/root``, a relative file name (``python train.py``) through
+``/proc/PID/cwd``; where neither is readable the agent's own view of the path is tried. Never raises: None when
+the line cannot be read.
 """
 
 from __future__ import annotations

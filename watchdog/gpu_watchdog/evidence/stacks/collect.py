@@ -20,15 +20,15 @@ from typing import Any
 import psutil
 
 from gpu_watchdog.config.schema import StacksConfig
-from gpu_watchdog.evidence.classify import (
+from gpu_watchdog.evidence.stacks.classify import (
     COMMUNICATION_STATES,
     GPU_LINE,
     classify_threads,
     is_native,
     main_thread,
 )
-from gpu_watchdog.evidence.source import source_line
-from gpu_watchdog.evidence.stacks import DumpResult, dump_stacks
+from gpu_watchdog.evidence.stacks.dump import DumpResult, dump_stacks
+from gpu_watchdog.evidence.stacks.source_lines import source_line
 from gpu_watchdog.model import NodeSample, RankStack, StackEvidence
 
 # What a native re-dump may tell about a rank that read as compute: it waits in communication (a collective, or a

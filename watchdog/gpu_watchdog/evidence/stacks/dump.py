@@ -20,7 +20,7 @@ What py-spy 0.4 really prints (checked by experiment, as root, RUST_BACKTRACE=1)
 Each thread object is py-spy's JSON, plus ``"wchan"`` (str, e.g. ``"hrtimer_nanosleep"``,
 ``"futex_do_wait"``, ``"0"`` when running), ``"kstate"`` (the thread's scheduler state letter, ``"D"`` for an
 uninterruptible wait), ``"syscall"`` (its ``/proc/…/syscall`` line: whether it waits with a timeout,
-evidence.syscalls) and ``"wait_left_s"`` (how long until that call returns by itself, or null) added by
+evidence.stacks.syscalls) and ``"wait_left_s"`` (how long until that call returns by itself, or null) added by
 gpu-watchdog on Linux when readable.
 """
 
@@ -42,7 +42,7 @@ from typing import Any, TextIO
 import psutil
 
 from gpu_watchdog.errors import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE
-from gpu_watchdog.evidence.syscalls import read_syscall, timed_wait, wait_left_s
+from gpu_watchdog.evidence.stacks.syscalls import read_syscall, timed_wait, wait_left_s
 from gpu_watchdog.sample import proc_stat
 from gpu_watchdog.sample.processes import read_task_state, read_wchan
 
@@ -411,7 +411,10 @@ def main_dump_stacks(
     Exit codes: 0 every pid dumped; 1 at least one pid failed (exited, permission, timeout, error);
     69 py-spy is not installed (every pid reports ``py_spy_missing``).
     """
-    from gpu_watchdog.evidence.classify import classify_thread, main_thread  # local: classify is optional for dumping
+    from gpu_watchdog.evidence.stacks.classify import (  # local: classify is optional for dumping
+        classify_thread,
+        main_thread,
+    )
 
     results = dump_stacks(pids, timeout_s=timeout_s, native=native, py_spy=py_spy)
     if as_json:

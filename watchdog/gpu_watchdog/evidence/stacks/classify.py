@@ -15,7 +15,7 @@ Frames that py-spy never shows in its default (Python-only) mode, and how we sti
     ``c10d::Work::wait``, ``cudaStreamSynchronize``) are matched directly.
   * A rank waiting on its GPU spins on the CPU inside a C call (CUDA's default ``cudaStreamSynchronize`` under
     ``loss.item()``, measured on an H200): without ``--native`` py-spy shows only the caller's line, *active*.
-    For a rank on a real GPU whose native frames could not be had, evidence.collect adds that line's source text
+    For a rank on a real GPU whose native frames could not be had, evidence.stacks.collect adds that line's source text
     as ``thread["gpu_line"]``; an active thread whose line calls a device sync (``DEVICE_SYNC_CALL``) is then a
     ``device_sync``, not ``compute``. Only GPU ranks get it: on a CPU (gloo) job ``.item()`` returns at once.
 No rule matched: ``compute`` when py-spy saw the thread on CPU (``active``), else ``unknown``.
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from gpu_watchdog.evidence.syscalls import timed_wait
+from gpu_watchdog.evidence.stacks.syscalls import timed_wait
 from gpu_watchdog.model import RankStack
 
 STATES = ("collective", "device_sync", "io", "data_wait", "sleep", "compute", "stopped", "unknown")
@@ -332,8 +332,8 @@ POLL_MAX_S = 60.0
 
 def polls(thread: Mapping[str, Any], state: str) -> bool:
     """Is the thread in a wait that ends by itself soon (a polling loop)? From the time left in its system call
-    (evidence.syscalls); when that cannot be read, a call with a timeout — or a sleep, without the call — is taken
-    to be a poll (the cautious side: never act on it)."""
+    (evidence.stacks.syscalls); when that cannot be read, a call with a timeout — or a sleep, without the call — is
+    taken to be a poll (the cautious side: never act on it)."""
     left = thread.get("wait_left_s")
     if isinstance(left, (int, float)) and not isinstance(left, bool):
         return left <= POLL_MAX_S

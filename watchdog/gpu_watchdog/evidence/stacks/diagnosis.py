@@ -26,7 +26,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gpu_watchdog.evidence.classify import (
+from gpu_watchdog.evidence.stacks.classify import (
     COMMUNICATION_STATES,
     P2P_FAMILIES,
     PASSABLE_FAMILIES,

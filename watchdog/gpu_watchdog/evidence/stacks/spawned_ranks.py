@@ -22,7 +22,7 @@ from typing import Any
 
 import psutil
 
-from gpu_watchdog.evidence.stacks import dump_stacks
+from gpu_watchdog.evidence.stacks.dump import dump_stacks
 from gpu_watchdog.sample.processes import command_text
 
 RANK_NAMES = ("global_rank", "rank")
