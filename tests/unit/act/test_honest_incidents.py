@@ -11,8 +11,8 @@ from gpu_watchdog.act.recovery import _on_gpus, observe
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.load import load_config
 from gpu_watchdog.evidence.flight_recorder.incident import FlightRecorderAtIncident
-from gpu_watchdog.evidence.incident_source import IncidentJob
 from gpu_watchdog.evidence.report import action_status
+from gpu_watchdog.evidence.source import IncidentJob
 from gpu_watchdog.export.metrics import AgentMetrics
 from gpu_watchdog.model import DeviceSample, Finding, NodeSample
 from gpu_watchdog.policy.ladder import decide

@@ -44,7 +44,7 @@ def _run(watch: stragglers.StragglerWatch, js: JobStatus, sample: NodeSample, se
     for i in range(seconds):
         t = start + i
         status = replace(js, state=state_at(t))
-        found += watch.tick({js.job_id: status}, replace(sample, t=t))
+        found += watch.watch({js.job_id: status}, replace(sample, t=t))
         w = watch._jobs.get(js.job_id)
         deadline = time.monotonic() + 5
         while w is not None and w.pending is not None and not w.pending.done() and time.monotonic() < deadline:

@@ -21,7 +21,8 @@ from gpu_watchdog.detect.detector import RUNNING, SUSPECT
 from gpu_watchdog.engine.loop import Engine
 from gpu_watchdog.evidence.flight_recorder.dumps import fr_settings, recording_env
 from gpu_watchdog.evidence.flight_recorder.incident import FlightRecorderAtIncident
-from gpu_watchdog.evidence.incident_source import IncidentJob
+from gpu_watchdog.evidence.flight_recorder.watch import SuspectDumpWatch
+from gpu_watchdog.evidence.source import IncidentJob
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.model import Finding, JobStatus
 from gpu_watchdog.store.fallback_levels import FallbackStore
@@ -58,8 +59,8 @@ def test_a_suspect_jobs_ranks_dump_once_per_streak_and_the_incident_takes_those_
         busy = threading.Event()
         pool.submit(busy.wait, 30)
         t0 = time.monotonic()
-        e._ask_flight_recorder(status(SUSPECT, pids, onset=100.0))
-        e._ask_flight_recorder(status(SUSPECT, pids, onset=100.0))  # the same streak: asked once
+        _fr_watch(e).watch(status(SUSPECT, pids, onset=100.0))
+        _fr_watch(e).watch(status(SUSPECT, pids, onset=100.0))  # the same streak: asked once
         assert time.monotonic() - t0 < 0.5
         busy.set()
         asked = wait_for(lambda: e.fr_dumps.asked_at("j"), 30, "the suspect-time ask")
@@ -85,18 +86,22 @@ def test_a_suspect_jobs_ranks_dump_once_per_streak_and_the_incident_takes_those_
         assert sorted(p.name for p in (inc.dir / "flight-recorder").iterdir()) == ["fr-rank-0.pkl", "fr-rank-1.pkl"]
 
         # running again ends the streak; the next suspect streak asks again
-        e._ask_flight_recorder(status(RUNNING, pids))
+        _fr_watch(e).watch(status(RUNNING, pids))
         assert e.fr_dumps.asked_at("j") is None
-        e._ask_flight_recorder(status(SUSPECT, pids, onset=200.0))
+        _fr_watch(e).watch(status(SUSPECT, pids, onset=200.0))
         wait_for(lambda: e.fr_dumps.asked_at("j"), 30, "the second streak's ask")
         wait_for(lambda: [p.stat().st_mtime_ns for p in dumps] != written, 60, "fresh dumps", log=job.log_tail)
 
         # switched off: a suspect job is not asked
         off = engine(tmp_path, pool, dataclasses.replace(Config(), flight_recorder=FlightRecorderConfig(
             dump_on_suspect=False)))
-        off._ask_flight_recorder(status(SUSPECT, pids, onset=300.0))
+        _fr_watch(off).watch(status(SUSPECT, pids, onset=300.0))
         time.sleep(0.5)
         assert off.fr_dumps.asked_at("j") is None and off.fr_dumps.jobs() == set()
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         job.stop()
+
+
+def _fr_watch(e: Engine) -> SuspectDumpWatch:
+    return next(w for w in e.watches if isinstance(w, SuspectDumpWatch))

@@ -13,6 +13,7 @@ from pathlib import Path
 from gpu_watchdog.config.schema import Config, RasConfig
 from gpu_watchdog.detect.detector import RUNNING, STALLED, SUSPECT, WAITING
 from gpu_watchdog.engine.loop import Engine
+from gpu_watchdog.evidence.nccl_ras.watch import RasWatch
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.model import JobStatus
 from gpu_watchdog.store.fallback_levels import FallbackStore
@@ -34,13 +35,13 @@ def jobs(rank: int = 0, **states: str) -> dict[str, JobStatus]:
 def test_without_watching_only_suspect_and_stalled_jobs_are_asked(tmp_path: Path) -> None:
     with RasStandIn() as s:
         e = engine(tmp_path, s.addr)
-        e._poll_ras(jobs(a=RUNNING, b=WAITING))
+        _ras_watch(e).watch(jobs(a=RUNNING, b=WAITING))
         time.sleep(0.3)
         assert s.connections == 0 and e.ras.jobs() == set()
-        e._poll_ras(jobs(c=SUSPECT, d=STALLED))
+        _ras_watch(e).watch(jobs(c=SUSPECT, d=STALLED))
         wait_for(lambda: s.connections == 2, 10, "one query per suspect or stalled job")
         wait_for(lambda: all((ev := e.ras.evidence(j)) is not None and ev.polls for j in "cd"), 10, "both kept")
-        e._poll_ras(jobs(c=SUSPECT, d=STALLED))  # within poll_interval_s: not again
+        _ras_watch(e).watch(jobs(c=SUSPECT, d=STALLED))  # within poll_interval_s: not again
         time.sleep(0.3)
         assert s.connections == 2
 
@@ -49,7 +50,7 @@ def test_a_ras_socket_that_never_answers_does_not_hold_the_tick(tmp_path: Path) 
     with RasStandIn(hang=True) as s:
         e = engine(tmp_path, s.addr)
         t0 = time.monotonic()
-        e._poll_ras(jobs(c=SUSPECT))
+        _ras_watch(e).watch(jobs(c=SUSPECT))
         assert time.monotonic() - t0 < 0.5
         wait_for(lambda: s.connections == 1, 10, "the query started")
 
@@ -61,13 +62,13 @@ def test_rank_0s_node_watches_its_jobs_all_the_time_and_hands_the_detector_their
                report_json([Comm(0xBEEF, 2, moved)])]
     with RasStandIn(reports) as s:
         e = engine(tmp_path, s.addr, watch_interval_s=0.2)
-        e._poll_ras(jobs(rank=1, elsewhere=RUNNING))  # rank 0 runs on another node: that node watches
+        _ras_watch(e).watch(jobs(rank=1, elsewhere=RUNNING))  # rank 0 runs on another node: that node watches
         time.sleep(0.3)
         assert s.connections == 0
         seen = []
         deadline = time.monotonic() + 10
         while len(seen) < 2 and time.monotonic() < deadline:
-            e._poll_ras(jobs(here=RUNNING))
+            _ras_watch(e).watch(jobs(here=RUNNING))
             seen += e.ras.take_progress()
             time.sleep(0.05)
         assert [(p.job_id, p.state, p.behind) for p in seen[:2]] == [
@@ -103,3 +104,7 @@ def test_the_other_nodes_get_the_watchers_observations_through_the_shared_direct
     finally:
         watcher.close()
         other.close()
+
+
+def _ras_watch(e: Engine) -> RasWatch:
+    return next(w for w in e.watches if isinstance(w, RasWatch))

@@ -120,7 +120,7 @@ def test_a_job_whose_ranks_serve_no_fifo_has_nothing_to_report(tmp_path: Path, m
     from gpu_watchdog.act.target import ActContext
     from gpu_watchdog.config.schema import Config
     from gpu_watchdog.evidence.flight_recorder.incident import FlightRecorderAtIncident
-    from gpu_watchdog.evidence.incident_source import IncidentJob
+    from gpu_watchdog.evidence.source import IncidentJob
     from gpu_watchdog.model import Finding
     from gpu_watchdog.store.fallback_levels import FallbackStore
     from gpu_watchdog.store.incidents import IncidentStore

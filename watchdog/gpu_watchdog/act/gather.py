@@ -1,6 +1,6 @@
 """An incident's evidence, gathered the same way for every stall: a fresh py-spy dump of every rank kept raw in
 the incident, the diagnosis that names the culprit, the workers of a culprit waiting on them, then every registered
-source (``SOURCES``, each an ``evidence.incident_source``: the Flight Recorder, NCCL RAS) asked in turn, and the
+source (``SOURCES``, each an ``evidence.source``: the Flight Recorder, NCCL RAS) asked in turn, and the
 readable report. One verdict over the sources (``evidence.culprit``): the stacks name the culprit when they can
 tell the ranks apart, else the first registered source that can; the summary's ``culprit_evidence`` says which
 source named it. The gatherer writes the incident: each source's action, section and console lines."""
@@ -19,10 +19,10 @@ from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.evidence.analyze import write_rank_stacks
 from gpu_watchdog.evidence.culprit import STACKS, SourceVerdict, from_stacks, merge_sources
 from gpu_watchdog.evidence.flight_recorder.incident import FlightRecorderAtIncident
-from gpu_watchdog.evidence.incident_source import Found, IncidentJob, IncidentSource
 from gpu_watchdog.evidence.nccl_ras.incident import NcclRasAtIncident
 from gpu_watchdog.evidence.nccl_ras.poll import RasPoller
 from gpu_watchdog.evidence.report import render_report
+from gpu_watchdog.evidence.source import Found, IncidentJob, IncidentSource
 from gpu_watchdog.evidence.stacks.collect import (
     WAITS_ON_WORKERS,
     blocked_workers,
@@ -42,7 +42,7 @@ from gpu_watchdog.store.incidents import Incident
 log = logging.getLogger("gpu_watchdog.act")
 
 # The sources asked at every incident after the stacks, in the order their verdicts are preferred: a new source is
-# one module (evidence.incident_source) and one line here.
+# one module (evidence.source) and one line here.
 SOURCES: tuple[Callable[[ActContext], IncidentSource], ...] = (
     lambda ctx: FlightRecorderAtIncident(ctx.fr_dumps),
     lambda ctx: NcclRasAtIncident(ctx.ras or RasPoller(lambda: ctx.cfg.ras)),

@@ -116,11 +116,14 @@ class StragglerWatch:
         """The job ended or was restarted: its window starts again."""
         self._jobs.pop(job_id, None)
 
+    def jobs(self) -> set[str]:
+        return set(self._jobs)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def tick(self, jobs: Mapping[str, JobStatus], sample: NodeSample) -> list[Finding]:
+    def watch(self, jobs: Mapping[str, JobStatus], sample: NodeSample) -> list[Finding]:
         cfg = self._cfg()
         sc = cfg.straggler
         if not sc.enabled or not cfg.stacks.enabled:

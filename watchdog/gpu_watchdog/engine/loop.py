@@ -20,10 +20,13 @@ from typing import Any
 
 from gpu_watchdog.config.schema import Config
 from gpu_watchdog.detect.consistency import ConfigReport, ConfigWatch, check_nodes, launch_env, run_key
-from gpu_watchdog.detect.detector import RUNNING, STALLED, SUSPECT, DetectorState, hold_waiting, step
+from gpu_watchdog.detect.detector import RUNNING, DetectorState, hold_waiting, step
 from gpu_watchdog.detect.stragglers import StragglerWatch
 from gpu_watchdog.evidence.flight_recorder.dumps import SuspectDumps
+from gpu_watchdog.evidence.flight_recorder.watch import SuspectDumpWatch
 from gpu_watchdog.evidence.nccl_ras.poll import RasPoller
+from gpu_watchdog.evidence.nccl_ras.watch import RasWatch
+from gpu_watchdog.evidence.source import JobWatch
 from gpu_watchdog.evidence.stacks.collect import collect_stack_evidence, pids_on_gpu
 from gpu_watchdog.evidence.stacks.spawned_ranks import SpawnedRanks
 from gpu_watchdog.export.health import LoopHealth
@@ -109,6 +112,13 @@ class Engine:
         # Ranks handed their rank in code (mp.spawn): the scanner asks for each one's rank, read from its stack.
         self.ranks_in_code = SpawnedRanks(cfg.stacks.py_spy, cfg.stacks.timeout_s)
         self.stragglers = StragglerWatch(lambda: self.cfg)  # observe only: its findings are recorded, never acted on
+        # The evidence sources that watch a job while it runs or is suspect, after each detector step: a new one
+        # is one line here (evidence.source.JobWatch).
+        self.watches: tuple[JobWatch, ...] = (
+            SuspectDumpWatch(self.fr_dumps, pool, lambda: self.cfg.flight_recorder),
+            RasWatch(self.ras, lambda: self.cfg.ras),
+            self.stragglers,
+        )
         scanner = getattr(backend, "scanner", None)
         if scanner is not None:
             scanner.rank_finder = self.ranks_in_code
@@ -141,9 +151,8 @@ class Engine:
         if job is not None:
             job.settings.new_run()
             job.healthy_since = None
-        self.ras.forget(job_id)
-        self.fr_dumps.end(job_id)
-        self.stragglers.forget(job_id)
+        for w in self.watches:
+            w.forget(job_id)
         self.state = replace(self.state, jobs={j: s for j, s in self.state.jobs.items() if j != job_id},
                              ranks={k: o for k, o in self.state.ranks.items() if k[0] != job_id})
 
@@ -164,12 +173,11 @@ class Engine:
             comm = own + self._shared_comm()
             state, findings = step(self.state, sample, self.cfg.detect, dumps, comm)
             self.state, self.last_sample = state, sample
-            self._ask_flight_recorder(state.jobs)
+            for w in self.watches:
+                findings.extend(w.watch(state.jobs, sample))
             self._schedule_dumps(sample.t)
-            self._poll_ras(state.jobs)
             self._share_comm(own, state.jobs)
             findings.extend(self._check_configs(sample.t))
-            findings.extend(self.stragglers.tick(state.jobs, sample))
             self._note_healthy(state.jobs)
             self._forget_ended(state.jobs)
             if self.metrics is not None:
@@ -256,28 +264,6 @@ class Engine:
                 except OSError as e:
                     log.warning("cannot publish the stacks of job %s to %s: %s", job_id, runs.root, e)
         return evidence
-
-    def _ask_flight_recorder(self, jobs: Mapping[str, JobStatus]) -> None:
-        """A job that turns suspect: ask its ranks for Flight Recorder dumps once per streak, on the worker pool (a
-        rank's environment read and a byte per dump FIFO; nothing for a job without a trigger), so the incident
-        finds them written at confirmation. A job running again starts a new streak."""
-        for js in jobs.values():
-            if js.state == RUNNING:
-                self.fr_dumps.end(js.job_id)
-            elif (js.state == SUSPECT and js.onset is not None and js.rank_pids
-                  and self.cfg.flight_recorder.dump_on_suspect and self.fr_dumps.claim(js.job_id, js.onset)):
-                self._pool.submit(self.fr_dumps.ask, js.job_id, js.onset, dict(js.rank_pids))
-
-    def _poll_ras(self, jobs: Mapping[str, JobStatus]) -> None:
-        """Ask NCCL RAS on the poller's own thread (it never blocks the tick): about every job that looks hung, and
-        all the time about the jobs whose rank 0 runs here. One query gathers from every node of the job, so only
-        rank 0's node watches; the others ask when their own signals suspect."""
-        watch = self.cfg.ras.watch_interval_s
-        for js in jobs.values():
-            if js.state in (SUSPECT, STALLED) and js.rank_pids:
-                self.ras.poll_due(js.job_id, js.rank_pids)
-            elif watch > 0 and 0 in js.rank_pids:
-                self.ras.poll_due(js.job_id, js.rank_pids, watch)
 
     def _shared_comm(self) -> list[CommProgress]:
         """What the watcher on rank 0's node published since the last tick for the jobs this node does not watch
@@ -407,10 +393,9 @@ class Engine:
             del self._jobs[job_id]
             if self.metrics is not None:
                 self.metrics.forget_job(job_id)
-        for job_id in self.ras.jobs() - set(jobs):
-            self.ras.forget(job_id)
-        for job_id in self.fr_dumps.jobs() - set(jobs):
-            self.fr_dumps.end(job_id)
+        for w in self.watches:
+            for job_id in w.jobs() - set(jobs):
+                w.forget(job_id)
 
 
 def count_internal_error(metrics: Any, stage: str) -> None:

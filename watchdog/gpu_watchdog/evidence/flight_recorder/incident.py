@@ -1,4 +1,4 @@
-"""The Flight Recorder at an incident (an ``evidence.incident_source``): every rank is asked for a dump (NCCL's dump
+"""The Flight Recorder at an incident (an ``evidence.source``): every rank is asked for a dump (NCCL's dump
 pipe, or the in-job helper serving the same FIFO for gloo), the fresh dumps and the job's dump-on-timeout files are
 copied into the incident's ``flight-recorder/`` and analyzed across every process group. Dumps the engine asked
 for when the job turned suspect (``SuspectDumps``) count as fresh: only ranks without one are asked."""
@@ -15,7 +15,7 @@ from gpu_watchdog.evidence.analyze import fr_dir
 from gpu_watchdog.evidence.culprit import from_flight_recorder
 from gpu_watchdog.evidence.flight_recorder import dumps as fr
 from gpu_watchdog.evidence.flight_recorder.analysis import FrAnalysis, analyze_traces, rank_trace
-from gpu_watchdog.evidence.incident_source import Begin, Found, IncidentJob
+from gpu_watchdog.evidence.source import Begin, Found, IncidentJob
 
 FR_WAIT_S = 10.0  # how long to wait for the triggered ranks' dumps (the first one may import torch._dynamo)
 NO_TRIGGER = "not available: no dump trigger (TORCH_NCCL_DEBUG_INFO_PIPE_FILE unset; gloo ranks have no dump pipe)"

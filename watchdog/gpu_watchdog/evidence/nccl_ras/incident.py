@@ -1,12 +1,12 @@
-"""NCCL RAS at an incident (an ``evidence.incident_source``): two polls compared (``evidence.nccl_ras.poll``), kept as
+"""NCCL RAS at an incident (an ``evidence.source``): two polls compared (``evidence.nccl_ras.poll``), kept as
 ``ras.json`` in the incident, ``ras_culprit_ranks`` and ``ras_hung_communicators`` in its summary. Nothing at all
 for a job RAS is not asked about (a gloo job, ``ras.enabled = off``)."""
 
 from __future__ import annotations
 
 from gpu_watchdog.evidence.culprit import NCCL_RAS, SourceVerdict
-from gpu_watchdog.evidence.incident_source import Begin, Found, IncidentJob
 from gpu_watchdog.evidence.nccl_ras.poll import RasPoller, write_ras_evidence
+from gpu_watchdog.evidence.source import Begin, Found, IncidentJob
 
 
 class NcclRasAtIncident:

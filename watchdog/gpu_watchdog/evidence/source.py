@@ -1,9 +1,16 @@
-"""What an evidence source does at an incident, one protocol for every source: ``act.gather`` hands each registered
-source the job, the source asks what it asks (writing its own files into the incident directory), and answers
-with one ``Found``: how its action went, its verdict for the merge (``evidence.culprit.merge_sources``), the line
-that puts the hang in communication if it does, its section of the incident's summary and what to tell the
-console. The gatherer writes the incident; a source never touches it. A new source is one module with a class
-that has ``action`` and ``gather``, and one line in ``act.gather``'s registry.
+"""What an evidence source is, one protocol for each part of a job's life.
+
+While the job runs or is suspect (``JobWatch``): after each tick's detector step the engine hands every registered
+watch the jobs and the sample (``engine.loop.Engine.watches``); a watch asks what it asks off the tick (a Flight
+Recorder dump at suspect, a RAS poll, a straggler's stack sample) and may return findings; it forgets a job that
+ended or was restarted.
+
+At an incident (``IncidentSource``): ``act.gather`` hands each registered source the job, the source asks what
+it asks (writing its own files into the incident directory), and answers with one ``Found``: how its action went,
+its verdict for the merge (``evidence.culprit.merge_sources``), the line that puts the hang in communication if it
+does, its section of the incident's summary and what to tell the console. The gatherer writes the incident; a
+source never touches it. A new source is one package (``evidence/<source>/``) with a watch and/or an incident
+class, and one line in each registry it joins (``Engine.watches``, ``act.gather.SOURCES``).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gpu_watchdog.evidence.culprit import SourceVerdict
+from gpu_watchdog.model import Finding, JobStatus, NodeSample
 
 
 @dataclass(frozen=True)
@@ -49,4 +57,18 @@ class IncidentSource(Protocol):
     def gather(self, job: IncidentJob, begin: Begin) -> Found | None:
         """Ask this source about the job. None, without calling ``begin``: nothing to ask (the job does not serve
         it, it is switched off); the incident then has no action of this source at all."""
+        ...
+
+
+class JobWatch(Protocol):
+    def watch(self, jobs: Mapping[str, JobStatus], sample: NodeSample) -> list[Finding]:
+        """One tick's look at the jobs (never blocking the tick); findings for the dispatcher, if any."""
+        ...
+
+    def forget(self, job_id: str) -> None:
+        """The job ended or was restarted: what was kept for it goes."""
+        ...
+
+    def jobs(self) -> set[str]:
+        """The jobs it keeps something for."""
         ...
