@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from gpu_watchdog.act.events import ActionDone, GpuFaulted
 from gpu_watchdog.act.hooks import HookResult, run_hook
 from gpu_watchdog.act.recovery import stop_job
 from gpu_watchdog.act.target import ActContext, JobTarget
@@ -51,7 +52,7 @@ class GpuFaultHandler:
         jobs = sorted({p.job.job_id for p in sample.processes if p.job is not None and p.pid in pids})
         inc = ctx.open_incident(finding)
         inc.update(gpu=gpu, xid=xid, jobs=jobs, fallback=None)
-        ctx.metric("gpu_fault", gpu, xid if xid is not None else finding.signature)
+        ctx.count(GpuFaulted(gpu, xid if xid is not None else finding.signature))
         ctx.say(f"GPU_FAULT on {gpu or 'a GPU'} ({finding.signature}{f', Xid {xid}' if xid is not None else ''}): "
                 f"{finding.detail}; incident {inc.id}")
         return inc, gpu, xid, jobs
@@ -99,7 +100,7 @@ class GpuFaultHandler:
                                   drain_reason(finding.signature, xid, gpu), gpu, xid)
         except WatchdogError as e:
             inc.record_action("drain", False, f"not run: {e}")
-            ctx.metric("action", "drain", False)
+            ctx.count(ActionDone("drain", False))
             ctx.say(f"drain: not run: {e}")
             return
         if spec is None:
@@ -110,7 +111,7 @@ class GpuFaultHandler:
             res = run_drain(spec, values)
             step.end(res.ok, res.detail())
         inc.update(drain_hook=res.to_json())
-        ctx.metric("action", "drain", res.ok)
+        ctx.count(ActionDone("drain", res.ok))
         if res.ok:
             ctx.drained.add(key)
         ctx.say(f"drain: {res.detail()}")

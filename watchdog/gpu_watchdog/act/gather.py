@@ -15,6 +15,7 @@ from typing import Any
 
 import psutil
 
+from gpu_watchdog.act.events import StacksDumped
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.evidence.analyze import write_rank_stacks
 from gpu_watchdog.evidence.culprit import STACKS, SourceVerdict, from_stacks, merge_sources
@@ -114,7 +115,7 @@ class EvidenceGatherer:
         results = dump_job(rank_pids, ctx.cfg.stacks, pids_on_gpu(sample, rank_pids.values()))
         for rank, res in results.items():
             write_rank_stacks(inc.dir, rank, ctx.host, res, world_size=job.world_size, job_id=job.job_id)
-            ctx.metric("pyspy_dump", res.outcome)
+            ctx.count(StacksDumped(res.outcome))
         stacks = classify_results(results)
         ok = sum(r.ok for r in results.values())
         inc.end_action(entry, ok > 0, f"{ok}/{len(results)} ranks dumped in {time.monotonic() - t0:.2f}s"

@@ -16,6 +16,7 @@ from typing import Any
 
 from gpu_watchdog.act.checkpoint import request_checkpoint
 from gpu_watchdog.act.engine_restart import engine_restart
+from gpu_watchdog.act.events import ActionDone, JobRestarted, StallConfirmed
 from gpu_watchdog.act.gather import EvidenceGatherer, Gathered
 from gpu_watchdog.act.stopper import JobProcess, stop_processes, wait_memory_released
 from gpu_watchdog.act.target import ActContext, JobTarget
@@ -134,7 +135,7 @@ class Recovery:
         return self._carry_out(inc, plan, target, sample, status, gathered, claimed[1] if claimed else None)
 
     def _announce(self, inc: Incident, finding: Finding, target: JobTarget) -> None:
-        self.ctx.metric("detection_latency", finding.confirmed_at - finding.onset)
+        self.ctx.count(StallConfirmed(finding.confirmed_at - finding.onset))
         self.ctx.say(f"{finding.kind.upper()} confirmed in job {finding.job_id} ({finding.signature}): "
                      f"{finding.detail}; onset {time.strftime('%H:%M:%S', time.localtime(finding.onset))}, "
                      f"confirmed after {finding.confirmed_at - finding.onset:.1f}s; incident {inc.id}")
@@ -203,8 +204,8 @@ class Recovery:
                                            "its latest checkpoint, the driver and the Ray cluster kept "
                                            f"(fallback level {decision.level} unchanged)")
         ctx.say(f"restart by the job's engine: {plan.by_engine}")
-        ctx.metric("restart", target.job_id)
-        ctx.metric("action", "restart", True)
+        ctx.count(JobRestarted(target.job_id))
+        ctx.count(ActionDone("restart", True))
         gathered.report(inc)
         return RecoveryResult(inc, BY_ENGINE, restart_env, decision.level, by=plan.by_engine)
 
@@ -223,8 +224,8 @@ class Recovery:
         if not restarted and inc.summary.get("restarted_by"):
             self.budget.refund()  # another agent restarted the job: nothing was spent here
         if restarted:
-            ctx.metric("restart", target.job_id)
-        ctx.metric("action", "restart", restarted)
+            ctx.count(JobRestarted(target.job_id))
+        ctx.count(ActionDone("restart", restarted))
         return restarted
 
     def _decided_elsewhere(self, target: JobTarget) -> dict[str, Any] | None:
@@ -325,7 +326,7 @@ class Recovery:
         gathered.report(inc)
         inc.finish("observed: waiting (no communication evidence)")
         self.ctx.say(detail)
-        self.ctx.metric("action", "observe", True)
+        self.ctx.count(ActionDone("observe", True))
         return RecoveryResult(inc, HELD, hold=Hold(why, tuple(diag.culprit_ranks) if diag else (),
                                                    diag.reason if diag else ""))
 
@@ -348,7 +349,7 @@ class Recovery:
                 step.end(False, f"skipped: {res.detail}", outcome="skipped")
                 return
             step.end(res.ok, res.detail, outcome=res.outcome or None)
-        self.ctx.metric("action", "checkpoint", res.ok)
+        self.ctx.count(ActionDone("checkpoint", res.ok))
         self.ctx.say(f"checkpoint: {res.detail}")
 
     def _stop(self, inc: Incident, target: JobTarget) -> None:
@@ -379,7 +380,7 @@ def stop_job(ctx: ActContext, inc: Incident, target: JobTarget, why: str, *, wai
             ok = released
             detail += "; GPU memory released" if released else "; GPU memory NOT released"
         step.end(ok, detail)
-    ctx.metric("action", "stop", ok)
+    ctx.count(ActionDone("stop", ok))
     ctx.say(f"stopped the job: {detail}" if not why else f"stopped {why}{detail}")
     return ok
 

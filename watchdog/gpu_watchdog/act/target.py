@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gpu_watchdog.act.events import ActEvent, IncidentOpened
 from gpu_watchdog.act.stopper import JobProcess
 from gpu_watchdog.config.schema import Config
 from gpu_watchdog.evidence.flight_recorder.dumps import SuspectDumps
@@ -62,14 +63,15 @@ class ActContext:
     runs: JobRuns | None = None  # fallback.shared_dir: the job-wide run records (multi-node jobs)
     fr_dumps: SuspectDumps | None = None  # the engine's Flight Recorder dumps asked for at suspect
 
-    def metric(self, name: str, *args: Any) -> None:
-        """Count an event; a broken metrics collector is logged, never a reason to stop acting on a job."""
+    def count(self, event: ActEvent) -> None:
+        """Count an event in the metrics; a broken metrics collector is logged, never a reason to stop acting on a
+        job."""
         if self.metrics is None:
             return
         try:
-            getattr(self.metrics, name)(*args)
+            self.metrics.count(event)
         except Exception:
-            log.exception("metrics: %s failed", name)
+            log.exception("metrics: counting %s failed", type(event).__name__)
 
     def level_record(self, job_id: str, run: int | str | None) -> dict[str, Any]:
         """The fallback record that configures run ``run`` of the job: with ``fallback.shared_dir`` the job-wide one
@@ -82,7 +84,7 @@ class ActContext:
         """Every incident starts here, so the incidents counter counts every one written and each one carries
         the node's recent past (``trace.jsonl``)."""
         inc = self.incidents.create(finding, self.host)
-        self.metric("incident", finding.kind)
+        self.count(IncidentOpened(finding.kind))
         self._keep_trace(inc, finding)
         return inc
 

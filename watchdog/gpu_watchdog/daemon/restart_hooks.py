@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from gpu_watchdog.act.events import ActionDone
 from gpu_watchdog.act.hooks import run_hook
 from gpu_watchdog.act.slurm import cancelled, moved_on, show_job
 from gpu_watchdog.act.target import ActContext
@@ -57,6 +58,6 @@ class RestartHooks:
             res = run_hook(spec, values, extra_env={"GPU_WATCHDOG_FALLBACK_FILE": env_file})
             step.end(res.ok, res.detail())
         inc.update(**{action: res.to_json()})
-        ctx.metric("action", action, res.ok)
+        ctx.count(ActionDone(action, res.ok))
         (log.info if res.ok else log.warning)("job %s: %s %s", job_id, action.replace("_", " "), res.detail())
         return res.ok

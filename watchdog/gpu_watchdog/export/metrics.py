@@ -53,6 +53,15 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
 from gpu_watchdog import __version__
+from gpu_watchdog.act.events import (
+    ActEvent,
+    ActionDone,
+    GpuFaulted,
+    IncidentOpened,
+    JobRestarted,
+    StacksDumped,
+    StallConfirmed,
+)
 from gpu_watchdog.atomic import write_errors
 from gpu_watchdog.detect.states import JOB_STATES, STALLED, SUSPECT, WAITING
 from gpu_watchdog.evidence.stacks.dump import OUTCOMES
@@ -328,6 +337,22 @@ class AgentMetrics:
             counter.labels(self._error_cap(e.error_class)).inc()
 
     # -- events ---------------------------------------------------------------------------------------
+    def count(self, event: ActEvent) -> None:
+        """One of acting's events (act.events), counted by its type."""
+        match event:
+            case IncidentOpened(kind):
+                self.incident(kind)
+            case StallConfirmed(latency_s):
+                self.detection_latency(latency_s)
+            case ActionDone(action, ok):
+                self.action(action, ok)
+            case JobRestarted(job_id):
+                self.restart(job_id)
+            case StacksDumped(outcome):
+                self.pyspy_dump(outcome)
+            case GpuFaulted(gpu, cause):
+                self.gpu_fault(gpu, cause)
+
     def incident(self, kind: str) -> None:
         self._incidents.labels(self._kind_cap(kind)).inc()
 

@@ -1,0 +1,41 @@
+"""What acting tells the agent's metrics, as typed events (``ActContext.count``), dispatched by their type
+(``export.metrics.AgentMetrics.count``) rather than by a method's name in a string."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class IncidentOpened:
+    kind: str  # the finding's kind: "stall", "gpu_fault", …
+
+
+@dataclass(frozen=True)
+class StallConfirmed:
+    latency_s: float  # from the onset to the confirmation
+
+
+@dataclass(frozen=True)
+class ActionDone:
+    action: str  # "checkpoint", "stop", "restart", "observe", "drain", a hook's name
+    ok: bool
+
+
+@dataclass(frozen=True)
+class JobRestarted:
+    job_id: str
+
+
+@dataclass(frozen=True)
+class StacksDumped:
+    outcome: str  # one rank's py-spy dump: "ok", "timeout", …
+
+
+@dataclass(frozen=True)
+class GpuFaulted:
+    gpu: str  # its UUID
+    cause: int | str  # the Xid, or the fault's kind ("gpu_lost", …)
+
+
+ActEvent = IncidentOpened | StallConfirmed | ActionDone | JobRestarted | StacksDumped | GpuFaulted
