@@ -181,3 +181,12 @@ def test_the_json_contract_is_in_the_repository_and_names_every_summary_field(tm
     summary = IncidentStore(tmp_path).create(finding, "node").summary
     missing = [key for key in summary if f"`{key}`" not in contract]
     assert not missing, f"summary fields not in docs/json-contract.md: {missing}"
+
+
+def test_the_layer_order_in_one_stall_md_is_the_one_the_import_test_keeps() -> None:
+    from test_imports import LAYERS
+
+    text = (REPO / "docs" / "one-stall.md").read_text()
+    drawn = re.search(r"<!-- layers -->(.*?)<!-- /layers -->", text)
+    assert drawn is not None, "docs/one-stall.md lost its layers line"
+    assert tuple(re.findall(r"`(\w+)`", drawn.group(1))) == LAYERS
