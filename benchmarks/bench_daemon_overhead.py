@@ -130,7 +130,9 @@ def main() -> int:
 
     base = Path(tempfile.mkdtemp(prefix="gw-bench-", dir="/tmp"))
     env = {**os.environ, "GPU_WATCHDOG_JOB_ID": "bench-overhead"}
-    steps = int((args.rounds * 2 * (args.window + args.warmup + 5) + 60) / 0.3)
+    configs_n = 3 + (args.baseline is not None)
+    # enough steps for every window (a step takes 0.3 s of compute plus its all-reduce: half again as many)
+    steps = int(1.5 * (args.rounds * configs_n * (args.window + args.warmup + 5) + 60) / 0.3)
     job = subprocess.Popen([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "4",
                             str(REPO / "tests" / "jobs" / "train.py"), "--scenario", "healthy", "--steps", str(steps),
                             "--step-s", "0.3", "--workdir", str(base)], env=env, stdout=subprocess.DEVNULL,
@@ -159,7 +161,8 @@ def main() -> int:
                     results[name].append(pct)
                     print(f"  round {rnd + 1}  {name:<30} {pct:6.3f} %   RAS queries: {ras.connections - before}")
     finally:
-        os.killpg(job.pid, 15)
+        if job.poll() is None:
+            os.killpg(job.pid, 15)
         job.wait(30)
     bare, off, on = (statistics.median(results[n]) for n in names)
     print(f"median: {names[0]} {bare:.3f} %, {names[1]} {off:.3f} % (+{off - bare:.3f}), {names[2]} {on:.3f} % "
