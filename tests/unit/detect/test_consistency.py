@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpu_watchdog.act.events import IncidentOpened
 from gpu_watchdog.config.schema import AgentConfig, Config
 from gpu_watchdog.detect.consistency import (
     CROSS_NODE_EVERY_S,
@@ -97,8 +98,9 @@ class Metrics:
     def job_config(self, job_id: str, digest: str) -> None:
         self.configs.append((job_id, digest))
 
-    def incident(self, kind: str) -> None:
-        self.incidents.append(kind)
+    def count(self, event: object) -> None:
+        if isinstance(event, IncidentOpened):
+            self.incidents.append(event.kind)
 
 
 class Scanner:
