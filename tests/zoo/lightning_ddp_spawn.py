@@ -6,6 +6,8 @@ checkpoint callback; the variant's slow phase or fault is injected in ``training
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 
 import lightning as L
 import torch
@@ -22,6 +24,10 @@ class Module(L.LightningModule):
 
     def on_fit_start(self) -> None:
         zc.event(self.args, "start", step=0)
+        # ddp_spawn leaves each rank's gloo group to its interpreter's exit, where torch 2.13 CPU's teardown can abort
+        # (SIGABRT, "terminate called without an active exception": PyTorch's, docs/evidence.md; CI saw it end both
+        # rows of this program under load). Destroy it first, at the rank's exit, as lightning_ddp.py does after fit.
+        atexit.register(_destroy_group)
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         zc.slow_phase(self.args, self.global_step, self.global_rank)
@@ -39,6 +45,12 @@ class Module(L.LightningModule):
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _destroy_group() -> None:
+    gc.collect()  # DDP's Reducer first, then the group
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def main() -> None:
