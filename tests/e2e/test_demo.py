@@ -34,5 +34,8 @@ def test_demo_tells_the_story_in_about_30_lines(tmp_path: Path) -> None:
     (verdict,) = re.findall(r"Stall confirmed (\d+\.\d)s after its onset", console)
     assert said == verdict, console
     log = (tmp_path / "job.log").read_text()
-    assert "SignalException" in log and "[job] finished 30 steps" in log and "OMP_NUM_THREADS" in log
+    # torchrun's own traceback stays in the log: SignalException when the stop's SIGTERM reaches it first, or
+    # ChildFailedError when the rank the in-job client stopped (exit 86) made it tear the job down first (CI saw both)
+    assert "SignalException" in log or "ChildFailedError" in log, log
+    assert "[job] finished 30 steps" in log and "OMP_NUM_THREADS" in log
     assert log.count("no step boundary") == 1, log  # once per job, not per rank
