@@ -64,8 +64,9 @@ def run_job(arm: str, program: str, nproc: int, steps: int, base: Path) -> JobRu
     args = [str(ZOO / f"{program}.py"), "--variant", "healthy", "--steps", str(steps), "--step-s", "0.05",
             "--workdir", str(work), "--events", str(events)]
     if program == "lightning_ddp_spawn":
-        procs = [subprocess.Popen([sys.executable, *args, "--nproc", str(nproc)], env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT)]
+        # --leave-group: the group left to interpreter exit, as Lightning leaves it (the zoo's default destroys it)
+        procs = [subprocess.Popen([sys.executable, *args, "--nproc", str(nproc), "--leave-group"], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
     else:
         port = _free_port()
         procs = [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

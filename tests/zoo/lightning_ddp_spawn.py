@@ -27,7 +27,9 @@ class Module(L.LightningModule):
         # ddp_spawn leaves each rank's gloo group to its interpreter's exit, where torch 2.13 CPU's teardown can abort
         # (SIGABRT, "terminate called without an active exception": PyTorch's, docs/evidence.md; CI saw it end both
         # rows of this program under load). Destroy it first, at the rank's exit, as lightning_ddp.py does after fit.
-        atexit.register(_destroy_group)
+        # --leave-group keeps Lightning's own behaviour (benchmarks/bench_teardown_abort.py measures its abort rate).
+        if not self.args.leave_group:
+            atexit.register(_destroy_group)
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         zc.slow_phase(self.args, self.global_step, self.global_rank)
@@ -54,7 +56,8 @@ def _destroy_group() -> None:
 
 
 def main() -> None:
-    args = zc.parse_args(__doc__, nproc=True)
+    args = zc.parse_args(__doc__, nproc=True, more=lambda p: p.add_argument(
+        "--leave-group", action="store_true", help="leave each rank's group to interpreter exit, as Lightning does"))
     data = torch.utils.data.TensorDataset(torch.randn(512, 64), torch.randn(512, 64))
     loader = torch.utils.data.DataLoader(data, batch_size=16)
     trainer = L.Trainer(strategy="ddp_spawn", accelerator="cpu", devices=args.nproc, max_steps=args.steps,

@@ -35,7 +35,7 @@ def gather(tmp_path: Path, ras: RasConfig, rank_pid: int | None = None) -> dict:
     finding = Finding("stall", "idle_held", "job", (0, 1), (), now - 5, now)
     inc = ctx.open_incident(finding)
     status = JobStatus("job", STALLED, rank_pids={0: rank_pid or os.getpid()})
-    EvidenceGatherer(ctx).gather(inc, finding, status, NodeSample(now, "node", "proc"))
+    EvidenceGatherer(ctx).gather(ctx.transcript(inc), finding, status, NodeSample(now, "node", "proc"))
     return {"summary": json.loads((inc.dir / "summary.json").read_text()), "dir": inc.dir}
 
 

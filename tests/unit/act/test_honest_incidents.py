@@ -59,6 +59,7 @@ def test_flight_recorder_without_a_trigger_is_not_available(tmp_path: Path, monk
     inc = ctx.open_incident(finding())
     env = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr-")}  # gloo: no pipe
     monkeypatch.setattr(psutil.Process, "environ", lambda self: env)
-    EvidenceGatherer(ctx).ask(inc, FlightRecorderAtIncident(), IncidentJob("", {0: 1, 1: 1}, None, inc.dir))
+    job = IncidentJob("", {0: 1, 1: 1}, None, inc.dir)
+    EvidenceGatherer(ctx).ask(ctx.transcript(inc), FlightRecorderAtIncident(), job)
     (fr,) = [a for a in inc.summary["actions"] if a["action"] == "flight_recorder"]
     assert (fr["ok"], fr["outcome"], action_status(fr)) == (False, "not_available", "not available"), fr

@@ -76,7 +76,8 @@ def test_a_suspect_jobs_ranks_dump_once_per_streak_and_the_incident_takes_those_
         inc = ctx.open_incident(Finding("stall", "idle_held", "j", (0, 1), (), 100.0, 130.0, (), "no progress",
                                         "stacks"))
         t0 = time.monotonic()
-        found = EvidenceGatherer(ctx).ask(inc, FlightRecorderAtIncident(e.fr_dumps), IncidentJob("j", pids, 2, inc.dir))
+        at_incident = IncidentJob("j", pids, 2, inc.dir)
+        found = EvidenceGatherer(ctx).ask(ctx.transcript(inc), FlightRecorderAtIncident(e.fr_dumps), at_incident)
         assert time.monotonic() - t0 < 5.0  # no FR_WAIT_S wait
         assert found is not None and found.verdict is not None and found.verdict.culprit_ranks == (1,), found
         (action,) = [a for a in inc.summary["actions"] if a["action"] == "flight_recorder"]

@@ -134,12 +134,12 @@ def test_a_job_whose_ranks_serve_no_fifo_has_nothing_to_report(tmp_path: Path, m
     inc = ctx.open_incident(Finding("stall", "idle_held", "j", (0, 1), (1,), 1.0, 6.0, (), "no progress", "stacks"))
     pids = {0: os.getpid(), 1: os.getpid()}
     job = IncidentJob("j", pids, 2, inc.dir)
-    assert EvidenceGatherer(ctx).ask(inc, FlightRecorderAtIncident(), job) is None
+    assert EvidenceGatherer(ctx).ask(ctx.transcript(inc), FlightRecorderAtIncident(), job) is None
     assert not [a for a in inc.summary.get("actions", []) if a["action"] == "flight_recorder"]
     pipe1 = tmp_path / "pipe-1.pipe"
     os.mkfifo(pipe1)  # rank 1 serves the FIFO (nobody reads it here): asked, and the incident says so
     assert not unserved(s, [0, 1], 0.0)
-    found = EvidenceGatherer(ctx).ask(inc, FlightRecorderAtIncident(), job)
+    found = EvidenceGatherer(ctx).ask(ctx.transcript(inc), FlightRecorderAtIncident(), job)
     assert found is not None and found.verdict is None
     (action,) = [a for a in inc.summary["actions"] if a["action"] == "flight_recorder"]
     assert not action["ok"] and action["detail"] == "no dump collected, 0 triggered", action

@@ -38,23 +38,3 @@ def test_the_whole_incidents_root_deleted_is_recreated(tmp_path: Path) -> None:
     first.update(outcome="restarted")
     second = store.create(_finding(), "node-1")
     assert {s["id"] for s in store.list()} == {first.id, second.id} and first.id != second.id
-
-
-def test_a_step_is_logged_before_it_runs_and_a_step_that_raises_ends_failed(tmp_path: Path) -> None:
-    from gpu_watchdog.store.db import Store
-
-    journal = Store(tmp_path / "state")
-    inc = IncidentStore(tmp_path / "state", journal=journal).create(_finding(), "node-1")
-    with inc.step("checkpoint", "requested from ranks [0, 1]") as step:
-        assert inc.summary["actions"][-1]["ok"] is None  # on record (and in the journal) while it runs
-        step.end(False, "skipped: no client", outcome="skipped")
-    try:
-        with inc.step("stop", "SIGTERM to 2 job processes"):
-            raise OSError("permission denied")
-    except OSError:
-        pass
-    checkpoint, stop = inc.summary["actions"]
-    assert (checkpoint["ok"], checkpoint["outcome"], checkpoint["detail"]) == (False, "skipped", "skipped: no client")
-    assert stop["ok"] is False and stop["detail"] == "SIGTERM to 2 job processes; failed: OSError: permission denied"
-    assert all(a["finished_at"] is not None for a in journal.actions(inc.id))  # nothing left open to resume
-    journal.close()

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from gpu_watchdog.act.gather import EvidenceGatherer
+from gpu_watchdog.act.gather import stacks_source
 from gpu_watchdog.act.recovery import GAVE_UP, GIVEN_UP_ELSEWHERE, RESTARTED, STOOD_DOWN, Recovery
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.config.schema import Config, FallbackConfig, RecoveryConfig, StacksConfig
@@ -140,7 +140,7 @@ def test_a_busy_culprit_on_another_node_is_named_from_this_one(tmp_path: Path) -
     local = [_stack(0, "collective", "all_reduce"), _stack(1, "collective", "all_reduce")]
     alone = diagnose(local)
     assert alone.culprit_ranks == () and "another node" in alone.reason
-    remote = EvidenceGatherer(ctx)._remote_stacks(inc, finding, alone, local, "job-7")
+    remote = stacks_source(ctx).remote_stacks(ctx.transcript(inc), finding, alone, local, "job-7")
     merged = diagnose([*local, *remote])
     assert merged.culprit_ranks == (2,) and merged.collective == "all_reduce"
     assert inc.summary["remote_stacks"] == {"node2": [2, 3]}
@@ -150,8 +150,9 @@ def test_a_remote_culprit_alive_on_its_node_is_waited_on_a_blocked_one_is_acted_
     """Two nodes, two agents: node 1's ranks wait in all_reduce for rank 2 on node 2. If node 2's agent saw rank 2
     polling for data (a wait that ends by itself) the job waits, as it would on one node: no action. If it saw rank
     2 blocked for good, node 1 acts on it."""
-    from gpu_watchdog.act.gather import Gathered, _alive
+    from gpu_watchdog.act.gather import Gathered
     from gpu_watchdog.act.recovery import stall_facts
+    from gpu_watchdog.evidence.stacks.incident import alive
     from gpu_watchdog.policy.plan import action_proof
 
     local = [_stack(0, "collective", "all_reduce"), _stack(1, "collective", "all_reduce")]
@@ -162,7 +163,7 @@ def test_a_remote_culprit_alive_on_its_node_is_waited_on_a_blocked_one_is_acted_
     for remote, acts in (([polling], False), ([stuck], True)):
         diag = diagnose([*local, *remote])
         assert diag.culprit_ranks == (2,)
-        gathered = Gathered(tuple(local), diag, remote[0], "stacks: ranks 0,1 wait in all_reduce", _alive(diag, remote))
+        gathered = Gathered(tuple(local), diag, remote[0], "stacks: ranks 0,1 wait in all_reduce", alive(diag, remote))
         assert bool(action_proof(finding, stall_facts(gathered, None))) is acts, gathered
 
 

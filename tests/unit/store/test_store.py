@@ -107,7 +107,7 @@ def test_resume_runs_a_hook_that_never_started(tmp_path: Path) -> None:
 def test_failing_and_missing_hooks_are_recorded(tmp_path: Path) -> None:
     hook = HookSpec("h", "command", ("/bin/sh", "-c", "echo nope; exit 7"), 5.0)
     d = _daemon(tmp_path / "state", hooks={"h": hook})
-    inc = d.incidents.create(_finding(), "node")
+    inc = d.ctx.transcript(d.incidents.create(_finding(), "node"))
     assert not d.hooks.restart(inc, "j1", "h", 1)
     assert not d.hooks.restart(inc, "j1", "gone", 1)
     acts = d.store.actions(inc.id)

@@ -20,6 +20,7 @@ from gpu_watchdog.act.events import ActionDone, JobRestarted, StallConfirmed
 from gpu_watchdog.act.gather import EvidenceGatherer, Gathered
 from gpu_watchdog.act.stopper import JobProcess, stop_processes, wait_memory_released
 from gpu_watchdog.act.target import ActContext, JobTarget
+from gpu_watchdog.act.transcript import Transcript
 from gpu_watchdog.model import Finding, JobStatus, NodeSample
 from gpu_watchdog.policy.budget import BudgetVerdict, RestartBudget
 from gpu_watchdog.policy.ladder import WAITED_ADVICE, FallbackDecision, diagnostics_env
@@ -49,12 +50,16 @@ class Hold:
 
 @dataclass
 class RecoveryResult:
-    incident: Incident
+    transcript: Transcript  # the host finishes the incident through it (unless HELD: finished as observed)
     outcome: str  # one of the outcomes above
     restart_env: dict[str, str] = field(default_factory=dict)
     level: int = 0
     by: str = ""  # BY_ENGINE: the engine's restart; STOOD_DOWN, GIVEN_UP_ELSEWHERE: the node that decided
     hold: Hold | None = None  # HELD only
+
+    @property
+    def incident(self) -> Incident:
+        return self.transcript.incident
 
 
 def stall_facts(gathered: Gathered, status: JobStatus | None, on_gpus: bool = False,
@@ -86,7 +91,7 @@ def _on_gpus(finding: Finding, sample: NodeSample) -> bool:
 
 class Recovery:
     def __init__(self, ctx: ActContext, budget: RestartBudget,
-                 before_give_up: Callable[[Incident, int], object] | None = None,
+                 before_give_up: Callable[[Transcript, int], object] | None = None,
                  wait: Callable[[float], bool] | None = None) -> None:
         self.ctx = ctx
         self.budget = budget
@@ -99,20 +104,21 @@ class Recovery:
         (unless ``held``: then it is finished as observed); a recovery that raises finishes its incident as failed
         and re-raises."""
         inc = self.ctx.open_incident(finding)
+        t = self.ctx.transcript(inc)
         try:
-            return self._handle(inc, finding, target, sample, status)
+            return self._handle(t, finding, target, sample, status)
         except Exception as e:  # the incident says so; the caller's stage guard logs the traceback
-            inc.record_action("recovery", False, f"recovery failed: {type(e).__name__}: {e}")
-            inc.finish(f"failed: {e}")
+            t.record_action("recovery", False, f"recovery failed: {type(e).__name__}: {e}")
+            t.finish(f"failed: {e}")
             raise
 
-    def _handle(self, inc: Incident, finding: Finding, target: JobTarget, sample: NodeSample,
+    def _handle(self, t: Transcript, finding: Finding, target: JobTarget, sample: NodeSample,
                 status: JobStatus | None) -> RecoveryResult:
         """Decide (policy.plan.judge: the evidence, the level record read once, the budget's verdict), then carry
         the plan out."""
-        self._announce(inc, finding, target)
+        self._announce(t, finding, target)
         elsewhere = self._decided_elsewhere(target)  # a late agent: the next run is decided (its ranks dying)
-        gathered = Gathered() if elsewhere is not None else EvidenceGatherer(self.ctx).gather(inc, finding, status,
+        gathered = Gathered() if elsewhere is not None else EvidenceGatherer(self.ctx).gather(t, finding, status,
                                                                                            sample)
         previous = self.ctx.level_record(target.job_id, _run_of(target))
         budget = self._budget_verdict(sample, target)
@@ -121,27 +127,27 @@ class Recovery:
                      previous, budget, elsewhere)
         if plan.action == STAND_DOWN:
             assert plan.decided_elsewhere is not None
-            return self._stand_down(inc, target, sample, status, plan.decided_elsewhere, gathered)
+            return self._stand_down(t, target, sample, status, plan.decided_elsewhere, gathered)
         if plan.action == HOLD:
-            return self._hold_waiting(inc, finding, gathered)
-        inc.update(action_evidence=plan.proof)
+            return self._hold_waiting(t, finding, gathered)
+        t.update(action_evidence=plan.proof)
         if plan.charges_budget:
             self.budget.commit(budget)
-        claimed = self._claim_next_run(inc, target, plan, status)
+        claimed = self._claim_next_run(t, target, plan, status)
         if claimed is not None and not claimed[0]:
             if plan.action == RESTART:
                 self.budget.refund()  # the job's next run is another agent's decision: nothing spent here
-            return self._stand_down(inc, target, sample, status, claimed[1], gathered)
-        return self._carry_out(inc, plan, target, sample, status, gathered, claimed[1] if claimed else None)
+            return self._stand_down(t, target, sample, status, claimed[1], gathered)
+        return self._carry_out(t, plan, target, sample, status, gathered, claimed[1] if claimed else None)
 
-    def _announce(self, inc: Incident, finding: Finding, target: JobTarget) -> None:
-        self.ctx.count(StallConfirmed(finding.confirmed_at - finding.onset))
-        self.ctx.say(f"{finding.kind.upper()} confirmed in job {finding.job_id} ({finding.signature}): "
+    def _announce(self, t: Transcript, finding: Finding, target: JobTarget) -> None:
+        t.count(StallConfirmed(finding.confirmed_at - finding.onset))
+        t.say(f"{finding.kind.upper()} confirmed in job {finding.job_id} ({finding.signature}): "
                      f"{finding.detail}; onset {time.strftime('%H:%M:%S', time.localtime(finding.onset))}, "
-                     f"confirmed after {finding.confirmed_at - finding.onset:.1f}s; incident {inc.id}")
+                     f"confirmed after {finding.confirmed_at - finding.onset:.1f}s; incident {t.id}")
         run = _run_of(target)
         if run is not None:
-            inc.update(run=run)  # (job, run): every node's incident of one hang names the same run
+            t.update(run=run)  # (job, run): every node's incident of one hang names the same run
 
     def _budget_verdict(self, sample: NodeSample, target: JobTarget) -> BudgetVerdict:
         """The budget's verdict on this hang, nothing charged yet: the step it hung at, and for a multi-node job the
@@ -152,7 +158,7 @@ class Recovery:
                     if self.ctx.runs is not None and _run_of(target) is not None else None)
         return self.budget.verdict(time.time(), hang_step, job_wide)
 
-    def _carry_out(self, inc: Incident, plan: Plan, target: JobTarget, sample: NodeSample,
+    def _carry_out(self, t: Transcript, plan: Plan, target: JobTarget, sample: NodeSample,
                    status: JobStatus | None, gathered: Gathered, claimed: Mapping[str, Any] | None) -> RecoveryResult:
         """Checkpoint and stop the job, then give up or restart it as planned. The next run's settings are stored
         before the stop: a daemon killed before its restart hook resumes at this level."""
@@ -162,70 +168,70 @@ class Recovery:
         if plan.action == RESTART:
             restart_env = dict(decision.env)
             restart_env.update(claimed["env"] if claimed is not None else
-                               diagnostics_env(ctx.cfg.fallback, inc.dir, restart_env))
+                               diagnostics_env(ctx.cfg.fallback, t.dir, restart_env))
             ctx.fallback.save(target.job_id, decision, restart_env)
-            inc.update(fallback={"level": decision.level, "name": decision.name, "env": decision.env,
+            t.update(fallback={"level": decision.level, "name": decision.name, "env": decision.env,
                                  "reason": decision.reason})
         elif self.before_give_up is not None:
-            self.before_give_up(inc, decision.level)
-        self._checkpoint(inc, target, sample, status)
+            self.before_give_up(t, decision.level)
+        self._checkpoint(t, target, sample, status)
         if plan.by_engine:
-            return self._restart_by_engine(inc, plan, target, sample, status, gathered, restart_env)
-        self._stop(inc, target)
-        inc.update(advice=decision.advice or None)  # with or without a next run, the advice stands
+            return self._restart_by_engine(t, plan, target, sample, status, gathered, restart_env)
+        self._stop(t, target)
+        t.update(advice=decision.advice or None)  # with or without a next run, the advice stands
         if plan.action == GIVE_UP:
             if decision.advice:
-                ctx.say(f"advice: {decision.advice}")
-            inc.record_action("give_up", True, plan.why_not)
-            gathered.report(inc)
-            ctx.say(f"giving up: {plan.why_not}")
-            return RecoveryResult(inc, GAVE_UP, level=decision.level)
-        ctx.say(f"fallback level {decision.level}: {decision.reason}")
+                t.say(f"advice: {decision.advice}")
+            t.record_action("give_up", True, plan.why_not)
+            t.report(gathered.stacks)
+            t.say(f"giving up: {plan.why_not}")
+            return RecoveryResult(t, GAVE_UP, level=decision.level)
+        t.say(f"fallback level {decision.level}: {decision.reason}")
         if decision.advice:
-            ctx.say(f"advice: {decision.advice}")
-        restarted = self._restart(inc, target, decision)
-        gathered.report(inc)
-        outcome = (RESTARTED if restarted else RESTARTED_ELSEWHERE if inc.summary.get("restarted_by")
+            t.say(f"advice: {decision.advice}")
+        restarted = self._restart(t, target, decision)
+        t.report(gathered.stacks)
+        outcome = (RESTARTED if restarted else RESTARTED_ELSEWHERE if t.noted("restarted_by")
                    else NOT_RESTARTED)
-        return RecoveryResult(inc, outcome, restart_env, decision.level)
+        return RecoveryResult(t, outcome, restart_env, decision.level)
 
-    def _restart_by_engine(self, inc: Incident, plan: Plan, target: JobTarget, sample: NodeSample,
+    def _restart_by_engine(self, t: Transcript, plan: Plan, target: JobTarget, sample: NodeSample,
                            status: JobStatus | None, gathered: Gathered, restart_env: dict[str, str]) -> RecoveryResult:
         """Only the hung ranks are ended; the job's own engine (``plan.by_engine``) restarts them from its latest
         checkpoint, the driver and the cluster running on. No backoff: the engine has its own."""
         ctx, decision = self.ctx, plan.decision
         assert decision is not None
         ranks = job_rank_processes(sample, target.job_id, dict(status.rank_pids) if status else {})
-        stop_job(ctx, inc, target, "the hung ranks: ", procs=ranks)
-        inc.update(advice=decision.advice or None)
+        stop_job(ctx, t, target, "the hung ranks: ", procs=ranks)
+        t.update(advice=decision.advice or None)
         if decision.advice:
-            ctx.say(f"advice: {decision.advice}")
-        inc.record_action("restart", True, f"by the job's engine: {plan.by_engine}; it restarts the worker group from "
+            t.say(f"advice: {decision.advice}")
+        t.record_action("restart", True, f"by the job's engine: {plan.by_engine}; it restarts the worker group from "
                                            "its latest checkpoint, the driver and the Ray cluster kept "
                                            f"(fallback level {decision.level} unchanged)")
-        ctx.say(f"restart by the job's engine: {plan.by_engine}")
-        ctx.count(JobRestarted(target.job_id))
-        ctx.count(ActionDone("restart", True))
-        gathered.report(inc)
-        return RecoveryResult(inc, BY_ENGINE, restart_env, decision.level, by=plan.by_engine)
+        t.say(f"restart by the job's engine: {plan.by_engine}")
+        t.count(JobRestarted(target.job_id))
+        t.count(ActionDone("restart", True))
+        t.report(gathered.stacks)
+        return RecoveryResult(t, BY_ENGINE, restart_env, decision.level, by=plan.by_engine)
 
-    def _restart(self, inc: Incident, target: JobTarget, decision: FallbackDecision) -> bool:
+    def _restart(self, t: Transcript, target: JobTarget, decision: FallbackDecision) -> bool:
         """The backoff (restarts in a row are spaced), then the target's restart at the decision's level."""
         ctx = self.ctx
         delay = self.budget.backoff_s(time.time(), ctx.cfg.fallback.healthy_reset_s)
         if delay > 0:
-            with inc.step("backoff", f"{delay:.0f}s before the next run (restarts in a row are spaced by "
+            with t.step("backoff", f"{delay:.0f}s before the next run (restarts in a row are spaced by "
                                      "recovery.restart_backoff_s, doubling)") as step:
-                ctx.say(f"restart backoff: waiting {delay:.0f}s before the next run")
+                t.say(f"restart backoff: waiting {delay:.0f}s before the next run")
                 waited = self.wait(delay)
                 step.end(waited, "waited" if waited else "cut short: the agent is stopping")
         shown = " ".join(f"{k}={v}" for k, v in sorted(decision.env.items())) or "(no NCCL change)"
-        restarted = target.restart(inc, decision.level, f"fallback level {decision.level} ({decision.name}): {shown}")
-        if not restarted and inc.summary.get("restarted_by"):
+        restarted = target.restart(t, decision.level, f"fallback level {decision.level} ({decision.name}): {shown}")
+        if not restarted and t.noted("restarted_by"):
             self.budget.refund()  # another agent restarted the job: nothing was spent here
         if restarted:
-            ctx.count(JobRestarted(target.job_id))
-        ctx.count(ActionDone("restart", restarted))
+            t.count(JobRestarted(target.job_id))
+        t.count(ActionDone("restart", restarted))
         return restarted
 
     def _decided_elsewhere(self, target: JobTarget) -> dict[str, Any] | None:
@@ -233,7 +239,7 @@ class Recovery:
         runs, run = self.ctx.runs, _run_of(target)
         return runs.get(target.job_id, run + 1) if runs is not None and run is not None else None
 
-    def _claim_next_run(self, inc: Incident, target: JobTarget, plan: Plan,
+    def _claim_next_run(self, t: Transcript, target: JobTarget, plan: Plan,
                         status: JobStatus | None) -> tuple[bool, dict[str, Any]] | None:
         """With ``fallback.shared_dir``, decide the job's next run job-wide — a restart at the decision's level, or
         (``give_up`` says why) none: first writer wins (store.job_runs). The record carries the level's settings
@@ -249,7 +255,7 @@ class Recovery:
         if status is not None and status.ranks and 0 not in status.ranks and grace > 0:
             rec = self._await_decision(runs, target.job_id, nxt, grace)
             if rec is not None:
-                inc.record_action("claim_run", True, f"run {nxt} decided by {rec.get('decided_by')} (rank 0's "
+                t.record_action("claim_run", True, f"run {nxt} decided by {rec.get('decided_by')} (rank 0's "
                                                      f"node; level {rec.get('level')})")
                 return False, rec
         decision = plan.decision
@@ -257,17 +263,17 @@ class Recovery:
         env = dict(decision.env)
         env.update(diagnostics_env(self.ctx.cfg.fallback, runs.run_dir(target.job_id, nxt), env))
         record = {"level": decision.level, "name": decision.name, "env": env, "reason": decision.reason,
-                  "advice": decision.advice, "hang_place": decision.hang_place, "incident": inc.id}
+                  "advice": decision.advice, "hang_place": decision.hang_place, "incident": t.id}
         if plan.action == GIVE_UP:
             record.update(give_up=plan.why_not, level=plan.current_level)
         try:
             won, rec = runs.claim(target.job_id, nxt, record)
         except OSError as e:
-            inc.record_action("claim_run", False, f"cannot write the job-wide record of run {nxt} in {runs.root}: "
+            t.record_action("claim_run", False, f"cannot write the job-wide record of run {nxt} in {runs.root}: "
                                                   f"{e}; acting on this node's decision alone")
             return None
         what = "no restart" if plan.action == GIVE_UP else f"level {record['level']}"
-        inc.record_action("claim_run", True, f"run {nxt} decided here ({what})" if won else
+        t.record_action("claim_run", True, f"run {nxt} decided here ({what})" if won else
                           f"run {nxt} already decided by {rec.get('decided_by')} (level {rec.get('level')})")
         return won, rec
 
@@ -281,7 +287,7 @@ class Recovery:
             if not self.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
                 return runs.get(job_id, run)
 
-    def _stand_down(self, inc: Incident, target: JobTarget, sample: NodeSample, status: JobStatus | None,
+    def _stand_down(self, t: Transcript, target: JobTarget, sample: NodeSample, status: JobStatus | None,
                     rec: Mapping[str, Any], gathered: Gathered) -> RecoveryResult:
         """Another node's agent decided the next run (and restarts the job, or gave it up): this node's ranks of
         the old run checkpoint and stop — every node's ranks must save, only this agent reaches these — never a
@@ -289,26 +295,26 @@ class Recovery:
         who = str(rec.get("decided_by") or "?")
         level = int(rec.get("level") or 0)
         if rec.get("give_up"):
-            inc.update(given_up_by={"host": who, "incident": rec.get("incident"), "reason": rec.get("give_up")})
+            t.update(given_up_by={"host": who, "incident": rec.get("incident"), "reason": rec.get("give_up")})
         else:
-            inc.update(fallback={"level": level, "name": rec.get("name"), "env": rec.get("env") or {},
+            t.update(fallback={"level": level, "name": rec.get("name"), "env": rec.get("env") or {},
                                  "reason": f"decided by {who}: {rec.get('reason') or ''}"},
                        restarted_by={"host": who, "incident": rec.get("incident"), "run": rec.get("run")})
-        self._checkpoint(inc, target, sample, status)
-        self._stop(inc, target)
+        self._checkpoint(t, target, sample, status)
+        self._stop(t, target)
         if rec.get("give_up"):
-            inc.record_action("give_up", True, f"given up by {who} (incident {rec.get('incident')}): "
+            t.record_action("give_up", True, f"given up by {who} (incident {rec.get('incident')}): "
                                                f"{rec.get('give_up')}")
             say = f"job {target.job_id}: given up by {who}: {rec.get('give_up')}"
         else:
-            inc.record_action("restart", False, f"skipped: restarted by {who} (run {rec.get('run')} at level "
+            t.record_action("restart", False, f"skipped: restarted by {who} (run {rec.get('run')} at level "
                                                 f"{level}, incident {rec.get('incident')})", outcome="skipped")
             say = f"job {target.job_id}: restarted by {who} (run {rec.get('run')}, level {level}): standing down"
-        gathered.report(inc)
-        self.ctx.say(say)
-        return RecoveryResult(inc, GIVEN_UP_ELSEWHERE if rec.get("give_up") else STOOD_DOWN, level=level, by=who)
+        t.report(gathered.stacks)
+        t.say(say)
+        return RecoveryResult(t, GIVEN_UP_ELSEWHERE if rec.get("give_up") else STOOD_DOWN, level=level, by=who)
 
-    def _hold_waiting(self, inc: Incident, finding: Finding, gathered: Gathered) -> RecoveryResult:
+    def _hold_waiting(self, t: Transcript, finding: Finding, gathered: Gathered) -> RecoveryResult:
         """No proof the hang is in communication: the job is waiting (every rank asleep, polling, reading, in its
         own code). An observed incident; nothing is interrupted before ``waiting_timeout_s`` after the onset."""
         cfg = self.ctx.cfg
@@ -321,16 +327,16 @@ class Recovery:
         detail = (f"waiting, not hung in communication: {why}; no action before detect.waiting_timeout_s "
                   f"({cfg.detect.waiting_timeout_s:.0f}s after the onset, at "
                   f"{time.strftime('%H:%M:%S', time.localtime(until))})")
-        inc.update(verdict="waiting", advice=WAITED_ADVICE)
-        inc.record_action("observe", True, detail)
-        gathered.report(inc)
-        inc.finish("observed: waiting (no communication evidence)")
-        self.ctx.say(detail)
-        self.ctx.count(ActionDone("observe", True))
-        return RecoveryResult(inc, HELD, hold=Hold(why, tuple(diag.culprit_ranks) if diag else (),
+        t.update(verdict="waiting", advice=WAITED_ADVICE)
+        t.record_action("observe", True, detail)
+        t.report(gathered.stacks)
+        t.finish("observed: waiting (no communication evidence)")
+        t.say(detail)
+        t.count(ActionDone("observe", True))
+        return RecoveryResult(t, HELD, hold=Hold(why, tuple(diag.culprit_ranks) if diag else (),
                                                    diag.reason if diag else ""))
 
-    def _checkpoint(self, inc: Incident, target: JobTarget, sample: NodeSample, status: JobStatus | None) -> None:
+    def _checkpoint(self, t: Transcript, target: JobTarget, sample: NodeSample, status: JobStatus | None) -> None:
         rc = self.ctx.cfg.recovery
         rank_pids = dict(status.rank_pids) if status else {}
         # Stopped ranks (SIGSTOP) cannot answer until continued: not waited for.
@@ -340,8 +346,8 @@ class Recovery:
         what = (f"requested from ranks {sorted(clients)}" if clients
                 else f"{rc.checkpoint_signal} to ranks" if target.may_signal_checkpoint and rc.checkpoint_signal
                 else "")
-        with inc.step("checkpoint", what) as step:
-            res = request_checkpoint(target.control, inc.id, rc, timeout_s=rc.checkpoint_grace_s,
+        with t.step("checkpoint", what) as step:
+            res = request_checkpoint(target.control, t.id, rc, timeout_s=rc.checkpoint_grace_s,
                                      running=lambda: target.poll() is None,
                                      signal_ranks=job_rank_processes(sample, target.job_id, rank_pids)
                                      if target.may_signal_checkpoint else (), unanswerable=stopped)
@@ -349,11 +355,11 @@ class Recovery:
                 step.end(False, f"skipped: {res.detail}", outcome="skipped")
                 return
             step.end(res.ok, res.detail, outcome=res.outcome or None)
-        self.ctx.count(ActionDone("checkpoint", res.ok))
-        self.ctx.say(f"checkpoint: {res.detail}")
+        t.count(ActionDone("checkpoint", res.ok))
+        t.say(f"checkpoint: {res.detail}")
 
-    def _stop(self, inc: Incident, target: JobTarget) -> None:
-        stop_job(self.ctx, inc, target, "")
+    def _stop(self, t: Transcript, target: JobTarget) -> None:
+        stop_job(self.ctx, t, target, "")
 
 
 def _sleep(seconds: float) -> bool:
@@ -361,16 +367,16 @@ def _sleep(seconds: float) -> bool:
     return True
 
 
-def stop_job(ctx: ActContext, inc: Incident, target: JobTarget, why: str, *, wait_memory: bool = True,
+def stop_job(ctx: ActContext, t: Transcript, target: JobTarget, why: str, *, wait_memory: bool = True,
              procs: list[JobProcess] | None = None) -> bool:
     """The stop ladder on every process of the job (``procs``: only those), then (on GPUs, ``wait_memory``) the wait
     until its memory is free: the next run needs it. Logged in the incident and counted."""
     procs = target.processes() if procs is None else procs
     if not procs and target.poll() is not None:
-        inc.record_action("stop", True, f"{why}the job had already exited")
+        t.record_action("stop", True, f"{why}the job had already exited")
         return True
     grace = ctx.cfg.recovery.stop_grace_s
-    with inc.step("stop", f"{why}SIGTERM to {len(procs)} job processes, SIGKILL after {grace:.0f}s") as step:
+    with t.step("stop", f"{why}SIGTERM to {len(procs)} job processes, SIGKILL after {grace:.0f}s") as step:
         res = stop_processes(procs, grace, reap=target.poll)
         target.poll()
         ok, detail = res.ok, res.detail
@@ -380,8 +386,8 @@ def stop_job(ctx: ActContext, inc: Incident, target: JobTarget, why: str, *, wai
             ok = released
             detail += "; GPU memory released" if released else "; GPU memory NOT released"
         step.end(ok, detail)
-    ctx.count(ActionDone("stop", ok))
-    ctx.say(f"stopped the job: {detail}" if not why else f"stopped {why}{detail}")
+    t.count(ActionDone("stop", ok))
+    t.say(f"stopped the job: {detail}" if not why else f"stopped {why}{detail}")
     return ok
 
 
@@ -389,12 +395,12 @@ def observe(ctx: ActContext, finding: Finding, status: JobStatus | None, sample:
             stop: JobTarget | None, why: str) -> Incident:
     """A stall nobody will restart: the same evidence as a recovery; the job is stopped only when ``stop`` is
     given (``daemon.stop_unregistered``)."""
-    inc = ctx.open_incident(finding)
-    gathered: Gathered = EvidenceGatherer(ctx).gather(inc, finding, status, sample)
+    t = ctx.transcript(ctx.open_incident(finding))
+    gathered: Gathered = EvidenceGatherer(ctx).gather(t, finding, status, sample)
     if stop is not None:
-        stop_job(ctx, inc, stop, "")
-    inc.record_action("observe", True, why)
-    gathered.report(inc)
-    inc.finish(f"observed: {why}")
-    return inc
+        stop_job(ctx, t, stop, "")
+    t.record_action("observe", True, why)
+    t.report(gathered.stacks)
+    t.finish(f"observed: {why}")
+    return t.incident
 

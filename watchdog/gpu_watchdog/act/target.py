@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from gpu_watchdog.act.events import ActEvent, IncidentOpened
 from gpu_watchdog.act.stopper import JobProcess
+from gpu_watchdog.act.transcript import Transcript, with_subscribers
 from gpu_watchdog.config.schema import Config
 from gpu_watchdog.evidence.flight_recorder.dumps import SuspectDumps
 from gpu_watchdog.evidence.nccl_ras.poll import RasPoller
@@ -40,7 +41,7 @@ class JobTarget(Protocol):
         """None while the job still runs."""
         ...
 
-    def restart(self, inc: Incident, level: int, shown: str) -> bool:
+    def restart(self, inc: Transcript, level: int, shown: str) -> bool:
         """Start the job's next run at fallback ``level`` (``shown``: its settings, for people), or hand that to
         the scheduler; records the action in ``inc``. Returns whether a restart is under way."""
         ...
@@ -87,6 +88,10 @@ class ActContext:
         self.count(IncidentOpened(finding.kind))
         self._keep_trace(inc, finding)
         return inc
+
+    def transcript(self, inc: Incident) -> Transcript:
+        """What acting on the incident writes to: its record, the console (``say``) and the metrics subscribed."""
+        return with_subscribers(inc, self.say, self.count)
 
     def _keep_trace(self, inc: Incident, finding: Finding) -> None:
         if self.recent is None:

@@ -181,7 +181,7 @@ class DaemonActs:
             return
         if result.outcome == BY_ENGINE:  # its ranks are restarted by the job's own engine: watched afresh
             self.engine.restarted_in_place(job_id)
-        result.incident.finish(_FINISHED[result.outcome].format(by=result.by))
+        result.transcript.finish(_FINISHED[result.outcome].format(by=result.by))
 
     def _backoff_wait(self, seconds: float) -> bool:
         """The restart backoff on a worker thread, cut short when the daemon stops: False when cut."""
@@ -204,5 +204,5 @@ class DaemonActs:
         for job_id in stopped:
             self.hooks.restart(inc, job_id, regs[job_id].restart_hook, self.ctx.fallback.level(job_id),
                                regs[job_id].run)
-        inc.finish("node drain requested" if any(a["action"] == "drain" and a["ok"] for a in inc.summary["actions"])
-                   else "drain not run")
+        drained = any(a["action"] == "drain" and a["ok"] for a in inc.incident.summary["actions"])
+        inc.finish("node drain requested" if drained else "drain not run")

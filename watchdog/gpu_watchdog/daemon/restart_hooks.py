@@ -9,9 +9,9 @@ from gpu_watchdog.act.events import ActionDone
 from gpu_watchdog.act.hooks import run_hook
 from gpu_watchdog.act.slurm import cancelled, moved_on, show_job
 from gpu_watchdog.act.target import ActContext
+from gpu_watchdog.act.transcript import Transcript
 from gpu_watchdog.errors import UsageError
 from gpu_watchdog.policy.hook_values import placeholder_values, render_argv
-from gpu_watchdog.store.incidents import Incident
 
 log = logging.getLogger("gpu_watchdog.daemon")
 
@@ -20,7 +20,7 @@ class RestartHooks:
     def __init__(self, ctx: ActContext) -> None:
         self.ctx = ctx  # ctx.cfg is the daemon's current config (a reload replaces it)
 
-    def restart(self, inc: Incident, job_id: str, hook_name: str | None, level: int, run: int | None = None) -> bool:
+    def restart(self, inc: Transcript, job_id: str, hook_name: str | None, level: int, run: int | None = None) -> bool:
         """The restart hook; a Slurm requeue only while the job is still in the run this agent saw hang (another
         node's agent, or a late one, may have requeued it already: never a second requeue, never a failed hook)."""
         spec = self.ctx.cfg.hooks.get(hook_name or "")
@@ -38,7 +38,7 @@ class RestartHooks:
                 return False
         return self.run(inc, job_id, "restart_hook", hook_name, level)
 
-    def run(self, inc: Incident, job_id: str, action: str, hook_name: str | None, level: int) -> bool:
+    def run(self, inc: Transcript, job_id: str, action: str, hook_name: str | None, level: int) -> bool:
         """Run a [hooks.NAME] for this job as the incident's ``action`` (restart_hook, give_up_hook)."""
         ctx = self.ctx
         spec = ctx.cfg.hooks.get(hook_name or "")
@@ -58,6 +58,6 @@ class RestartHooks:
             res = run_hook(spec, values, extra_env={"GPU_WATCHDOG_FALLBACK_FILE": env_file})
             step.end(res.ok, res.detail())
         inc.update(**{action: res.to_json()})
-        ctx.count(ActionDone(action, res.ok))
+        inc.count(ActionDone(action, res.ok))
         (log.info if res.ok else log.warning)("job %s: %s %s", job_id, action.replace("_", " "), res.detail())
         return res.ok

@@ -58,8 +58,9 @@ def resume_incidents(store: Store, ctx: ActContext, registered: Callable[[str], 
         elif gave_up or row["kind"] not in RESTARTING_KINDS or target is None:
             outcome = "resumed after a daemon restart: nothing left to do"
         else:
-            stop_job(ctx, inc, target, "resumed: ")
-            ok = target.restart(inc, ctx.fallback.level(row["job_id"]), "")
+            t = ctx.transcript(inc)
+            stop_job(ctx, t, target, "resumed: ")
+            ok = target.restart(t, ctx.fallback.level(row["job_id"]), "")
             outcome = f"resumed after a daemon restart: restart hook {'ran' if ok else 'failed or missing'}"
         inc.finish(outcome)
         log.info("incident %s: %s", row["id"], outcome)

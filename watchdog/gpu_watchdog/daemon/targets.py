@@ -8,10 +8,10 @@ import os
 from collections.abc import Callable
 
 from gpu_watchdog.act.stopper import JobProcess
+from gpu_watchdog.act.transcript import Transcript
 from gpu_watchdog.daemon.restart_hooks import RestartHooks
 from gpu_watchdog.job.protocol import ControlDir
 from gpu_watchdog.model import NodeSample, Registration
-from gpu_watchdog.store.incidents import Incident
 
 
 class RegisteredJob:
@@ -33,7 +33,7 @@ class RegisteredJob:
     def poll(self) -> int | None:
         return None if self.processes() else 0
 
-    def restart(self, inc: Incident, level: int, shown: str) -> bool:
+    def restart(self, inc: Transcript, level: int, shown: str) -> bool:
         return self._hooks.restart(inc, self.job_id, self.reg.restart_hook, level, self.run)
 
 
@@ -56,5 +56,5 @@ class UnregisteredRanks:
     def poll(self) -> int | None:
         return None
 
-    def restart(self, inc: Incident, level: int, shown: str) -> bool:
+    def restart(self, inc: Transcript, level: int, shown: str) -> bool:
         return False

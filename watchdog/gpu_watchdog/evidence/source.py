@@ -11,6 +11,10 @@ its verdict for the merge (``evidence.culprit.merge_sources``), the line that pu
 does, its section of the incident's summary and what to tell the console. The gatherer writes the incident; a
 source never touches it. A new source is one package (``evidence/<source>/``) with a watch and/or an incident
 class, and one line in each registry it joins (``Engine.watches``, ``act.gather.SOURCES``).
+
+The stacks are the primary source (``evidence.stacks.incident``): their diagnosis names the culprit whenever the
+ranks' stacks tell them apart, and it decides which workers to dump, so they run first, with several actions of
+their own, written through an ``EvidenceLog`` (the recovery's transcript) rather than one ``Found``.
 """
 
 from __future__ import annotations
@@ -58,6 +62,19 @@ class IncidentSource(Protocol):
         """Ask this source about the job. None, without calling ``begin``: nothing to ask (the job does not serve
         it, it is switched off); the incident then has no action of this source at all."""
         ...
+
+
+class EvidenceLog(Protocol):
+    """Where a source with several actions writes them as they run (``act.transcript.Transcript``): each action
+    logged before it runs and after it ends, summary keys, console lines."""
+
+    def begin_action(self, action: str, detail: str = "") -> Any: ...
+
+    def end_action(self, entry: Any, ok: bool, detail: str, outcome: str | None = None) -> None: ...
+
+    def update(self, **fields: Any) -> None: ...
+
+    def say(self, line: str) -> None: ...
 
 
 class JobWatch(Protocol):

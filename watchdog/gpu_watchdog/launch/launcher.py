@@ -27,6 +27,7 @@ from typing import Any, TextIO
 from gpu_watchdog.act.faults import GpuFaultHandler
 from gpu_watchdog.act.recovery import BY_ENGINE, GAVE_UP, RESTARTED, Recovery
 from gpu_watchdog.act.stopper import JobProcess, alive, job_tree, stop_processes
+from gpu_watchdog.act.transcript import Transcript
 from gpu_watchdog.agent.build import Watched, build_agent
 from gpu_watchdog.agent.dispatch import Dispatcher, record_finding
 from gpu_watchdog.config.schema import Config, HookSpec, resolve_state_dir
@@ -46,7 +47,7 @@ from gpu_watchdog.sample import ray_node
 from gpu_watchdog.sample.backends import Backend
 from gpu_watchdog.sample.processes import JOB_ID_ENV, describe_exit
 from gpu_watchdog.store.fallback_levels import FallbackStore
-from gpu_watchdog.store.incidents import Incident, IncidentStore
+from gpu_watchdog.store.incidents import IncidentStore
 
 log = logging.getLogger("gpu_watchdog.launcher")
 
@@ -99,7 +100,7 @@ class LaunchTarget:
     def poll(self) -> int | None:
         return self.child.poll()
 
-    def restart(self, inc: Incident, level: int, shown: str) -> bool:
+    def restart(self, inc: Transcript, level: int, shown: str) -> bool:
         """The next run starts when the loop gets the outcome; a stop signal that arrived meanwhile wins."""
         signum = self._stop_signal()
         if signum is not None:
@@ -307,7 +308,7 @@ class Launcher:
         inc.record_action("exit", True, f"launch exits {EXIT_GPU_FAULT}: the job must run on another node "
                                         "(its fallback level is unchanged)")
         inc.finish(f"job stopped, node drained, launch exits {EXIT_GPU_FAULT}")
-        self.say(f"giving up on this node: {inc.summary.get('advice')} (exit {EXIT_GPU_FAULT})")
+        self.say(f"giving up on this node: {inc.incident.summary.get('advice')} (exit {EXIT_GPU_FAULT})")
         return EXIT_GPU_FAULT
 
     def record(self, finding: Finding, sample: NodeSample) -> None:
@@ -336,16 +337,16 @@ class Launcher:
             self.engine.hold(self.job_id, finding.onset, result.hold.why, result.hold.on, result.hold.doing)
             return None
         if result.outcome == BY_ENGINE:  # the job runs on: its engine restarts the ranks that were ended
-            result.incident.finish(f"restarted by the job's engine ({result.by})")
+            result.transcript.finish(f"restarted by the job's engine ({result.by})")
             self.engine.new_run(self.job_id)
             self._exits.forget()
             return None
         if result.outcome == GAVE_UP:
-            result.incident.finish(f"gave up: restart budget spent; launch exits {EXIT_BUDGET_SPENT}")
+            result.transcript.finish(f"gave up: restart budget spent; launch exits {EXIT_BUDGET_SPENT}")
             self.say(f"giving up (exit {EXIT_BUDGET_SPENT})")
             return _Outcome(exit_code=EXIT_BUDGET_SPENT)
         # launch has no job-wide runs (no other node decides): restarted here, or stopping
-        result.incident.finish(f"restarted at fallback level {result.level}" if result.outcome == RESTARTED
+        result.transcript.finish(f"restarted at fallback level {result.level}" if result.outcome == RESTARTED
                                else "stopped; not restarted (launch is stopping)")
         return _Outcome(restart_env=result.restart_env, level=result.level)
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,18 +24,6 @@ from gpu_watchdog.model import Finding
 from gpu_watchdog.store.db import Store
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-@dataclass
-class Step:
-    """How one step of an incident ended (``Incident.step``); left unset, the step ended ok."""
-
-    ok: bool = True
-    detail: str = ""
-    outcome: str | None = None
-
-    def end(self, ok: bool, detail: str, outcome: str | None = None) -> None:
-        self.ok, self.detail, self.outcome = ok, detail, outcome
 
 
 @dataclass
@@ -105,19 +91,6 @@ class Incident:
         seq = self._seqs.pop(id(entry), None)
         if seq is not None and self.journal is not None:
             self.journal.end_action(seq, ok, detail)
-
-    @contextmanager
-    def step(self, action: str, detail: str = "") -> Iterator[Step]:
-        """One action, logged before it runs and after it ends (``Step.end`` says how); a step that raises ends
-        failed with the error, so no action is left open."""
-        entry = self.begin_action(action, detail)
-        step = Step(detail=detail)
-        try:
-            yield step
-        except BaseException as e:
-            self.end_action(entry, False, f"{step.detail}; failed: {type(e).__name__}: {e}".lstrip("; "))
-            raise
-        self.end_action(entry, step.ok, step.detail, step.outcome)
 
     def finish(self, outcome: str) -> None:
         """The incident is over (nothing left to resume after a restart of the agent)."""
