@@ -8,9 +8,10 @@ ended or was restarted.
 At an incident (``IncidentSource``): ``act.gather`` hands each registered source the job, the source asks what
 it asks (writing its own files into the incident directory), and answers with one ``Found``: how its action went,
 its verdict for the merge (``evidence.culprit.merge_sources``), the line that puts the hang in communication if it
-does, its section of the incident's summary and what to tell the console. The gatherer writes the incident; a
-source never touches it. A new source is one package (``evidence/<source>/``) with a watch and/or an incident
-class, and one line in each registry it joins (``Engine.watches``, ``act.gather.SOURCES``).
+does, its section of the incident's summary and what to tell the console. The gatherer emits it to the
+recovery's transcript (act.transcript), whose subscribers write the incident; a source never touches it. A new
+source is one package (``evidence/<source>/``) with a watch and/or an incident class, and one line in each
+registry it joins (``Engine.watches``, ``act.gather.SOURCES``).
 
 The stacks are the primary source (``evidence.stacks.incident``): their diagnosis names the culprit whenever the
 ranks' stacks tell them apart, and it decides which workers to dump, so they run first, with several actions of
