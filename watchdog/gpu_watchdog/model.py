@@ -319,3 +319,31 @@ class Registration:
     registered_by_uid: int = 0  # a non-root registrant's job holds only that user's processes
     run: int | None = None  # the scheduler's run of the job (Slurm's restart count)
     registered_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class LevelRecord:
+    """A fallback record as the judgement and the recovery read it: the level a run starts at, its NCCL settings
+    and why. Either a node's own (``<state_dir>/jobs/<job>.json``, store.fallback_levels) or the job-wide record of
+    one run (``<shared_dir>/<job>/run-<N>.json``, store.job_runs), which also says which node decided it, from
+    which incident, and whether the job was given up instead. The files keep docs/json-contract.md's format; a key
+    a file lacks reads as its default here."""
+
+    level: int = 0
+    env: Mapping[str, str] = field(default_factory=dict)
+    name: str | None = None
+    reason: str = ""
+    advice: str = ""
+    hang_place: str = ""
+    run: int | None = None  # job-wide records: the run it configures
+    decided_by: str = "?"  # job-wide records: the node whose agent wrote it
+    incident: str | None = None  # job-wide records: the incident that decided it
+    give_up: str = ""  # job-wide records: why the job gets no next run ("" when it does)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LevelRecord:
+        run = data.get("run")
+        return cls(int(data.get("level") or 0), {str(k): str(v) for k, v in (data.get("env") or {}).items()},
+                   data.get("name"), str(data.get("reason") or ""), str(data.get("advice") or ""),
+                   str(data.get("hang_place") or ""), None if run is None else int(run),
+                   str(data.get("decided_by") or "?"), data.get("incident"), str(data.get("give_up") or ""))

@@ -767,7 +767,9 @@ def test_an_srun_task_whose_child_is_torchrun_is_no_rank_before_the_workers_star
     fake = tmp_path / "torchrun"
     fake.write_text("import time\ntime.sleep(120)\n")
     shell = procs.start(f"import subprocess, sys\nsubprocess.run([sys.executable, {str(fake)!r}])", **task)
-    wait_for(lambda: psutil.Process(shell.pid).children(), 10, "torchrun's agent")
+    # The agent as it runs, not the shell's copy in the instant between fork and exec (that copy is the shell)
+    wait_for(lambda: any(str(fake) in c.cmdline() for c in psutil.Process(shell.pid).children()), 10,
+             "torchrun's agent")
     scanner = ProcessScanner()
     samples, _ = scanner.sample()
     assert [s for s in samples if s.is_rank and s.job is not None and s.job.job_id == "506"] == []

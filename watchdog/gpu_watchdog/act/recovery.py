@@ -10,9 +10,8 @@ stops a job that keeps hanging: at most ``max_restarts`` per ``restart_window_s`
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from gpu_watchdog.act.checkpoint import request_checkpoint
 from gpu_watchdog.act.engine_restart import engine_restart
@@ -21,7 +20,7 @@ from gpu_watchdog.act.gather import EvidenceGatherer, Gathered
 from gpu_watchdog.act.stopper import JobProcess, stop_processes, wait_memory_released
 from gpu_watchdog.act.target import ActContext, JobTarget
 from gpu_watchdog.act.transcript import Transcript
-from gpu_watchdog.model import Finding, JobStatus, NodeSample
+from gpu_watchdog.model import Finding, JobStatus, LevelRecord, NodeSample
 from gpu_watchdog.policy.budget import BudgetVerdict, RestartBudget
 from gpu_watchdog.policy.ladder import WAITED_ADVICE, FallbackDecision, diagnostics_env
 from gpu_watchdog.policy.plan import GIVE_UP, HOLD, RESTART, STAND_DOWN, Plan, StallFacts, judge
@@ -84,6 +83,12 @@ def _run_of(target: JobTarget) -> int | None:
     return None if run is None else int(run)
 
 
+def _decision(runs: JobRuns, job_id: str, run: int) -> LevelRecord | None:
+    """The job-wide record of run ``run`` when one was decided."""
+    rec = runs.get(job_id, run)
+    return None if rec is None else LevelRecord.from_json(rec)
+
+
 def _on_gpus(finding: Finding, sample: NodeSample) -> bool:
     """Whether the job's ranks use real GPUs (NCCL), not the proc backend's virtual devices (a CPU/gloo job)."""
     return any(not d.virtual for d in sample.devices if d.uuid in finding.devices)
@@ -120,7 +125,7 @@ class Recovery:
         elsewhere = self._decided_elsewhere(target)  # a late agent: the next run is decided (its ranks dying)
         gathered = Gathered() if elsewhere is not None else EvidenceGatherer(self.ctx).gather(t, finding, status,
                                                                                            sample)
-        previous = self.ctx.level_record(target.job_id, _run_of(target))
+        previous = LevelRecord.from_json(self.ctx.level_record(target.job_id, _run_of(target)))
         budget = self._budget_verdict(sample, target)
         engine = engine_restart(status.rank_pids) if status and finding.kind == "stall" else ""
         plan = judge(self.ctx.cfg.fallback, finding, stall_facts(gathered, status, _on_gpus(finding, sample), engine),
@@ -159,7 +164,7 @@ class Recovery:
         return self.budget.verdict(time.time(), hang_step, job_wide)
 
     def _carry_out(self, t: Transcript, plan: Plan, target: JobTarget, sample: NodeSample,
-                   status: JobStatus | None, gathered: Gathered, claimed: Mapping[str, Any] | None) -> RecoveryResult:
+                   status: JobStatus | None, gathered: Gathered, claimed: LevelRecord | None) -> RecoveryResult:
         """Checkpoint and stop the job, then give up or restart it as planned. The next run's settings are stored
         before the stop: a daemon killed before its restart hook resumes at this level."""
         ctx, decision = self.ctx, plan.decision
@@ -167,7 +172,7 @@ class Recovery:
         restart_env: dict[str, str] = {}
         if plan.action == RESTART:
             restart_env = dict(decision.env)
-            restart_env.update(claimed["env"] if claimed is not None else
+            restart_env.update(claimed.env if claimed is not None else
                                diagnostics_env(ctx.cfg.fallback, t.dir, restart_env))
             ctx.fallback.save(target.job_id, decision, restart_env)
             t.update(fallback={"level": decision.level, "name": decision.name, "env": decision.env,
@@ -234,13 +239,13 @@ class Recovery:
         t.count(ActionDone("restart", restarted))
         return restarted
 
-    def _decided_elsewhere(self, target: JobTarget) -> dict[str, Any] | None:
+    def _decided_elsewhere(self, target: JobTarget) -> LevelRecord | None:
         """The job-wide record of the run after the one this agent watches, when one exists already."""
         runs, run = self.ctx.runs, _run_of(target)
-        return runs.get(target.job_id, run + 1) if runs is not None and run is not None else None
+        return _decision(runs, target.job_id, run + 1) if runs is not None and run is not None else None
 
     def _claim_next_run(self, t: Transcript, target: JobTarget, plan: Plan,
-                        status: JobStatus | None) -> tuple[bool, dict[str, Any]] | None:
+                        status: JobStatus | None) -> tuple[bool, LevelRecord] | None:
         """With ``fallback.shared_dir``, decide the job's next run job-wide — a restart at the decision's level, or
         (``give_up`` says why) none: first writer wins (store.job_runs). The record carries the level's settings
         and diagnostics on the shared directory (the same path on every node). The agent of the node that runs
@@ -255,8 +260,8 @@ class Recovery:
         if status is not None and status.ranks and 0 not in status.ranks and grace > 0:
             rec = self._await_decision(runs, target.job_id, nxt, grace)
             if rec is not None:
-                t.record_action("claim_run", True, f"run {nxt} decided by {rec.get('decided_by')} (rank 0's "
-                                                     f"node; level {rec.get('level')})")
+                t.record_action("claim_run", True, f"run {nxt} decided by {rec.decided_by} (rank 0's "
+                                                   f"node; level {rec.level})")
                 return False, rec
         decision = plan.decision
         assert decision is not None
@@ -267,52 +272,51 @@ class Recovery:
         if plan.action == GIVE_UP:
             record.update(give_up=plan.why_not, level=plan.current_level)
         try:
-            won, rec = runs.claim(target.job_id, nxt, record)
+            won, written = runs.claim(target.job_id, nxt, record)
         except OSError as e:
             t.record_action("claim_run", False, f"cannot write the job-wide record of run {nxt} in {runs.root}: "
-                                                  f"{e}; acting on this node's decision alone")
+                                                f"{e}; acting on this node's decision alone")
             return None
+        rec = LevelRecord.from_json(written)
         what = "no restart" if plan.action == GIVE_UP else f"level {record['level']}"
         t.record_action("claim_run", True, f"run {nxt} decided here ({what})" if won else
-                          f"run {nxt} already decided by {rec.get('decided_by')} (level {rec.get('level')})")
+                        f"run {nxt} already decided by {rec.decided_by} (level {rec.level})")
         return won, rec
 
-    def _await_decision(self, runs: JobRuns, job_id: str, run: int, grace_s: float) -> dict[str, Any] | None:
+    def _await_decision(self, runs: JobRuns, job_id: str, run: int, grace_s: float) -> LevelRecord | None:
         """Rank 0's node's agent decides first: wait up to ``grace_s`` for its record of run ``run``."""
         deadline = time.monotonic() + grace_s
         while True:
-            rec = runs.get(job_id, run)
+            rec = _decision(runs, job_id, run)
             if rec is not None or time.monotonic() >= deadline:
                 return rec
             if not self.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
-                return runs.get(job_id, run)
+                return _decision(runs, job_id, run)
 
     def _stand_down(self, t: Transcript, target: JobTarget, sample: NodeSample, status: JobStatus | None,
-                    rec: Mapping[str, Any], gathered: Gathered) -> RecoveryResult:
+                    rec: LevelRecord, gathered: Gathered) -> RecoveryResult:
         """Another node's agent decided the next run (and restarts the job, or gave it up): this node's ranks of
         the old run checkpoint and stop — every node's ranks must save, only this agent reaches these — never a
         second restart, never a failed hook; the incident points at the deciding node's."""
-        who = str(rec.get("decided_by") or "?")
-        level = int(rec.get("level") or 0)
-        if rec.get("give_up"):
-            t.update(given_up_by={"host": who, "incident": rec.get("incident"), "reason": rec.get("give_up")})
+        who, level = rec.decided_by, rec.level
+        if rec.give_up:
+            t.update(given_up_by={"host": who, "incident": rec.incident, "reason": rec.give_up})
         else:
-            t.update(fallback={"level": level, "name": rec.get("name"), "env": rec.get("env") or {},
-                                 "reason": f"decided by {who}: {rec.get('reason') or ''}"},
-                       restarted_by={"host": who, "incident": rec.get("incident"), "run": rec.get("run")})
+            t.update(fallback={"level": level, "name": rec.name, "env": dict(rec.env),
+                               "reason": f"decided by {who}: {rec.reason}"},
+                     restarted_by={"host": who, "incident": rec.incident, "run": rec.run})
         self._checkpoint(t, target, sample, status)
         self._stop(t, target)
-        if rec.get("give_up"):
-            t.record_action("give_up", True, f"given up by {who} (incident {rec.get('incident')}): "
-                                               f"{rec.get('give_up')}")
-            say = f"job {target.job_id}: given up by {who}: {rec.get('give_up')}"
+        if rec.give_up:
+            t.record_action("give_up", True, f"given up by {who} (incident {rec.incident}): {rec.give_up}")
+            say = f"job {target.job_id}: given up by {who}: {rec.give_up}"
         else:
-            t.record_action("restart", False, f"skipped: restarted by {who} (run {rec.get('run')} at level "
-                                                f"{level}, incident {rec.get('incident')})", outcome="skipped")
-            say = f"job {target.job_id}: restarted by {who} (run {rec.get('run')}, level {level}): standing down"
+            t.record_action("restart", False, f"skipped: restarted by {who} (run {rec.run} at level "
+                                              f"{level}, incident {rec.incident})", outcome="skipped")
+            say = f"job {target.job_id}: restarted by {who} (run {rec.run}, level {level}): standing down"
         t.report(gathered.stacks)
         t.say(say)
-        return RecoveryResult(t, GIVEN_UP_ELSEWHERE if rec.get("give_up") else STOOD_DOWN, level=level, by=who)
+        return RecoveryResult(t, GIVEN_UP_ELSEWHERE if rec.give_up else STOOD_DOWN, level=level, by=who)
 
     def _hold_waiting(self, t: Transcript, finding: Finding, gathered: Gathered) -> RecoveryResult:
         """No proof the hang is in communication: the job is waiting (every rank asleep, polling, reading, in its

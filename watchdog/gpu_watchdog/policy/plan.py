@@ -13,12 +13,10 @@ job-wide record of the next run when another node's agent already wrote it, and 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from gpu_watchdog.config.schema import FallbackConfig
-from gpu_watchdog.model import Finding
+from gpu_watchdog.model import Finding, LevelRecord
 from gpu_watchdog.policy.budget import BudgetVerdict
 from gpu_watchdog.policy.ladder import FallbackDecision, decide, hang_place
 
@@ -51,7 +49,7 @@ class Plan:
     why_not: str = ""  # GIVE_UP: why there is no next run
     charges_budget: bool = False  # the budget's verdict is accounted for (not for a deterministic give-up)
     current_level: int = 0  # the level of the run that hung
-    decided_elsewhere: Mapping[str, Any] | None = None  # STAND_DOWN: the other agent's record of the next run
+    decided_elsewhere: LevelRecord | None = None  # STAND_DOWN: the other agent's record of the next run
     by_engine: str = ""  # RESTART by the job's own engine (what offers it): only the hung ranks are ended
 
 
@@ -73,11 +71,11 @@ def action_proof(finding: Finding, facts: StallFacts) -> str:
     return facts.communication
 
 
-def judge(cfg: FallbackConfig, finding: Finding, facts: StallFacts, previous: Mapping[str, Any],
-          budget: BudgetVerdict, decided_elsewhere: Mapping[str, Any] | None = None) -> Plan:
+def judge(cfg: FallbackConfig, finding: Finding, facts: StallFacts, previous: LevelRecord,
+          budget: BudgetVerdict, decided_elsewhere: LevelRecord | None = None) -> Plan:
     """The plan for a confirmed stall. ``previous``: the fallback record that configured the run that hung (its
     level and the place its hang sat); ``budget``: the restart budget's verdict on this hang."""
-    current = int(previous.get("level", 0))
+    current = previous.level
     if decided_elsewhere is not None:
         return Plan(STAND_DOWN, current_level=current, decided_elsewhere=decided_elsewhere)
     proof = action_proof(finding, facts)
@@ -89,7 +87,7 @@ def judge(cfg: FallbackConfig, finding: Finding, facts: StallFacts, previous: Ma
                       communication=facts.communication, signature=finding.signature, place=place,
                       level_advice=finding.kind == "stall" and facts.on_gpus)
     kind = "desync" if facts.desync else finding.signature
-    if not decision.changed and kind in _DETERMINISTIC and place == str(previous.get("hang_place") or ""):
+    if not decision.changed and kind in _DETERMINISTIC and place == previous.hang_place:
         why = (f"code bug: restarting does not help (the same desync at {place} came back after a restart)"
                if facts.desync else
                f"restarting does not help: the job waited at the same place again ({place}) after a restart")
