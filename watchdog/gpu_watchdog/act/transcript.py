@@ -66,6 +66,7 @@ class Finished:
 
 
 RecordEvent = Noted | ActionBegun | ActionEnded | Said | ReportDue | Finished
+RECORD_EVENTS = (Noted, ActionBegun, ActionEnded, Said, ReportDue, Finished)  # the rest are act.events' counts
 Subscriber = Callable[[RecordEvent | ActEvent], None]
 
 
@@ -78,16 +79,17 @@ class IncidentRecord:
 
     def __call__(self, event: RecordEvent | ActEvent) -> None:
         inc = self.incident
-        if isinstance(event, Noted):
-            inc.update(**event.fields)
-        elif isinstance(event, ActionBegun):
-            self._open[event.key] = inc.begin_action(event.action, event.detail)
-        elif isinstance(event, ActionEnded):
-            inc.end_action(self._open.pop(event.key), event.ok, event.detail, event.outcome)
-        elif isinstance(event, ReportDue):
-            inc.write_report(render_report(inc.summary, list(event.stacks)))
-        elif isinstance(event, Finished):
-            inc.finish(event.outcome)
+        match event:
+            case Noted(fields):
+                inc.update(**fields)
+            case ActionBegun(key, action, detail):
+                self._open[key] = inc.begin_action(action, detail)
+            case ActionEnded(key, ok, detail, outcome):
+                inc.end_action(self._open.pop(key), ok, detail, outcome)
+            case ReportDue(stacks):
+                inc.write_report(render_report(inc.summary, list(stacks)))
+            case Finished(outcome):
+                inc.finish(outcome)
 
 
 def console(say: Callable[[str], None]) -> Subscriber:
@@ -101,7 +103,7 @@ def console(say: Callable[[str], None]) -> Subscriber:
 def metrics(count: Callable[[ActEvent], None]) -> Subscriber:
     """The metrics' subscriber: the counted events (act.events)."""
     def take(event: RecordEvent | ActEvent) -> None:
-        if not isinstance(event, (Noted, ActionBegun, ActionEnded, Said, ReportDue, Finished)):
+        if not isinstance(event, RECORD_EVENTS):
             count(event)
     return take
 
