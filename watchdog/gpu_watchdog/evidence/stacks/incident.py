@@ -17,6 +17,7 @@ from gpu_watchdog.evidence.analyze import write_rank_stacks
 from gpu_watchdog.evidence.source import EvidenceLog, IncidentJob
 from gpu_watchdog.evidence.stacks.collect import (
     WAITS_ON_WORKERS,
+    WorkerStack,
     blocked_workers,
     classify_results,
     dump_job,
@@ -139,7 +140,7 @@ class StacksAtIncident:
                 log.say(f"culprit {rank_label(rank)} on {u['host']}: {u['command']}")
 
     def _workers(self, log: EvidenceLog, diag: Diagnosis, stacks: list[RankStack], rank_pids: dict[int, int],
-                 job: IncidentJob) -> list[Any]:
+                 job: IncidentJob) -> list[WorkerStack]:
         """A culprit whose main thread waits on a queue, a pipe or a poll may be waiting on its own workers (vLLM's
         generate(), Ray, multiprocessing): dump them; one blocked in a collective or a device sync is the hang
         behind the process boundary, named in the incident with its pid and stack. Returns the blocked ones."""
@@ -167,7 +168,7 @@ class StacksAtIncident:
         return blocked
 
 
-def _worker_json(w: Any) -> dict[str, Any]:
+def _worker_json(w: WorkerStack) -> dict[str, Any]:
     return {"rank": w.rank, "pid": w.pid, "state": w.stack.state, "op": w.stack.op, "where": w.stack.where,
             "stack": w.stack.signature}
 
