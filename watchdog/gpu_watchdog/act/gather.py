@@ -22,7 +22,7 @@ from gpu_watchdog.evidence.nccl_ras.incident import NcclRasAtIncident
 from gpu_watchdog.evidence.nccl_ras.poll import RasPoller
 from gpu_watchdog.evidence.source import Found, IncidentJob, IncidentSource
 from gpu_watchdog.evidence.stacks.diagnosis import Diagnosis, communication_evidence
-from gpu_watchdog.evidence.stacks.incident import StacksAtIncident, culprit_stack
+from gpu_watchdog.evidence.stacks.incident import StacksAtIncident
 from gpu_watchdog.model import Finding, JobStatus, NodeSample, RankStack
 
 log = logging.getLogger("gpu_watchdog.act")
@@ -55,6 +55,11 @@ class Gathered:
     alive_elsewhere: str = ""
     workers: tuple[dict[str, Any], ...] = ()  # a culprit's workers blocked in a collective or device sync
 
+    def stack_of(self, ranks: Sequence[int]) -> RankStack | None:
+        """The stack of the first of ``ranks`` this node dumped (a culprit another source named)."""
+        by_rank = {s.rank: s for s in self.stacks}
+        return next((by_rank[r] for r in ranks if r in by_rank), None)
+
 
 class EvidenceGatherer:
     def __init__(self, ctx: ActContext) -> None:
@@ -72,7 +77,7 @@ class EvidenceGatherer:
         found = [f for source in self.sources if (f := self.ask(t, source, job)) is not None]
         merged = self._decide(t, finding, diag, [f.verdict for f in found if f.verdict is not None])
         if merged is not None and merged is not diag:  # the recovery acts on the merged verdict
-            out = replace(out, diagnosis=merged, culprit=out.culprit or culprit_stack(merged, list(out.stacks)))
+            out = replace(out, diagnosis=merged, culprit=out.culprit or out.stack_of(merged.culprit_ranks))
         comm = communication_sources(finding, diag, out.stacks, out.workers,
                                      [f.communication for f in found if f.communication])
         t.update(communication_evidence=comm or None)

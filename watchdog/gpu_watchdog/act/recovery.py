@@ -17,6 +17,7 @@ from gpu_watchdog.act.checkpoint import request_checkpoint
 from gpu_watchdog.act.engine_restart import engine_restart
 from gpu_watchdog.act.events import ActionDone, JobRestarted, StallConfirmed
 from gpu_watchdog.act.gather import EvidenceGatherer, Gathered
+from gpu_watchdog.act.steps import Phase
 from gpu_watchdog.act.stopper import JobProcess, stop_processes, wait_memory_released
 from gpu_watchdog.act.target import ActContext, JobTarget
 from gpu_watchdog.act.transcript import Transcript
@@ -27,15 +28,10 @@ from gpu_watchdog.policy.plan import GIVE_UP, HOLD, RESTART, STAND_DOWN, Plan, S
 from gpu_watchdog.store.incidents import Incident
 from gpu_watchdog.store.job_runs import JobRuns
 
-# What a recovery ended in: the one value the hosts read.
-HELD = "held"  # not acted on (no proof the hang is in communication): the job waits (Engine.hold), watched on
-RESTARTED = "restarted"  # the target restarted the job (launch: a new run; the daemon: the restart hook ran)
-NOT_RESTARTED = "not_restarted"  # stopped, and the target's restart did not happen (hook failed; launch stopping)
-RESTARTED_ELSEWHERE = "restarted_elsewhere"  # stopped; another node's agent restarted the job (its requeue)
-BY_ENGINE = "by_engine"  # the hung ranks ended; the job's own engine restarts them (Ray Train), the job runs on
-GAVE_UP = "gave_up"  # stopped, no next run: the restart budget is spent
-STOOD_DOWN = "stood_down"  # another node's agent decided (and restarts) the next run: ranks here stopped
-GIVEN_UP_ELSEWHERE = "given_up_elsewhere"  # another node's agent decided the job gets no next run
+# What a recovery ended in (its last step, act.steps): the one value the hosts read.
+HELD, RESTARTED, NOT_RESTARTED = Phase.HELD, Phase.RESTARTED, Phase.NOT_RESTARTED
+RESTARTED_ELSEWHERE, BY_ENGINE, GAVE_UP = Phase.RESTARTED_ELSEWHERE, Phase.BY_ENGINE, Phase.GAVE_UP
+STOOD_DOWN, GIVEN_UP_ELSEWHERE = Phase.STOOD_DOWN, Phase.GIVEN_UP_ELSEWHERE
 
 
 @dataclass(frozen=True)
@@ -50,7 +46,7 @@ class Hold:
 @dataclass
 class RecoveryResult:
     transcript: Transcript  # the host finishes the incident through it (unless HELD: finished as observed)
-    outcome: str  # one of the outcomes above
+    outcome: Phase  # one of act.steps.OUTCOMES
     restart_env: dict[str, str] = field(default_factory=dict)
     level: int = 0
     by: str = ""  # BY_ENGINE: the engine's restart; STOOD_DOWN, GIVEN_UP_ELSEWHERE: the node that decided
@@ -139,11 +135,18 @@ class Recovery:
         if plan.charges_budget:
             self.budget.commit(budget)
         claimed = self._claim_next_run(t, target, plan, status)
+        if claimed is not None:
+            t.enter(Phase.CLAIMED)
         if claimed is not None and not claimed[0]:
             if plan.action == RESTART:
                 self.budget.refund()  # the job's next run is another agent's decision: nothing spent here
             return self._stand_down(t, target, sample, status, claimed[1], gathered)
         return self._carry_out(t, plan, target, sample, status, gathered, claimed[1] if claimed else None)
+
+    def _result(self, t: Transcript, outcome: Phase, restart_env: dict[str, str] | None = None, level: int = 0,
+                by: str = "", hold: Hold | None = None) -> RecoveryResult:
+        t.enter(outcome)
+        return RecoveryResult(t, outcome, dict(restart_env or {}), level, by, hold)
 
     def _announce(self, t: Transcript, finding: Finding, target: JobTarget) -> None:
         t.count(StallConfirmed(finding.confirmed_at - finding.onset))
@@ -180,9 +183,11 @@ class Recovery:
         elif self.before_give_up is not None:
             self.before_give_up(t, decision.level)
         self._checkpoint(t, target, sample, status)
+        t.enter(Phase.CHECKPOINTED)
         if plan.by_engine:
             return self._restart_by_engine(t, plan, target, sample, status, gathered, restart_env)
         self._stop(t, target)
+        t.enter(Phase.STOPPED)
         t.update(advice=decision.advice or None)  # with or without a next run, the advice stands
         if plan.action == GIVE_UP:
             if decision.advice:
@@ -190,7 +195,7 @@ class Recovery:
             t.record_action("give_up", True, plan.why_not)
             t.report(gathered.stacks)
             t.say(f"giving up: {plan.why_not}")
-            return RecoveryResult(t, GAVE_UP, level=decision.level)
+            return self._result(t, GAVE_UP, level=decision.level)
         t.say(f"fallback level {decision.level}: {decision.reason}")
         if decision.advice:
             t.say(f"advice: {decision.advice}")
@@ -198,7 +203,7 @@ class Recovery:
         t.report(gathered.stacks)
         outcome = (RESTARTED if restarted else RESTARTED_ELSEWHERE if t.noted("restarted_by")
                    else NOT_RESTARTED)
-        return RecoveryResult(t, outcome, restart_env, decision.level)
+        return self._result(t, outcome, restart_env, decision.level)
 
     def _restart_by_engine(self, t: Transcript, plan: Plan, target: JobTarget, sample: NodeSample,
                            status: JobStatus | None, gathered: Gathered, restart_env: dict[str, str]) -> RecoveryResult:
@@ -208,6 +213,7 @@ class Recovery:
         assert decision is not None
         ranks = job_rank_processes(sample, target.job_id, dict(status.rank_pids) if status else {})
         stop_job(ctx, t, target, "the hung ranks: ", procs=ranks)
+        t.enter(Phase.STOPPED)
         t.update(advice=decision.advice or None)
         if decision.advice:
             t.say(f"advice: {decision.advice}")
@@ -218,7 +224,7 @@ class Recovery:
         t.count(JobRestarted(target.job_id))
         t.count(ActionDone("restart", True))
         t.report(gathered.stacks)
-        return RecoveryResult(t, BY_ENGINE, restart_env, decision.level, by=plan.by_engine)
+        return self._result(t, BY_ENGINE, restart_env, decision.level, by=plan.by_engine)
 
     def _restart(self, t: Transcript, target: JobTarget, decision: FallbackDecision) -> bool:
         """The backoff (restarts in a row are spaced), then the target's restart at the decision's level."""
@@ -306,7 +312,9 @@ class Recovery:
                                "reason": f"decided by {who}: {rec.reason}"},
                      restarted_by={"host": who, "incident": rec.incident, "run": rec.run})
         self._checkpoint(t, target, sample, status)
+        t.enter(Phase.CHECKPOINTED)
         self._stop(t, target)
+        t.enter(Phase.STOPPED)
         if rec.give_up:
             t.record_action("give_up", True, f"given up by {who} (incident {rec.incident}): {rec.give_up}")
             say = f"job {target.job_id}: given up by {who}: {rec.give_up}"
@@ -316,7 +324,7 @@ class Recovery:
             say = f"job {target.job_id}: restarted by {who} (run {rec.run}, level {level}): standing down"
         t.report(gathered.stacks)
         t.say(say)
-        return RecoveryResult(t, GIVEN_UP_ELSEWHERE if rec.give_up else STOOD_DOWN, level=level, by=who)
+        return self._result(t, GIVEN_UP_ELSEWHERE if rec.give_up else STOOD_DOWN, level=level, by=who)
 
     def _hold_waiting(self, t: Transcript, finding: Finding, gathered: Gathered) -> RecoveryResult:
         """No proof the hang is in communication: the job is waiting (every rank asleep, polling, reading, in its
@@ -337,7 +345,7 @@ class Recovery:
         t.finish("observed: waiting (no communication evidence)")
         t.say(detail)
         t.count(ActionDone("observe", True))
-        return RecoveryResult(t, HELD, hold=Hold(why, tuple(diag.culprit_ranks) if diag else (),
+        return self._result(t, HELD, hold=Hold(why, tuple(diag.culprit_ranks) if diag else (),
                                                    diag.reason if diag else ""))
 
     def _checkpoint(self, t: Transcript, target: JobTarget, sample: NodeSample, status: JobStatus | None) -> None:

@@ -6,6 +6,7 @@ journal, ``report.txt``), the console, the agent's metrics. Steps never write th
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_watchdog.act.events import ActEvent
+from gpu_watchdog.act.steps import Phase, move
 from gpu_watchdog.evidence.report import render_report
 from gpu_watchdog.model import RankStack
 from gpu_watchdog.store.incidents import Incident
@@ -65,8 +67,14 @@ class Finished:
     outcome: str
 
 
-RecordEvent = Noted | ActionBegun | ActionEnded | Said | ReportDue | Finished
-RECORD_EVENTS = (Noted, ActionBegun, ActionEnded, Said, ReportDue, Finished)  # the rest are act.events' counts
+@dataclass(frozen=True)
+class Moved:
+    frm: Phase  # the recovery's step before (act.steps)
+    to: Phase
+
+
+RecordEvent = Noted | ActionBegun | ActionEnded | Said | ReportDue | Finished | Moved
+RECORD_EVENTS = (Noted, ActionBegun, ActionEnded, Said, ReportDue, Finished, Moved)  # the rest are act.events' counts
 Subscriber = Callable[[RecordEvent | ActEvent], None]
 
 
@@ -100,6 +108,14 @@ def console(say: Callable[[str], None]) -> Subscriber:
     return take
 
 
+def steps_log(log: logging.Logger) -> Subscriber:
+    """The agent's log: each move of a recovery, at debug level."""
+    def take(event: RecordEvent | ActEvent) -> None:
+        if isinstance(event, Moved):
+            log.debug("recovery: %s -> %s", event.frm, event.to)
+    return take
+
+
 def metrics(count: Callable[[ActEvent], None]) -> Subscriber:
     """The metrics' subscriber: the counted events (act.events)."""
     def take(event: RecordEvent | ActEvent) -> None:
@@ -117,6 +133,7 @@ class Transcript:
         self._subscribers = tuple(subscribers)
         self._keys = itertools.count()
         self._noted: dict[str, Any] = {}
+        self.phase = Phase.JUDGING  # the recovery's step (act.steps), moved by ``enter``
 
     @property
     def id(self) -> str:
@@ -129,6 +146,11 @@ class Transcript:
     def emit(self, event: RecordEvent | ActEvent) -> None:
         for take in self._subscribers:
             take(event)
+
+    def enter(self, to: Phase) -> None:
+        """The recovery's next step, checked against act.steps.MOVES (IllegalMove: a bug), then emitted."""
+        frm, self.phase = self.phase, move(self.phase, to)
+        self.emit(Moved(frm, to))
 
     def update(self, **fields: Any) -> None:
         self._noted.update(fields)
@@ -178,5 +200,6 @@ class Transcript:
 def with_subscribers(incident: Incident, say: Callable[[str], None],
                      count: Callable[[ActEvent], None]) -> Transcript:
     """The transcript of one incident, with the record, the console and the metrics subscribed."""
-    return Transcript(incident, (IncidentRecord(incident), console(say), metrics(count)))
+    return Transcript(incident, (IncidentRecord(incident), console(say), metrics(count),
+                                 steps_log(logging.getLogger("gpu_watchdog.act"))))
 
