@@ -4,7 +4,8 @@ exports (``launch``, the Slurm TaskProlog) and without them, side by side (issue
     .venv/bin/python benchmarks/bench_teardown_abort.py [--jobs N] [--program ddp_plain|lightning_ddp_spawn]
 
 Each job is ``--nproc`` ranks of a zoo program (tests/zoo), started the way ``srun`` starts tasks (``RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` per process; ``lightning_ddp_spawn`` spawns its ranks itself), healthy,
+``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` per process; ``lightning_ddp_spawn`` spawns its ranks itself and,
+with ``--leave-group``, leaves each rank's group to interpreter exit as Lightning does), healthy,
 a few steps. The two arms alternate job by job, so drift in the machine's load hits both alike. "with FR" adds what
 ``flight_recorder.recording_env`` gives a job (recording buffer, dump file prefix, NCCL's dump pipe prefix) in a fresh
 directory per job. A job *died at teardown* when every rank logged its last step ("done") but some process exited
