@@ -191,8 +191,10 @@ def test_a_ray_node_registered_with_the_daemon_is_watched_and_its_services_are_l
     from daemon_helpers import records
 
     with ray_node_under_daemon() as ray:
+        # The hang after the workers train steadily (step 12): a hang in a job's first second can be confirmed one
+        # waiting interval later (docs/detection-latency.md; CI saw 21.5 s for one at step 4 on a loaded host).
         events, driver = ray.drive("ray_train_ddp", "--nproc", "2", "--variant", "event_wait", "--rank", "1",
-                                   "--steps", "40")
+                                   "--steps", "40", "--hang-step", "12")
         ray.drivers.append(driver)
         inc, evs = ray.incident_after_onset(events)
         onset = min(e["t"] for e in evs if e["event"] == "hang_onset")

@@ -83,8 +83,10 @@ SPAWNED: tuple[Case, ...] = (
 # Ray programs (a local ray.init() cluster under the driver): Ray Train's TorchTrainer, and an actor group that forms
 # its own process group (the RLHF frameworks' shape). Their ranks come from Ray's own records (docs/ray.md).
 RAY: tuple[Case, ...] = (
+    # The hang after steady training (step 12): one in a job's first second can be confirmed a waiting interval
+    # later (docs/detection-latency.md).
     Case("ray_train_ddp", "event_wait", COMM_HANG, (1,), collective="ddp_all_reduce", nproc=2, spawns=True,
-         args=("--rank", "1")),
+         args=("--rank", "1", "--steps", "16", "--hang-step", "12")),
     Case("ray_train_ddp", "slow_save", HEALTHY, nproc=2, spawns=True, args=("--pause-s", "12")),
     # 2 ranks in different collectives (broadcast vs all_gather): the desync is named, neither side is the odd one.
     Case("ray_actor_group", "desync", COMM_HANG, nproc=2, spawns=True, desync=True, args=("--rank", "1")),
