@@ -54,14 +54,14 @@ class GpuFaultHandler:
         t.update(gpu=gpu, xid=xid, jobs=jobs, fallback=None)
         t.count(GpuFaulted(gpu, xid if xid is not None else finding.signature))
         t.say(f"GPU_FAULT on {gpu or 'a GPU'} ({finding.signature}{f', Xid {xid}' if xid is not None else ''}): "
-                f"{finding.detail}; incident {t.id}")
+              f"{finding.detail}; incident {t.id}")
         return t, gpu, xid, jobs
 
     def record(self, finding: Finding, sample: NodeSample) -> Incident:
         """An application Xid: the incident, nothing stopped, the node not drained."""
         t, _gpu, xid, _jobs = self._open(finding, sample)
         t.update(drain=False, advice=f"Xid {xid} is an application error (faults.application_xids): no drain, "
-                                       "no restart; look at the job's own error output")
+                                     "no restart; look at the job's own error output")
         t.report()
         t.finish("recorded (application Xid)")
         t.say("application Xid: incident recorded; the node is not drained and the job is watched on")

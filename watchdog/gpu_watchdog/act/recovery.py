@@ -151,8 +151,8 @@ class Recovery:
     def _announce(self, t: Transcript, finding: Finding, target: JobTarget) -> None:
         t.count(StallConfirmed(finding.confirmed_at - finding.onset))
         t.say(f"{finding.kind.upper()} confirmed in job {finding.job_id} ({finding.signature}): "
-                     f"{finding.detail}; onset {time.strftime('%H:%M:%S', time.localtime(finding.onset))}, "
-                     f"confirmed after {finding.confirmed_at - finding.onset:.1f}s; incident {t.id}")
+              f"{finding.detail}; onset {time.strftime('%H:%M:%S', time.localtime(finding.onset))}, "
+              f"confirmed after {finding.confirmed_at - finding.onset:.1f}s; incident {t.id}")
         run = _run_of(target)
         if run is not None:
             t.update(run=run)  # (job, run): every node's incident of one hang names the same run
@@ -179,7 +179,7 @@ class Recovery:
                                diagnostics_env(ctx.cfg.fallback, t.dir, restart_env))
             ctx.fallback.save(target.job_id, decision, restart_env)
             t.update(fallback={"level": decision.level, "name": decision.name, "env": decision.env,
-                                 "reason": decision.reason})
+                               "reason": decision.reason})
         elif self.before_give_up is not None:
             self.before_give_up(t, decision.level)
         self._checkpoint(t, target, sample, status)
@@ -218,8 +218,8 @@ class Recovery:
         if decision.advice:
             t.say(f"advice: {decision.advice}")
         t.record_action("restart", True, f"by the job's engine: {plan.by_engine}; it restarts the worker group from "
-                                           "its latest checkpoint, the driver and the Ray cluster kept "
-                                           f"(fallback level {decision.level} unchanged)")
+                                         "its latest checkpoint, the driver and the Ray cluster kept "
+                                         f"(fallback level {decision.level} unchanged)")
         t.say(f"restart by the job's engine: {plan.by_engine}")
         t.count(JobRestarted(target.job_id))
         t.count(ActionDone("restart", True))
@@ -232,7 +232,7 @@ class Recovery:
         delay = self.budget.backoff_s(time.time(), ctx.cfg.fallback.healthy_reset_s)
         if delay > 0:
             with t.step("backoff", f"{delay:.0f}s before the next run (restarts in a row are spaced by "
-                                     "recovery.restart_backoff_s, doubling)") as step:
+                                   "recovery.restart_backoff_s, doubling)") as step:
                 t.say(f"restart backoff: waiting {delay:.0f}s before the next run")
                 waited = self.wait(delay)
                 step.end(waited, "waited" if waited else "cut short: the agent is stopping")
