@@ -21,11 +21,26 @@ def test_a_rank_whose_status_was_reaped_by_its_parent_is_named_when_it_was_alone
 
 
 def test_ranks_that_exit_after_the_launched_command_were_torn_down_by_its_end() -> None:
-    """Ray: actor 1 killed with SIGKILL (seen with its status), the driver's ray.get raised and the driver exited,
-    then actor 0 exited on its own code as Ray shut its workers down: actor 1 failed, not actor 0."""
-    exits = {1: (100.0, KILLED), 0: (100.6, EXIT_1)}
-    assert first_to_exit(exits) == (0,)  # without the command's exit time, the exit code of its own wins
+    """Ray: actor 1 raised, the driver's ray.get raised and the driver exited, then actor 0 exited on its own code
+    as Ray shut its workers down: actor 1 failed, not actor 0."""
+    exits = {1: (100.0, EXIT_1), 0: (100.6, EXIT_1)}
+    assert first_to_exit(exits) == (0, 1)  # without the command's exit time: both codes of their own
     assert first_to_exit(exits, command_exited_at=100.4) == (1,)
+
+
+def test_a_rank_killed_alone_first_is_the_failure_whatever_its_peers_exit_codes() -> None:
+    """Ray, on a saturated host: actor 1 SIGKILLed (as the OOM killer does) and its status caught before the raylet
+    reaped it; its peer's collective failed on it and actor 0 exited with code 1 as the driver shut Ray down, before
+    the driver itself exited. A teardown never comes first: actor 1 failed (CI named actor 0 before)."""
+    assert first_to_exit({1: (100.0, KILLED), 0: (100.55, EXIT_1)}, command_exited_at=102.0) == (1,)
+    assert first_to_exit({1: (100.0, KILLED), 0: (100.6, EXIT_1)}) == (1,)
+    assert first_to_exit({1: (100.0, KILLED), 0: (100.01, EXIT_1)}) == (0,)  # seen in one wakeup: the code tells
+
+
+def test_a_signal_to_every_rank_at_once_names_the_first_seen_as_before() -> None:
+    """Every rank SIGTERMed in one wakeup (a kill of the whole job from outside): the earliest seen."""
+    exits = {0: (100.0, TERMINATED), 1: (100.005, TERMINATED), 2: (100.3, TERMINATED)}
+    assert first_to_exit(exits) == (0, 1)
 
 
 def test_a_first_exit_whose_status_was_reaped_away_is_the_failure_when_it_was_alone() -> None:

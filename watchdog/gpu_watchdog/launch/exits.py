@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterable
 
 from gpu_watchdog.model import rank_label
 from gpu_watchdog.sample.proc_stat import read_stat
@@ -13,27 +14,30 @@ from gpu_watchdog.sample.proc_stat import read_stat
 _TEARDOWN = (signal.SIGTERM, signal.SIGKILL)  # what torchrun sends the surviving workers
 
 
-_COMMAND = -1  # ExitWatch's key for the launched command itself
 _ALONE_S = 0.05  # an exit this much before every other was seen on its own (not in the same wakeup as the rest)
 
 
 def first_to_exit(exits: dict[int, tuple[float, int | None]], command_exited_at: float | None = None
                   ) -> tuple[int, ...]:
-    """The rank(s) that failed: of the exits seen within a second of the first (exit code 0 is no failure), those
-    that did not end by torchrun's teardown signals; else the earliest ones seen. A rank that exited after the
-    launched command itself (``command_exited_at``) was torn down by the command's end (Ray's workers exit when
-    their driver is gone, with an exit code of their own): never the one that failed, unless every rank did."""
+    """The rank(s) that failed: the first exit, when it was alone first and ended by a signal or unread; else, of
+    the exits seen within a second of the first, those that did not end by torchrun's teardown signals; else the
+    earliest ones seen. Exit code 0 is no failure. A rank that exited after the launched command itself
+    (``command_exited_at``) was torn down by the command's end (Ray's workers exit when their driver is gone, with
+    an exit code of their own): never the one that failed, unless every rank did."""
     exits = {r: v for r, v in exits.items() if v[1] != 0}  # a rank that ran to exit code 0 never failed
-    if command_exited_at is not None:
-        exits = {r: v for r, v in exits.items() if v[0] <= command_exited_at} or exits
+    before = {r: v for r, v in exits.items() if command_exited_at is None or v[0] <= command_exited_at}
+    if before:
+        first, (seen, status) = min(before.items(), key=lambda kv: kv[1][0])
+        alone = all(t - seen >= _ALONE_S for r, (t, _) in exits.items() if r != first)
+        if alone and (status is None or (status & 0x7F) in _TEARDOWN):
+            # Killed (the OOM killer's SIGKILL) or reaped by its parent before its status could be read (Ray's
+            # raylet reaps at once), alone and before the command ended: a teardown never comes first — torchrun's
+            # signals follow a failure — and the later exits' codes of their own (a peer's collective failing on
+            # the dead rank, Ray's workers exiting as their driver shuts Ray down) are its consequences.
+            return (first,)
+    exits = before or exits
     if not exits:
         return ()
-    order = sorted(exits.items(), key=lambda kv: kv[1][0])
-    if order[0][1][1] is None and (len(order) == 1 or order[1][1][0] - order[0][1][0] >= _ALONE_S):
-        # Reaped by its parent before its status could be read (Ray's raylet reaps at once), and alone first: a
-        # teardown never comes first, and the later exits' codes of their own (Ray's workers exiting as their
-        # driver shuts down) are no evidence against it.
-        return (order[0][0],)
     first_t = min(t for t, _ in exits.values())
     early = {r: st for r, (t, st) in exits.items() if t - first_t < 1.0}
     own = tuple(sorted(r for r, st in early.items() if st is not None and (st & 0x7F) not in _TEARDOWN))
@@ -70,89 +74,109 @@ def _ranks_text(ranks: tuple[int, ...]) -> str:
 
 class ExitWatch:
     """Which rank died first, and how. torchrun reaps a dead worker within its monitor interval (0.1 s) and then
-    tears the others down, all between two sampling ticks. This thread holds a pidfd per rank and sleeps in
-    poll(2) until one becomes readable — the rank exited — then reads the zombie's exit status before torchrun
-    reaps it: no CPU while the job runs. Without pidfds (Linux < 5.3) it reads /proc/PID/stat every ``poll_s``."""
+    tears the others down, all between two sampling ticks. This thread holds a pidfd per process of the job and
+    sleeps in poll(2) until one becomes readable — the process exited — then reads the zombie's exit status before
+    its parent reaps it: no CPU while the job runs. Without pidfds (Linux < 5.3) it reads /proc/PID/stat every
+    ``poll_s``. Exits are timed per process, from when the process was first sampled, and told by rank when the
+    sampling loop names it: a rank named late (a Ray actor's rank comes from Ray's records) is still timed when its
+    process ended, not when it was named."""
 
-    def __init__(self, poll_s: float = 0.05) -> None:
+    def __init__(self, poll_s: float = 0.05, keep_unnamed_s: float = 60.0) -> None:
         self.poll_s = poll_s
-        self.exits: dict[int, tuple[float, int | None]] = {}  # rank → (when seen exited, its exit status if caught)
+        self.keep_unnamed_s = keep_unnamed_s  # how long the exit of a process no rank was named for is kept
         self._ranks: dict[int, int] = {}  # rank → pid, set by the sampling loop
+        self._ended: dict[int, tuple[float, int | None]] = {}  # pid → (when seen exited, its exit status if caught)
+        self._pending: set[int] = set()  # pids handed in, not yet watched by the thread
+        self._command: int | None = None
         self.command_exited_at: float | None = None  # when the launched command itself was seen exiting
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="exit-watch", daemon=True)
         self._thread.start()
 
+    @property
+    def exits(self) -> dict[int, tuple[float, int | None]]:
+        """rank → (when seen exited, its exit status if caught), of the ranks named so far."""
+        with self._lock:
+            return {r: self._ended[pid] for r, pid in self._ranks.items() if pid in self._ended}
+
     def watch(self, rank_pids: dict[int, int]) -> None:
         with self._lock:
             self._ranks.update(rank_pids)
+            self._pending.update(rank_pids.values())
+
+    def watch_processes(self, pids: Iterable[int]) -> None:
+        """Every process of the job as sampled, before any rank is named for it."""
+        with self._lock:
+            self._pending.update(pids)
+            named, old = set(self._ranks.values()), time.time() - self.keep_unnamed_s
+            self._ended = {p: e for p, e in self._ended.items() if p in named or e[0] >= old}  # dataloader workers
 
     def watch_command(self, pid: int) -> None:
         """The launched command: ranks that exit after it were torn down by its end (``first_to_exit``)."""
         with self._lock:
-            self._ranks[_COMMAND] = pid
+            self._command = pid
+            self._pending.add(pid)
 
     def forget(self) -> None:
         """The job's engine restarted its ranks in place (Ray Train): the ended ones are no exit of the job's."""
         with self._lock:
-            self._ranks = {r: p for r, p in self._ranks.items() if r == _COMMAND}
-            self.exits.clear()
+            self._ranks.clear()
+            self._ended.clear()
 
-    def _exited(self, rank: int, pid: int) -> None:
-        if rank == _COMMAND:
+    def _exited(self, pid: int) -> None:
+        if pid == self._command:
             if self.command_exited_at is None:
                 self.command_exited_at = time.time()
             return
-
         st = read_stat(pid)  # a zombie until its parent reaps it: its exit status is still there
-        self.exits.setdefault(rank, (time.time(), st.exit_code if st is not None else None))
+        with self._lock:
+            self._ended.setdefault(pid, (time.time(), st.exit_code if st is not None else None))
 
     def _run(self) -> None:
         import select
 
         poller = select.poll() if hasattr(os, "pidfd_open") else None
-        fds: dict[int, tuple[int, int]] = {}  # pidfd → (rank, pid)
-        known: set[tuple[int, int]] = set()  # (rank, pid): a rank restarted in place has a new pid
+        fds: dict[int, int] = {}  # pidfd → pid
+        watched: set[int] = set()
         try:
             while not self._stop.is_set():
                 with self._lock:
-                    new = [(r, pid) for r, pid in self._ranks.items() if (r, pid) not in known]
-                for rank, pid in new:
-                    known.add((rank, pid))
+                    new, self._pending = self._pending - watched, set()
+                watched |= new
+                for pid in new:
                     if poller is not None:
                         try:
                             fd = os.pidfd_open(pid)
                         except ProcessLookupError:
-                            self._exited(rank, pid)
+                            self._exited(pid)
                             continue
                         except OSError:  # no pidfd support here: read /proc instead
                             poller = None
                             continue
-                        fds[fd] = (rank, pid)
+                        fds[fd] = pid
                         poller.register(fd, select.POLLIN)
                 if poller is None:
-                    self._read_proc()
+                    self._read_proc(watched)
                     self._stop.wait(self.poll_s)
                     continue
-                for fd, _event in poller.poll(200):  # wakes at once on an exit; 200 ms to pick up new ranks
+                for fd, _event in poller.poll(200):  # wakes at once on an exit; 200 ms to pick up new processes
                     poller.unregister(fd)
                     os.close(fd)
-                    self._exited(*fds.pop(fd))
+                    self._exited(fds.pop(fd))
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def _read_proc(self) -> None:
+    def _read_proc(self, watched: set[int]) -> None:
         with self._lock:
-            ranks = [(r, pid) for r, pid in self._ranks.items() if r not in self.exits and r != _COMMAND]
-        for rank, pid in ranks:
-            st = read_stat(pid)
-            if st is None:
-                self.exits[rank] = (time.time(), None)
+            live = watched - self._ended.keys()
+        for pid in live:
+            if pid == self._command and self.command_exited_at is not None:
                 continue
-            if st.state == "Z":
-                self._exited(rank, pid)
+            st = read_stat(pid)
+            if st is None or st.state == "Z":
+                self._exited(pid)
 
     def close(self) -> None:
         self._stop.set()

@@ -244,8 +244,10 @@ class Launcher:
             tick = engine.tick()
             if tick.ok:
                 assert tick.sample is not None
-                seen.update((p.pid, JobProcess(p.pid, p.create_time)) for p in tick.sample.processes
-                            if p.job is not None and p.job.job_id == self.job_id)
+                job_procs = [JobProcess(p.pid, p.create_time) for p in tick.sample.processes
+                             if p.job is not None and p.job.job_id == self.job_id]
+                seen.update((p.pid, p) for p in job_procs)
+                exits.watch_processes(p.pid for p in job_procs)  # timed from now on, if a rank is named later
                 ours = tick.jobs.get(self.job_id)
                 last_seen = ours or last_seen
                 if ours is not None:

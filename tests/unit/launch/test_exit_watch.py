@@ -1,0 +1,88 @@
+"""launch.exits.ExitWatch on real processes: each exit is timed when the process ended, with its status read from
+the zombie, whether or not its rank was known then."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from gpu_watchdog.launch.exits import ExitWatch
+
+
+def _sleeper() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def _until(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture(params=["pidfd", "proc"])
+def watch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[ExitWatch]:
+    if request.param == "proc":  # Linux < 5.3: no pidfds, /proc/PID/stat read every poll_s
+        def no_pidfd(pid: int) -> int:
+            raise OSError(38, "Function not implemented")
+        monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    w = ExitWatch(poll_s=0.02)
+    yield w
+    w.close()
+
+
+def test_a_rank_named_after_its_process_died_is_timed_when_it_died(watch: ExitWatch) -> None:
+    """A Ray actor's rank is read from Ray's records, possibly after the actor was SIGKILLed: the exit is the one
+    seen while its process was watched unnamed, with the status its zombie gave, before a peer's later exit."""
+    killed, peer = _sleeper(), _sleeper()
+    try:
+        watch.watch_processes([killed.pid, peer.pid])
+        time.sleep(1.0)  # the thread holds both (it picks new pids up within 200 ms)
+        killed.send_signal(signal.SIGKILL)
+        time.sleep(0.5)  # still a zombie: this test is its parent and has not reaped it
+        died_by = time.time()
+        peer.send_signal(signal.SIGTERM)
+        _until(lambda: len(watch.exits) == 0 and peer.poll() is not None)
+        watch.watch({1: killed.pid, 0: peer.pid})
+        _until(lambda: len(watch.exits) == 2)
+        exits = watch.exits
+        assert exits[1][0] < died_by < exits[0][0], exits
+        assert exits[1][1] == signal.SIGKILL, exits  # read from the zombie
+    finally:
+        for p in (killed, peer):
+            p.kill()
+            p.wait()
+
+
+def test_a_rank_first_seen_already_reaped_is_an_exit_with_no_status(watch: ExitWatch) -> None:
+    gone = _sleeper()
+    gone.kill()
+    gone.wait()  # reaped: nothing left to read
+    watch.watch({2: gone.pid})
+    _until(lambda: 2 in watch.exits)
+    assert watch.exits[2][1] is None
+
+
+def test_the_command_is_timed_apart_from_the_ranks_and_forget_drops_the_ended(watch: ExitWatch) -> None:
+    command, rank = _sleeper(), _sleeper()
+    try:
+        watch.watch_command(command.pid)
+        watch.watch({0: rank.pid})
+        time.sleep(0.3)
+        rank.terminate()
+        _until(lambda: 0 in watch.exits)
+        assert watch.command_exited_at is None
+        watch.forget()  # the engine restarted its ranks in place: that exit is no exit of the job's
+        assert watch.exits == {}
+        command.terminate()
+        _until(lambda: watch.command_exited_at is not None)
+        assert watch.exits == {}
+    finally:
+        for p in (command, rank):
+            p.kill()
+            p.wait()
