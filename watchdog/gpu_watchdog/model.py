@@ -347,3 +347,42 @@ class LevelRecord:
                    data.get("name"), str(data.get("reason") or ""), str(data.get("advice") or ""),
                    str(data.get("hang_place") or ""), None if run is None else int(run),
                    str(data.get("decided_by") or "?"), data.get("incident"), str(data.get("give_up") or ""))
+
+
+@dataclass(frozen=True)
+class FallbackSection:
+    """An incident's ``fallback`` section (docs/json-contract.md): the level the next run starts at, the settings
+    that level adds and why."""
+
+    level: int
+    name: str | None
+    env: Mapping[str, str]
+    reason: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"level": self.level, "name": self.name, "env": dict(self.env), "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class RestartedBy:
+    """An incident's ``restarted_by`` section: another agent restarts the job (its host, its incident when known,
+    the run it starts); this one stood down."""
+
+    host: str
+    incident: str | None
+    run: int | None
+
+    def to_json(self) -> dict[str, object]:
+        return {"host": self.host, "incident": self.incident, "run": self.run}
+
+
+@dataclass(frozen=True)
+class GivenUpBy:
+    """An incident's ``given_up_by`` section: another agent gave the job up (its host, its incident, why)."""
+
+    host: str
+    incident: str | None
+    reason: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"host": self.host, "incident": self.incident, "reason": self.reason}

@@ -21,7 +21,7 @@ from gpu_watchdog.act.steps import Phase
 from gpu_watchdog.act.stopper import JobProcess, stop_processes, wait_memory_released
 from gpu_watchdog.act.target import ActContext, JobTarget
 from gpu_watchdog.act.transcript import Transcript
-from gpu_watchdog.model import Finding, JobStatus, LevelRecord, NodeSample
+from gpu_watchdog.model import FallbackSection, Finding, GivenUpBy, JobStatus, LevelRecord, NodeSample, RestartedBy
 from gpu_watchdog.policy.budget import BudgetVerdict, RestartBudget
 from gpu_watchdog.policy.ladder import WAITED_ADVICE, FallbackDecision, diagnostics_env
 from gpu_watchdog.policy.plan import GIVE_UP, HOLD, RESTART, STAND_DOWN, Plan, StallFacts, judge
@@ -178,8 +178,7 @@ class Recovery:
             restart_env.update(claimed.env if claimed is not None else
                                diagnostics_env(ctx.cfg.fallback, t.dir, restart_env))
             ctx.fallback.save(target.job_id, decision, restart_env)
-            t.update(fallback={"level": decision.level, "name": decision.name, "env": decision.env,
-                               "reason": decision.reason})
+            t.update(fallback=FallbackSection(decision.level, decision.name, decision.env, decision.reason).to_json())
         elif self.before_give_up is not None:
             self.before_give_up(t, decision.level)
         self._checkpoint(t, target, sample, status)
@@ -306,11 +305,10 @@ class Recovery:
         second restart, never a failed hook; the incident points at the deciding node's."""
         who, level = rec.decided_by, rec.level
         if rec.give_up:
-            t.update(given_up_by={"host": who, "incident": rec.incident, "reason": rec.give_up})
+            t.update(given_up_by=GivenUpBy(who, rec.incident, rec.give_up).to_json())
         else:
-            t.update(fallback={"level": level, "name": rec.name, "env": dict(rec.env),
-                               "reason": f"decided by {who}: {rec.reason}"},
-                     restarted_by={"host": who, "incident": rec.incident, "run": rec.run})
+            t.update(fallback=FallbackSection(level, rec.name, rec.env, f"decided by {who}: {rec.reason}").to_json(),
+                     restarted_by=RestartedBy(who, rec.incident, rec.run).to_json())
         self._checkpoint(t, target, sample, status)
         t.enter(Phase.CHECKPOINTED)
         self._stop(t, target)

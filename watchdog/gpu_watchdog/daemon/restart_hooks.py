@@ -11,6 +11,7 @@ from gpu_watchdog.act.slurm import cancelled, moved_on, show_job
 from gpu_watchdog.act.target import ActContext
 from gpu_watchdog.act.transcript import Transcript
 from gpu_watchdog.errors import UsageError
+from gpu_watchdog.model import RestartedBy
 from gpu_watchdog.policy.hook_values import placeholder_values, render_argv
 
 log = logging.getLogger("gpu_watchdog.daemon")
@@ -34,7 +35,7 @@ class RestartHooks:
             if why:
                 inc.record_action("restart_hook", False, f"skipped: {why}; restarted by another agent",
                                   outcome="skipped")
-                inc.update(restarted_by={"host": "another agent (Slurm)", "incident": None, "run": run + 1})
+                inc.update(restarted_by=RestartedBy("another agent (Slurm)", None, run + 1).to_json())
                 return False
         return self.run(inc, job_id, "restart_hook", hook_name, level)
 
