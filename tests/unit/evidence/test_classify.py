@@ -355,6 +355,17 @@ def test_a_ray_train_worker_is_judged_by_its_training_thread_and_its_counters() 
     assert rs0 is not None and (rs0.state, rs0.op) == ("collective", "ddp_all_reduce"), rs0
 
 
+def test_a_ray_train_worker_whose_task_loop_is_caught_running_is_still_judged_by_its_training_thread() -> None:
+    """py-spy shows Ray's main thread active when its C++ loop runs at the dump (CI, a saturated host: one dump of a
+    confirming pair judged ``Worker.main_loop`` as compute, the other the training thread's ``Event.wait``)."""
+    for name, state in (("ray_train_rank1_in_event_wait.json", "unknown"), ("ray_train_rank0_in_backward.json",
+                                                                          "collective")):
+        d = _ray_dump(name)
+        threads = [dict(t, active=True) if t["thread_name"] == "MainThread" else t for t in d["threads"]]
+        rs = classify_threads(threads, 0, d["pid"])
+        assert rs is not None and rs.state == state and "[thread TrainingThread(" in rs.where, rs
+
+
 def test_a_main_thread_in_rays_task_loop_with_no_work_thread_is_the_ranks_state() -> None:
     """An actor between two calls: nothing but Ray's own threads, so the main thread (waiting for work) is judged."""
     d1 = _ray_dump("ray_train_rank1_in_event_wait.json")

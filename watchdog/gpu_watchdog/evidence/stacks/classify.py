@@ -346,15 +346,17 @@ WAITS_IN_USER_CODE = ("unknown", "sleep", "data_wait")
 COMMUNICATION_STATES = ("collective", "device_sync")
 
 
-# A main thread idle here only hands out work (Ray's worker waiting for its next task, while Ray Train runs the user's
-# training function on a thread of its own): the rank's work is on another thread.
+# A main thread whose innermost Python frame is here only hands out work (Ray's worker in its C++ task loop, while
+# Ray Train runs the user's training function on a thread of its own): the rank's work is on another thread. Idle or
+# not: the loop's own C++ work (gRPC, a task's arrival) shows the thread active at some dumps — on a saturated host CI
+# saw one dump of a pair judge the loop and the other the training thread, and the hang wait for 3 more dumps.
 DISPATCH_LOOPS = (("ray/_private/worker.py", "main_loop"),)
 _RUNTIME_FILES = ("/ray/", "/threading.py", "/concurrent/futures/", "/queue.py", "/selectors.py", "/asyncio/")
 
 
 def _dispatching(thread: Mapping[str, Any]) -> bool:
     py, _ = _frames_in_order(thread)
-    return bool(py) and not thread.get("active") and any(
+    return bool(py) and any(
         _file(py[0]).endswith(path) and _name(py[0]).endswith(func) for path, func in DISPATCH_LOOPS)
 
 
