@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 from reliability_refs import fault_tests  # noqa: E402
 from repo_paths import REPO  # noqa: E402  (after the path is set)
-from scheduling import scheduling_unit, unit_order  # noqa: E402
+from scheduling import scheduling_unit  # noqa: E402
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown without it
@@ -28,13 +28,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         def _split_scope(self, nodeid: str) -> str:
             return scheduling_unit(nodeid)
 
-    config.option.loadscopereorder = False  # the collection's order is the queue's (pytest_collection_modifyitems)
     return FileScheduling(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    order = unit_order(item.nodeid for item in items)
-    items.sort(key=lambda item: order[scheduling_unit(item.nodeid)])  # stable: a unit's own order is kept
     refs = fault_tests(REPO / "docs" / "reliability.md")
     for item in items:
         path, _, name = item.nodeid.partition("::")

@@ -8,8 +8,6 @@ job drew a config_mismatch incident from the other cluster's NCCL_PROTO=Simple r
 "rank 3 exited" they never had. One cluster per host at a time is what a real node has.
 """
 
-from collections.abc import Iterable
-
 from repo_paths import TESTS
 
 # Every test file that starts a real Slurm cluster (tests/repo checks the list against the imports).
@@ -21,25 +19,10 @@ SLURM_FILES = frozenset({
 SLURM_HELPERS = ("slurm_cluster", "slurm_nodes")
 
 
-# Units whose module fixtures run many live jobs (tests/repo checks that each still names a unit).
-LONG_POLES = ("tests/zoo/test_zoo.py", "tests/e2e/test_ray.py", "slurm", "tests/e2e/test_spawned_ranks.py")
-
-
 def scheduling_unit(nodeid: str) -> str:
     """The unit xdist hands to one worker: the test's file, or "slurm" for every real-Slurm file."""
     path = nodeid.partition("::")[0]
     return "slurm" if path in SLURM_FILES else path
-
-
-def unit_order(nodeids: Iterable[str]) -> dict[str, int]:
-    """Each unit's place in the queue: LONG_POLES first, in their order, then the others by their number of tests,
-    most first, ties in collection order."""
-    counts: dict[str, int] = {}
-    for nodeid in nodeids:
-        unit = scheduling_unit(nodeid)
-        counts[unit] = counts.get(unit, 0) + 1
-    rest = sorted((u for u in counts if u not in LONG_POLES), key=lambda u: -counts[u])
-    return {u: i for i, u in enumerate([*(u for u in LONG_POLES if u in counts), *rest])}
 
 
 def files_starting_slurm() -> set[str]:
