@@ -86,7 +86,8 @@ class ExitWatch:
         self.keep_unnamed_s = keep_unnamed_s  # how long the exit of a process no rank was named for is kept
         self._ranks: dict[int, int] = {}  # rank → pid, set by the sampling loop
         self._ended: dict[int, tuple[float, int | None]] = {}  # pid → (when seen exited, its exit status if caught)
-        self._pending: set[int] = set()  # pids handed in, not yet watched by the thread
+        self._handed: set[int] = set()  # every pid handed in
+        self._pending: set[int] = set()  # of those, the ones the thread does not watch yet
         self._command: int | None = None
         self.command_exited_at: float | None = None  # when the launched command itself was seen exiting
         self._lock = threading.Lock()
@@ -103,20 +104,23 @@ class ExitWatch:
     def watch(self, rank_pids: dict[int, int]) -> None:
         with self._lock:
             self._ranks.update(rank_pids)
-            self._pending.update(rank_pids.values())
+            self._hand(rank_pids.values())
 
     def watch_processes(self, pids: Iterable[int]) -> None:
-        """Every process of the job as sampled, before any rank is named for it."""
+        """Every process of the job as sampled, before any rank is named for it (called every tick)."""
         with self._lock:
-            self._pending.update(pids)
-            named, old = set(self._ranks.values()), time.time() - self.keep_unnamed_s
-            self._ended = {p: e for p, e in self._ended.items() if p in named or e[0] >= old}  # dataloader workers
+            self._hand(pids)
 
     def watch_command(self, pid: int) -> None:
         """The launched command: ranks that exit after it were torn down by its end (``first_to_exit``)."""
         with self._lock:
             self._command = pid
-            self._pending.add(pid)
+            self._hand((pid,))
+
+    def _hand(self, pids: Iterable[int]) -> None:  # under the lock
+        new = set(pids) - self._handed
+        self._handed |= new
+        self._pending |= new
 
     def forget(self) -> None:
         """The job's engine restarted its ranks in place (Ray Train): the ended ones are no exit of the job's."""
@@ -130,20 +134,23 @@ class ExitWatch:
                 self.command_exited_at = time.time()
             return
         st = read_stat(pid)  # a zombie until its parent reaps it: its exit status is still there
+        now = time.time()
         with self._lock:
-            self._ended.setdefault(pid, (time.time(), st.exit_code if st is not None else None))
+            self._ended.setdefault(pid, (now, st.exit_code if st is not None else None))
+            named = set(self._ranks.values())  # forget unnamed exits (dataloader workers come and go)
+            old = {p for p, e in self._ended.items() if p not in named and e[0] < now - self.keep_unnamed_s}
+            self._ended = {p: e for p, e in self._ended.items() if p not in old}
+            self._handed -= old  # a pid the kernel reuses is watched afresh
 
     def _run(self) -> None:
         import select
 
         poller = select.poll() if hasattr(os, "pidfd_open") else None
         fds: dict[int, int] = {}  # pidfd → pid
-        watched: set[int] = set()
         try:
             while not self._stop.is_set():
                 with self._lock:
-                    new, self._pending = self._pending - watched, set()
-                watched |= new
+                    new, self._pending = self._pending, set()
                 for pid in new:
                     if poller is not None:
                         try:
@@ -157,7 +164,7 @@ class ExitWatch:
                         fds[fd] = pid
                         poller.register(fd, select.POLLIN)
                 if poller is None:
-                    self._read_proc(watched)
+                    self._read_proc()
                     self._stop.wait(self.poll_s)
                     continue
                 for fd, _event in poller.poll(200):  # wakes at once on an exit; 200 ms to pick up new processes
@@ -168,9 +175,9 @@ class ExitWatch:
             for fd in fds:
                 os.close(fd)
 
-    def _read_proc(self, watched: set[int]) -> None:
+    def _read_proc(self) -> None:
         with self._lock:
-            live = watched - self._ended.keys()
+            live = self._handed - self._ended.keys()
         for pid in live:
             if pid == self._command and self.command_exited_at is not None:
                 continue
