@@ -65,7 +65,7 @@ def test_every_alert_is_unit_tested_firing_and_not_firing() -> None:
     expected = {"GpuWatchdogStallConfirmed", "GpuWatchdogWaitingOnRankTooLong", "GpuWatchdogAgentDown",
                 "GpuWatchdogNotSampling", "GpuWatchdogRestartLoop", "GpuWatchdogHighFallbackLevel",
                 "GpuWatchdogGpuFault", "GpuWatchdogJobConfigMismatch", "GpuWatchdogStraggler",
-                "GpuWatchdogStragglerAcrossNodes"}
+                "GpuWatchdogStragglerAcrossNodes", "GpuWatchdogCollectiveTimeoutNear"}
     assert set(alert_names()) == expected
     text = prom.ALERTS_TEST.read_text()
     # each alert_rule_test entry: alertname followed by exp_alerts, either [] (not firing) or a list (firing)
@@ -116,7 +116,8 @@ def test_dashboard_has_the_required_views() -> None:
     for name in ("gpu_watchdog_gpu_utilization_ratio", "gpu_watchdog_gpu_memory_controller_utilization_ratio",
                  "gpu_watchdog_gpu_memory_used_bytes", "gpu_watchdog_gpu_power_watts", "gpu_watchdog_gpu_stalled",
                  "gpu_watchdog_job_state", "gpu_watchdog_job_fallback_level", "gpu_watchdog_incidents_total",
-                 "gpu_watchdog_restarts_total"):
+                 "gpu_watchdog_restarts_total", "gpu_watchdog_job_deadline_left_seconds",
+                 "gpu_watchdog_gpu_seconds_saved_total"):
         assert name in used, name
     annotations = " ".join(a.get("expr", "") for a in d["annotations"]["list"])
     assert "gpu_watchdog_incidents_total" in annotations and "gpu_watchdog_restarts_total" in annotations

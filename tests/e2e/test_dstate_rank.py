@@ -18,7 +18,10 @@ NPROC = 2
 
 
 def _launch(tmp_path: Path, name: str, pause_s: float, waiting_timeout_s: float) -> LaunchRun:
-    config = {"detect": {"waiting_timeout_s": waiting_timeout_s, "waiting_stack_interval_s": 2.0},
+    # deadline_still_max_s scaled with the dump interval: the stuck rank's CPU and I/O are still from its onset, so
+    # after 4 s its peers' wait in all_reduce is no longer given the job's own deadline (nothing visibly moves)
+    config = {"detect": {"waiting_timeout_s": waiting_timeout_s, "waiting_stack_interval_s": 2.0,
+                         "deadline_still_max_s": 4.0},
               "recovery": {"stop_grace_s": 5.0}}
     job = train_argv(tmp_path / "events.jsonl", tmp_path, nproc=NPROC, scenario="dsleep", rank_at=1, step_at=3,
                      step_s=0.2, steps=6, extra=("--pause-s", str(pause_s),

@@ -737,6 +737,15 @@ def test_unmodified_job_hang_is_recovered_with_level1_env(plain_run: PlainRun) -
     assert inc["fallback"]["level"] == 1 and inc["fallback"]["env"] == LEVEL1_ENV
     stacks = sorted(p.name for p in Path(inc["stacks_dir"]).iterdir())
     assert stacks == ["rank-0.json", "rank-1.json", "rank-2.json", "rank-3.json"]
+    # the time saved, against the job's own deadline: the job sets no group timeout (gloo's 30 min), which its
+    # step heartbeats' client reports
+    saved = inc["deadline"]
+    assert (saved["source"], saved["timeout_s"], saved["unit"], saved["units"]) == ("client", 1800.0, "rank", 4)
+    stop = next(a for a in inc["actions"] if a["action"] == "stop")
+    assert abs(saved["due_at"] - (inc["onset"] + 1800.0)) < 1e-6 and saved["acted_at"] >= stop["at"]
+    assert 1800.0 - 60.0 < saved["saved_s"] == pytest.approx(saved["due_at"] - saved["acted_at"], abs=0.1)
+    assert saved["gpu_seconds"] == pytest.approx(4 * saved["saved_s"], abs=0.5)
+    assert "time saved: stopped" in plain_run.out and "rank-hours on 4 rank(s)" in plain_run.out
 
     env = gw("env", "--job", lc.job_id, "--state-dir", str(lc.state)).stdout
     assert "export NCCL_P2P_DISABLE=1\n" in env and "export NCCL_NVLS_ENABLE=0\n" in env

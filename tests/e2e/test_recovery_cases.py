@@ -160,8 +160,11 @@ def test_a_job_that_finished_its_work_and_died_at_teardown_is_never_restarted(tm
     """Every step done and the group destroyed, rank 2 dies by SIGABRT (PyTorch's teardown abort), with
     recovery.restart_on_crash on. peers_exited_0: its peers exited 0 first. client_done: it died first (torchrun
     then SIGTERMs the lingering peers) but the in-job client saw every rank's training loop end. Either way: a
-    rank_exited incident that says the work was finished, no restart, launch exits with torchrun's code."""
-    timing = ["--pause-s", "2"] if proof == "peers_exited_0" else ["--client", "--pause-s", "0", "--linger-s", "5"]
+    rank_exited incident that says the work was finished, no restart, launch exits with torchrun's code.
+    peers_exited_0 aborts only once its peers' processes ended: with a fixed pause, a loaded host held a peer's
+    interpreter exit past it, torchrun SIGTERMed the peers and nothing showed the work done (rightly restarted)."""
+    timing = (["--after-peers", "--pause-s", "0.5"] if proof == "peers_exited_0"
+              else ["--client", "--pause-s", "0", "--linger-s", "5"])
     run = _launch(tmp_path, f"teardown-{proof}", "abort_at_exit", *timing, steps=4, step_at=99,
                   config={"recovery": {"restart_on_crash": True}})
     try:

@@ -17,7 +17,9 @@ Scenarios (``--scenario``):
   exit        rank ``--rank-at`` exits with code 3 at step ``--step-at``
   abort       rank ``--rank-at`` dies by SIGABRT at step ``--step-at`` (a crash in native code mid-training)
   abort_at_exit  every step done and the group destroyed, rank ``--rank-at`` dies by SIGABRT after ``--pause-s``
-              seconds (PyTorch's teardown abort at interpreter exit) while its peers exit 0 after ``--linger-s``
+              seconds (PyTorch's teardown abort at interpreter exit) while its peers exit 0 after ``--linger-s``;
+              with ``--after-peers`` its pause starts only once its peers' processes have ended (a loaded host can
+              hold a peer's interpreter exit for seconds, and torchrun would then SIGTERM it)
   dsleep      rank ``--rank-at`` sits in uninterruptible sleep (state D, as on a hung NFS mount) for ``--pause-s``
               seconds at step ``--step-at``, then trains on (dsleep.c beside this script, built with cc)
 
@@ -137,6 +139,8 @@ def main() -> None:
     ap.add_argument("--pause-s", type=float, default=45.0)
     ap.add_argument("--step-s", type=float, default=0.3, help="compute time per step")
     ap.add_argument("--linger-s", type=float, default=0.0, help="abort_at_exit: the peers' wait before exiting")
+    ap.add_argument("--after-peers", action="store_true",
+                    help="abort_at_exit: the aborting rank waits until its peers' processes have ended")
     ap.add_argument("--client", action="store_true", help="train inside the in-job client's training()")
     ap.add_argument("--events", default=None)
     ap.add_argument("--workdir", default=".")
@@ -171,11 +175,32 @@ def main() -> None:
         train(args, rank, batches, t, client)
     dist.barrier()
     log_event(args.events, rank=rank, step=args.steps, event="done")
+    peers: list[int] = []
+    if args.scenario == "abort_at_exit" and args.after_peers:
+        pids: list[int] = [0] * dist.get_world_size()
+        dist.all_gather_object(pids, os.getpid())
+        peers = [p for p in pids if p != os.getpid()]
     dist.destroy_process_group()
     if args.scenario == "abort_at_exit":
+        if rank == args.rank_at:
+            wait_until_ended(peers)
         time.sleep(args.pause_s if rank == args.rank_at else args.linger_s)
         if rank == args.rank_at:
             os.abort()
+
+
+def wait_until_ended(pids: list[int], timeout_s: float = 120.0) -> None:
+    """Until each process is gone or a zombie (its exit status is its parent's to read)."""
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rpartition(")")[2].split()[0] == "Z":
+                        break
+            except OSError:
+                break
+            time.sleep(0.05)
 
 
 def train(args: argparse.Namespace, rank: int, batches: queue.Queue[int], t: torch.Tensor,

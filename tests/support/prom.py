@@ -306,8 +306,9 @@ def populated_metrics(t: float | None = None) -> Any:
     """An AgentMetrics with every family holding at least one series: two real GPUs with every field, a
     stalled job and a job waiting on rank 3, every counter and histogram touched. For name checks and for
     "every dashboard expression returns data" against a live scrape."""
+    from gpu_watchdog.act.events import TimeSaved
     from gpu_watchdog.export.metrics import AgentMetrics
-    from gpu_watchdog.model import DeviceSample, JobStatus, NodeSample, SampleError
+    from gpu_watchdog.model import Deadline, DeviceSample, JobStatus, NodeSample, SampleError
 
     now = time.time() if t is None else t
     m = AgentMetrics(interval_s=1.0)
@@ -318,7 +319,8 @@ def populated_metrics(t: float | None = None) -> Any:
     sample = NodeSample(t=now, hostname="node-a", backend="nvml", devices=devices)
     jobs = {"train-a": JobStatus("train-a", state="stalled", ranks=(0, 1), devices=("GPU-0000",)),
             "train-b": JobStatus("train-b", state="waiting", ranks=(2, 3), waiting_since=now - 42.0,
-                                 waiting_on=(3,), devices=("GPU-0001",))}
+                                 waiting_on=(3,), devices=("GPU-0001",),
+                                 deadline=Deadline(1800.0, "flight_recorder", "timeout_ms 1800000"))}
     m.update(sample, jobs, {"train-a": 2})
     m.sample_duration(0.004)
     m.nvml_errors([SampleError("NVMLError_NotSupported", "nvmlDeviceGetPowerUsage gpu 1"),
@@ -329,6 +331,7 @@ def populated_metrics(t: float | None = None) -> Any:
     m.pyspy_dump("ok")
     m.gpu_fault("GPU-0001", 79)
     m.detection_latency(12.5)
+    m.count(TimeSaved(1790.0, 2 * 1790.0))
     m.job_config("train-a", "3f2a9c0d")
     m.straggler_scores({"train-b": {2: (0.6, 0.0, False), 3: (0.05, 0.55, True)}})
     return m

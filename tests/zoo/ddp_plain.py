@@ -58,7 +58,7 @@ class Prefetcher:
 
 def main() -> None:
     args = zc.parse_args(__doc__)
-    with zc.process_group() as rank:
+    with zc.process_group(timeout_s=args.pg_timeout_s) as rank:
         torch.manual_seed(0)
         model = DDP(zc.small_model())
         opt = torch.optim.SGD(model.parameters(), lr=0.01)

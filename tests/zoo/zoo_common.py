@@ -50,6 +50,8 @@ def parse_args(doc: str | None, nproc: bool = False,
     p.add_argument("--workdir", default=".")
     p.add_argument("--events", default="")
     p.add_argument("--data-addr", default="", help="HOST:PORT of zoo/data_service.py (slow_reader, recv)")
+    p.add_argument("--pg-timeout-s", type=float, default=None,
+                   help="the process group's timeout (init_process_group(timeout=)); default: PyTorch's")
     return p.parse_args()
 
 
@@ -116,12 +118,18 @@ def straggle(args: argparse.Namespace, r: int) -> None:
 
 
 @contextlib.contextmanager
-def process_group(backend: str = "gloo") -> Iterator[int]:
-    """``init_process_group`` from torchrun's environment, the rank to the body, ``destroy_process_group`` once the
-    body has run to its end (not after an exception: as a script calling both itself)."""
+def process_group(backend: str = "gloo", timeout_s: float | None = None) -> Iterator[int]:
+    """``init_process_group`` from torchrun's environment (with the group timeout ``timeout_s`` when given), the rank
+    to the body, ``destroy_process_group`` once the body has run to its end (not after an exception: as a script
+    calling both itself)."""
+    import datetime
+
     import torch.distributed as dist
 
-    dist.init_process_group(backend)
+    if timeout_s is None:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     yield dist.get_rank()
     dist.destroy_process_group()
 

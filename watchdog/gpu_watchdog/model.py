@@ -209,6 +209,38 @@ class CommProgress:
 
 COMM_STATES = ("moving", "frozen_unequal", "frozen_equal")
 
+# Where a job's deadline came from, most authoritative first (evidence.deadline; docs/evidence.md).
+DEADLINE_SOURCES = ("flight_recorder", "client", "default", "unknown")
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """The job's own deadline for the collective its ranks wait in: its backend's timeout ends the job then
+    (gloo raises in the waiting ranks, NCCL's watchdog aborts them), so waiting past it is never the agent's call.
+
+    ``timeout_s`` None: no source told it (``source`` "unknown", ``detail`` says what was tried). ``started_at``: when
+    the pending collective was enqueued (the Flight Recorder's ``time_created_ns``); None: the wait's own start."""
+
+    timeout_s: float | None
+    source: str  # one of DEADLINE_SOURCES
+    detail: str  # exactly where: "timeout_ms 900000 of gloo:all_gather in group 0 (default_pg), rank 1's dump"
+    started_at: float | None = None  # unix seconds
+    collective: str | None = None  # the pending collective the deadline is of, when the source names it
+
+    @property
+    def known(self) -> bool:
+        return self.timeout_s is not None
+
+    def due_at(self, waiting_since: float) -> float | None:
+        """When the job's own timeout ends a wait that began at ``waiting_since`` (None: unknown)."""
+        if self.timeout_s is None:
+            return None
+        return (self.started_at if self.started_at is not None else waiting_since) + self.timeout_s
+
+    def to_json(self) -> dict[str, object]:
+        return {"timeout_s": self.timeout_s, "source": self.source, "detail": self.detail,
+                "started_at": self.started_at, "collective": self.collective}
+
 
 @dataclass(frozen=True)
 class StackEvidence:
@@ -289,6 +321,9 @@ class JobStatus:
     held: str = ""
     comm: CommProgress | None = None  # NCCL's counts as last observed (NCCL RAS), fresh or not
     quiet_since: float | None = None  # since when no counter of the job moved (None: one moved this tick)
+    # A wait in communication on ranks that progress: the job's own deadline for it (detect.deadline), which the
+    # wait is given before it becomes a stall. None: no deadline governs the wait (unknown, or not in communication).
+    deadline: Deadline | None = None
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from gpu_watchdog.store.incidents import Incident, IncidentStore
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 CONTRACT = DATA / "contract"
-TIMES = {"at", "done_at", "onset", "detected_at", "finished_at", "confirmed_at", "created_at", "t", "since"}
+TIMES = {"at", "done_at", "onset", "detected_at", "finished_at", "confirmed_at", "created_at", "t", "since",
+         "acted_at", "due_at", "started_at", "saved_s", "gpu_seconds"}  # the deadline section: times and their spans
 
 
 class _Target:

@@ -318,6 +318,7 @@ FULL = Config(
                         spin_traffic_max_link_ratio=0.5, progress_cpu_min_cores=0.25,
                         progress_io_min_bytes_per_s=1e-3, progress_wakeups_min_per_s=7.0, progress_min_window_s=0.75,
                         suspect_after_s=1.5, confirm_after_s=8.0, stack_confirm_gap_s=1e6, waiting_timeout_s=1e20,
+                        deadline_margin_s=5.0, deadline_warn_ratio=0.75, deadline_still_max_s=9.0,
                         clear_after_s=4.0, waiting_stack_interval_s=30.0, heartbeat_stale_steps=3.0,
                         comm_progress_max_age_s=20.0),
     stacks=StacksConfig(enabled=False, py_spy="/opt/py spy/py-spy", timeout_s=2.5, concurrency=4, native=True,

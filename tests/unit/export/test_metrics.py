@@ -8,10 +8,11 @@ from typing import Any
 
 import prom
 import pytest
+from gpu_watchdog.act.events import TimeSaved
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.export.http import serve
 from gpu_watchdog.export.metrics import OVERFLOW, PYSPY_OUTCOMES, AgentMetrics
-from gpu_watchdog.model import DeviceSample, JobStatus, NodeSample, SampleError
+from gpu_watchdog.model import Deadline, DeviceSample, JobStatus, NodeSample, SampleError
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -125,6 +126,29 @@ def test_job_series_one_hot_and_waiting() -> None:
     assert series(m, "gpu_watchdog_rank_waited_on") == [{"job_id": "b", "rank": "0"}]
     # no pid label anywhere
     assert not any("pid" in s.labels for fam in m.registry.collect() for s in fam.samples)
+
+
+def test_a_wait_governed_by_the_jobs_deadline_exports_the_deadline_and_the_time_left() -> None:
+    m = AgentMetrics()
+    deadline = Deadline(900.0, "client", "every process group's timeout (15 min)")
+    jobs = {"a": JobStatus("a", state="waiting", ranks=(0, 1), waiting_since=T0 - 600, waiting_on=(0,),
+                           deadline=deadline),
+            "b": JobStatus("b", state="waiting", ranks=(0, 1), waiting_since=T0 - 30, waiting_on=(0,))}
+    m.update(node(t=T0), jobs, {})
+    assert value(m, "gpu_watchdog_job_deadline_seconds", job_id="a", source="client") == 900.0
+    assert value(m, "gpu_watchdog_job_deadline_left_seconds", job_id="a") == 300.0
+    assert series(m, "gpu_watchdog_job_deadline_left_seconds") == [{"job_id": "a"}]  # b: no deadline governs
+    m.update(node(t=T0 + 1), {"a": JobStatus("a")}, {})  # running again: the series go
+    assert series(m, "gpu_watchdog_job_deadline_left_seconds") == []
+
+
+def test_time_saved_counts_gpu_seconds() -> None:
+    m = AgentMetrics()
+    assert value(m, "gpu_watchdog_gpu_seconds_saved_total") == 0.0
+    m.count(TimeSaved(1795.0, 4 * 1795.0))
+    m.count(TimeSaved(0.0, 0.0))
+    assert value(m, "gpu_watchdog_gpu_seconds_saved_total") == 7180.0
+    assert value(m, "gpu_watchdog_incidents_total", kind="deadline") == 0.0
 
 
 def test_a_job_that_ends_stops_its_series() -> None:

@@ -38,4 +38,10 @@ class GpuFaulted:
     cause: int | str  # the Xid, or the fault's kind ("gpu_lost", …)
 
 
-ActEvent = IncidentOpened | StallConfirmed | ActionDone | JobRestarted | StacksDumped | GpuFaulted
+@dataclass(frozen=True)
+class TimeSaved:
+    saved_s: float  # from the recovery's stop to the job's own deadline
+    gpu_seconds: float  # saved_s times the job's GPUs on this node (its ranks, for a CPU job)
+
+
+ActEvent = IncidentOpened | StallConfirmed | ActionDone | JobRestarted | StacksDumped | GpuFaulted | TimeSaved

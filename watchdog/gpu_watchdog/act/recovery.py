@@ -15,12 +15,15 @@ from dataclasses import dataclass, field
 
 from gpu_watchdog.act.checkpoint import request_checkpoint
 from gpu_watchdog.act.engine_restart import engine_restart
-from gpu_watchdog.act.events import ActionDone, JobRestarted, StallConfirmed
+from gpu_watchdog.act.events import ActionDone, JobRestarted, StallConfirmed, TimeSaved
 from gpu_watchdog.act.gather import EvidenceGatherer, Gathered
 from gpu_watchdog.act.steps import Phase
 from gpu_watchdog.act.stopper import JobProcess, stop_processes, wait_memory_released
 from gpu_watchdog.act.target import ActContext, JobTarget
 from gpu_watchdog.act.transcript import Transcript
+from gpu_watchdog.evidence.deadline.saved import deadline_at_incident, time_saved
+from gpu_watchdog.evidence.deadline.sources import backend_of
+from gpu_watchdog.job.protocol import ControlDir
 from gpu_watchdog.model import FallbackSection, Finding, GivenUpBy, JobStatus, LevelRecord, NodeSample, RestartedBy
 from gpu_watchdog.policy.budget import BudgetVerdict, RestartBudget
 from gpu_watchdog.policy.ladder import WAITED_ADVICE, FallbackDecision, diagnostics_env
@@ -141,7 +144,8 @@ class Recovery:
             if plan.action == RESTART:
                 self.budget.refund()  # the job's next run is another agent's decision: nothing spent here
             return self._stand_down(t, target, sample, status, claimed[1], gathered)
-        return self._carry_out(t, plan, target, sample, status, gathered, claimed[1] if claimed else None)
+        return self._carry_out(t, plan, finding, target, sample, status, gathered,
+                               claimed[1] if claimed else None)
 
     def _result(self, t: Transcript, outcome: Phase, restart_env: dict[str, str] | None = None, level: int = 0,
                 by: str = "", hold: Hold | None = None) -> RecoveryResult:
@@ -166,7 +170,7 @@ class Recovery:
                     if self.ctx.runs is not None and _run_of(target) is not None else None)
         return self.budget.verdict(time.time(), hang_step, job_wide)
 
-    def _carry_out(self, t: Transcript, plan: Plan, target: JobTarget, sample: NodeSample,
+    def _carry_out(self, t: Transcript, plan: Plan, finding: Finding, target: JobTarget, sample: NodeSample,
                    status: JobStatus | None, gathered: Gathered, claimed: LevelRecord | None) -> RecoveryResult:
         """Checkpoint and stop the job, then give up or restart it as planned. The next run's settings are stored
         before the stop: a daemon killed before its restart hook resumes at this level."""
@@ -184,8 +188,9 @@ class Recovery:
         self._checkpoint(t, target, sample, status)
         t.enter(Phase.CHECKPOINTED)
         if plan.by_engine:
-            return self._restart_by_engine(t, plan, target, sample, status, gathered, restart_env)
+            return self._restart_by_engine(t, plan, finding, target, sample, status, gathered, restart_env)
         self._stop(t, target)
+        record_time_saved(t, finding, target.control, sample)
         t.enter(Phase.STOPPED)
         t.update(advice=decision.advice or None)  # with or without a next run, the advice stands
         if plan.action == GIVE_UP:
@@ -204,14 +209,16 @@ class Recovery:
                    else NOT_RESTARTED)
         return self._result(t, outcome, restart_env, decision.level)
 
-    def _restart_by_engine(self, t: Transcript, plan: Plan, target: JobTarget, sample: NodeSample,
-                           status: JobStatus | None, gathered: Gathered, restart_env: dict[str, str]) -> RecoveryResult:
+    def _restart_by_engine(self, t: Transcript, plan: Plan, finding: Finding, target: JobTarget,
+                           sample: NodeSample, status: JobStatus | None, gathered: Gathered,
+                           restart_env: dict[str, str]) -> RecoveryResult:
         """Only the hung ranks are ended; the job's own engine (``plan.by_engine``) restarts them from its latest
         checkpoint, the driver and the cluster running on. No backoff: the engine has its own."""
         ctx, decision = self.ctx, plan.decision
         assert decision is not None
         ranks = job_rank_processes(sample, target.job_id, dict(status.rank_pids) if status else {})
         stop_job(ctx, t, target, "the hung ranks: ", procs=ranks)
+        record_time_saved(t, finding, target.control, sample)
         t.enter(Phase.STOPPED)
         t.update(advice=decision.advice or None)
         if decision.advice:
@@ -401,6 +408,20 @@ def stop_job(ctx: ActContext, t: Transcript, target: JobTarget, why: str, *, wai
     return ok
 
 
+def record_time_saved(t: Transcript, finding: Finding, control: ControlDir | None, sample: NodeSample) -> None:
+    """After a stall's stop: the incident's ``deadline`` section (the job's own deadline, where it came from, how
+    much earlier the stop ended the job, in GPU- or rank-seconds), one console line, the counter."""
+    if finding.kind != "stall" or not finding.job_id:
+        return
+    deadline = deadline_at_incident(t.dir, control.groups() if control is not None else {},
+                                    backend_of(finding.job_id, sample))
+    rec = time_saved(deadline, finding.onset, time.time(), finding.job_id, sample)
+    t.update(deadline=rec.to_json())
+    t.say(rec.line())
+    if rec.saved_s is not None and rec.gpu_seconds is not None:
+        t.count(TimeSaved(rec.saved_s, rec.gpu_seconds))
+
+
 def observe(ctx: ActContext, finding: Finding, status: JobStatus | None, sample: NodeSample,
             stop: JobTarget | None, why: str) -> Incident:
     """A stall nobody will restart: the same evidence as a recovery; the job is stopped only when ``stop`` is
@@ -409,6 +430,7 @@ def observe(ctx: ActContext, finding: Finding, status: JobStatus | None, sample:
     gathered: Gathered = EvidenceGatherer(ctx).gather(t, finding, status, sample)
     if stop is not None:
         stop_job(ctx, t, stop, "")
+        record_time_saved(t, finding, stop.control, sample)
     t.record_action("observe", True, why)
     t.report(gathered.stacks)
     t.finish(f"observed: {why}")

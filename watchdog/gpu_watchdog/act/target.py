@@ -63,6 +63,9 @@ class ActContext:
     recent: RecentSamples | None = None  # the engine's ring of recent samples: each incident's trace
     runs: JobRuns | None = None  # fallback.shared_dir: the job-wide run records (multi-node jobs)
     fr_dumps: SuspectDumps | None = None  # the engine's Flight Recorder dumps asked for at suspect
+    # job → its latest ``deadline`` warning (incident id, due time, remedies): a crash or stall of that wait points
+    # back at it.
+    deadline_warnings: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def count(self, event: ActEvent) -> None:
         """Count an event in the metrics; a broken metrics collector is logged, never a reason to stop acting on a
@@ -87,7 +90,31 @@ class ActContext:
         inc = self.incidents.create(finding, self.host)
         self.count(IncidentOpened(finding.kind))
         self._keep_trace(inc, finding)
+        self._link_deadline_warning(inc, finding)
         return inc
+
+    def _link_deadline_warning(self, inc: Incident, finding: Finding) -> None:
+        """A ``deadline`` warning is remembered for its job; a crash or stall of that job before the warned
+        deadline (plus the margin) has passed refers to it and repeats its remedy — the job died of the timeout it
+        was warned about. A later one is a new story: the warning is dropped."""
+        job = finding.job_id or ""
+        if finding.kind == "deadline":
+            f = finding.facts
+            self.deadline_warnings[job] = {"incident": inc.id, "due_at": f.get("due_at"),
+                                           "timeout_s": f.get("timeout_s"), "source": f.get("source"),
+                                           "waiting_in": f.get("waiting_in"), "remedies": f.get("remedies") or []}
+            return
+        warned = self.deadline_warnings.get(job)
+        if warned is None or finding.kind not in ("rank_exited", "stall"):
+            return
+        due = warned.get("due_at")
+        if not isinstance(due, (int, float)) or finding.onset > due + self.cfg.detect.deadline_margin_s:
+            self.deadline_warnings.pop(job, None)
+            return
+        inc.update(deadline_warning=warned)
+        remedy = "; ".join(str(r) for r in warned["remedies"][:2])
+        self.say(f"job {job} ran into the deadline incident {warned['incident']} warned about (its "
+                 f"{warned['waiting_in'] or 'collective'} timeout, {warned['timeout_s']:.0f} s): {remedy}")
 
     def transcript(self, inc: Incident) -> Transcript:
         """What acting on the incident writes to: its record, the console (``say``) and the metrics subscribed."""

@@ -42,8 +42,8 @@ _MAY_BE_ZERO = {"detect.spin_power_max_w", "detect.util_idle_max_percent", "dete
                 "detect.spin_mem_util_max_percent", "detect.spin_traffic_max_link_ratio", "agent.incident_trace_s",
                 "agent.no_rank_warning_s",
                 "recovery.restart_backoff_s", "fallback.actor_grace_s", "ras.watch_interval_s"}
-_RATIOS = {"detect.spin_power_max_ratio", "detect.spin_traffic_max_link_ratio", "straggler.min_peer_wait_share",
-           "straggler.max_share_ratio"}
+_RATIOS = {"detect.spin_power_max_ratio", "detect.spin_traffic_max_link_ratio", "detect.deadline_warn_ratio",
+           "straggler.min_peer_wait_share", "straggler.max_share_ratio"}
 _PERCENTS = {"detect.util_idle_max_percent", "detect.spin_util_min_percent", "detect.spin_mem_util_max_percent",
              "straggler.cpu_budget_percent"}
 

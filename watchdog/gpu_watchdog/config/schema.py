@@ -47,7 +47,16 @@ class DetectConfig:
     suspect_after_s: float = 2.0  # no progress anywhere in the job for this long → suspect
     confirm_after_s: float = 30.0  # suspect this long → confirmed, when stack proof is unavailable
     stack_confirm_gap_s: float = 3.0  # two unchanged stack dumps this far apart confirm a suspect
-    waiting_timeout_s: float = 600.0  # "waiting on rank r" this long → a stall
+    # A wait with nothing moving (held: no communication evidence), or one whose job's own deadline is unknown,
+    # this long → a stall. A wait in a collective on ranks that progress ends at the job's deadline instead.
+    waiting_timeout_s: float = 600.0
+    # A wait in a collective on ranks that visibly progress: no action before the job's own deadline (its collective
+    # timeout, evidence.deadline) plus this margin — the job's timeout ends it first (docs/evidence.md).
+    deadline_margin_s: float = 60.0
+    deadline_warn_ratio: float = 0.5  # such a wait past this share of the deadline → a `deadline` warning
+    # ... while a waited-on rank's CPU, I/O or heartbeat moved within this (an NFS flush can sit a minute in one
+    # write()); still longer, nothing visibly moves and waiting_timeout_s stands again
+    deadline_still_max_s: float = 60.0
     clear_after_s: float = 2.0  # a confirmed stall clears after progress for this long
     waiting_stack_interval_s: float = 15.0  # re-dump stacks this often while a job waits on one rank
     # A step heartbeat (in-job client) still for this many of the rank's own step times: its CPU is not progress.

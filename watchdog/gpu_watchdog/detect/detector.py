@@ -33,11 +33,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpu_watchdog.config.schema import DetectConfig
+from gpu_watchdog.detect.deadline import deadline_applies, wait_limit_s
 from gpu_watchdog.detect.states import RUNNING, STALLED, SUSPECT, WAITING, Event, transition
 from gpu_watchdog.evidence.stacks.classify import kernel_wait
 from gpu_watchdog.evidence.stacks.diagnosis import RankContext, stacks_progressed
 from gpu_watchdog.model import (
     CommProgress,
+    Deadline,
     DeviceSample,
     Finding,
     JobState,
@@ -260,21 +262,15 @@ def _fmt_ranks(ranks: Iterable[int]) -> str:
 
 def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
          stacks: Sequence[StackEvidence] = (),
-         comm: Sequence[CommProgress] = ()) -> tuple[DetectorState, list[Finding]]:
-    """Advance the detector by one sample. Pure: same inputs, same outputs. ``stacks`` and ``comm`` are the stack
-    dumps and NCCL count observations that finished since the last call."""
+         comm: Sequence[CommProgress] = (),
+         deadlines: Mapping[str, Deadline] = {}) -> tuple[DetectorState, list[Finding]]:  # noqa: B006 (read only)
+    """Advance the detector by one sample. Pure. ``stacks``, ``comm``: the stack dumps and NCCL counts that finished
+    since the last call; ``deadlines``: the jobs' own deadlines for their current waits, as learnt so far."""
     t = sample.t
     prev_t = state.t if state.t is not None else t
     faulted, fault_keys, findings = _gpu_faults(state, sample)
 
-    # Traffic rates from cumulative counters.
-    traffic: dict[str, tuple[float, Counters]] = {}
-    traffic_bps: dict[str, float | None] = {}
-    for d in sample.devices:
-        traffic_bps[d.uuid] = traffic_rate(d, state.traffic.get(d.uuid), t)
-        if any(c is not None for c in _counters(d)):
-            traffic[d.uuid] = (t, _counters(d))
-
+    traffic, traffic_bps = _traffic(state, sample)
     by_job: dict[str, list[tuple[int, ProcessSample]]] = {}
     for p in sample.processes:
         if p.is_rank and p.job is not None and p.job.rank is not None:
@@ -302,12 +298,24 @@ def step(state: DetectorState, sample: NodeSample, cfg: DetectConfig,
             ranks_obs[(job_id, rank)] = obs_of[rank] = obs
         prev = replace(prev, comm=comm_by_job.get(job_id) or prev.comm)
         js = _advance_job(prev, t, prev_t, ranked, obs_of, devs, sigs, ev_by_job.get(job_id, []), cfg,
-                          counts, comm_by_job.get(job_id))
+                          counts, comm_by_job.get(job_id), deadlines.get(job_id))
         jobs[job_id] = js
         if js.state == STALLED and prev.state != STALLED:
             findings.append(_stall_finding(js, t, counts))
     # Jobs whose ranks are all gone simply end; a stall that ended with them was already reported.
     return DetectorState(t, ranks_obs, traffic, jobs, frozenset(faulted), frozenset(fault_keys)), findings
+
+
+def _traffic(state: DetectorState, sample: NodeSample) -> tuple[dict[str, tuple[float, Counters]],
+                                                                  dict[str, float | None]]:
+    """(each GPU's counters now, kept for the next tick; each GPU's traffic rate since the last tick)."""
+    traffic: dict[str, tuple[float, Counters]] = {}
+    traffic_bps: dict[str, float | None] = {}
+    for d in sample.devices:
+        traffic_bps[d.uuid] = traffic_rate(d, state.traffic.get(d.uuid), sample.t)
+        if any(c is not None for c in _counters(d)):
+            traffic[d.uuid] = (sample.t, _counters(d))
+    return traffic, traffic_bps
 
 
 def _gpu_faults(state: DetectorState, sample: NodeSample) -> tuple[set[str], set[str], list[Finding]]:
@@ -362,14 +370,20 @@ class _JobFacts:
     waiting_since: float | None = None  # partial: since when
     waiting_on: tuple[int, ...] = ()  # partial: the ranks the others wait on
     waiting_doing: str = ""  # partial: what those do
+    deadline: Deadline | None = None  # partial: the job's own deadline for the wait, when it governs the wait
 
 
 def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tuple[int, ProcessSample]],
                  obs: Mapping[int, _RankObs], devs: Sequence[DeviceSample], sigs: Sequence[str | None],
                  evidence_in: Sequence[StackEvidence], cfg: DetectConfig,
-                 counts: CommProgress | None = None, counts_new: CommProgress | None = None) -> JobStatus:
+                 counts: CommProgress | None = None, counts_new: CommProgress | None = None,
+                 deadline: Deadline | None = None) -> JobStatus:
     """Observe the job's facts, reduce them to one event, move by the table (detect.states), enter the state."""
     facts = _job_facts(prev, t, prev_t, ranked, obs, devs, sigs, evidence_in, cfg, counts, counts_new)
+    if facts.partial:
+        moved = [m for r in facts.waiting_on if r in obs for m in (obs[r].host_busy_t, obs[r].step_t) if m is not None]
+        still_s = t - max(moved) if moved else None
+        facts = replace(facts, deadline=deadline_applies(deadline, facts.waiting_on, facts.evidence, still_s, cfg))
     event = _event(prev, facts, t, cfg)
     return _enter(transition(prev.state, event), event, prev, facts, t, cfg)
 
@@ -500,7 +514,8 @@ def _event(prev: JobStatus, f: _JobFacts, t: float, cfg: DetectConfig) -> Event:
         return Event.NOT_CLEARED
     if f.partial:
         assert f.waiting_since is not None
-        return Event.TIMED_OUT if _lasted(t - f.waiting_since, cfg.waiting_timeout_s) else Event.PARTIAL
+        return Event.TIMED_OUT if _lasted(t - f.waiting_since, wait_limit_s(f.waiting_since, f.deadline, cfg)) \
+            else Event.PARTIAL
     return Event.PROGRESS
 
 
@@ -514,7 +529,7 @@ def _enter(state: JobState, event: Event, prev: JobStatus, f: _JobFacts, t: floa
     if event is Event.TIMED_OUT:  # a held stall (quiet) or a partial wait ran out: a stall to act on
         if not f.quiet:
             base = replace(base, waiting_since=f.waiting_since, waiting_on=f.waiting_on,
-                           waiting_doing=f.waiting_doing)
+                           waiting_doing=f.waiting_doing, deadline=f.deadline)
         return replace(base, state=state, since=t, onset=base.waiting_since, signature="waiting_timeout",
                        evidence=ev, progress_since=None, needs_stacks=False)
     if event is Event.HELD_QUIET:
@@ -538,10 +553,10 @@ def _enter(state: JobState, event: Event, prev: JobStatus, f: _JobFacts, t: floa
                                   cfg.waiting_stack_interval_s)
         return replace(base, state=state, since=prev.since if prev.state == WAITING else t, onset=None,
                        waiting_since=f.waiting_since, waiting_on=f.waiting_on, waiting_doing=f.waiting_doing,
-                       signature="", evidence=ev, progress_since=None, needs_stacks=needs)
+                       signature="", evidence=ev, progress_since=None, needs_stacks=needs, deadline=f.deadline)
     return replace(base, state=state, since=prev.since if prev.state == RUNNING else t, onset=None,
                    waiting_since=None, waiting_on=(), waiting_doing="", signature="", evidence=(),
-                   progress_since=None, needs_stacks=False, held="")
+                   progress_since=None, needs_stacks=False, held="", deadline=None)
 
 
 def hold_waiting(state: DetectorState, job_id: str, onset: float, why: str,

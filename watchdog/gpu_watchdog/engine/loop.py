@@ -22,6 +22,7 @@ from gpu_watchdog.config.schema import Config
 from gpu_watchdog.detect.consistency import ConfigReport, ConfigWatch, check_nodes, launch_env, run_key
 from gpu_watchdog.detect.detector import RUNNING, DetectorState, hold_waiting, step
 from gpu_watchdog.detect.stragglers import StragglerWatch
+from gpu_watchdog.evidence.deadline.watch import DeadlineWatch
 from gpu_watchdog.evidence.flight_recorder.dumps import SuspectDumps
 from gpu_watchdog.evidence.flight_recorder.watch import SuspectDumpWatch
 from gpu_watchdog.evidence.nccl_ras.poll import RasPoller
@@ -112,12 +113,14 @@ class Engine:
         # Ranks handed their rank in code (mp.spawn): the scanner asks for each one's rank, read from its stack.
         self.ranks_in_code = SpawnedRanks(cfg.stacks.py_spy, cfg.stacks.timeout_s)
         self.stragglers = StragglerWatch(lambda: self.cfg)  # observe only: its findings are recorded, never acted on
+        self.deadlines = DeadlineWatch(lambda: self.cfg)  # the jobs' own deadlines: the detector's and the warnings
         # The evidence sources that watch a job while it runs or is suspect, after each detector step: a new one
         # is one line here (evidence.source.JobWatch).
         self.watches: tuple[JobWatch, ...] = (
             SuspectDumpWatch(self.fr_dumps, pool, lambda: self.cfg.flight_recorder),
             RasWatch(self.ras, lambda: self.cfg.ras),
             self.stragglers,
+            self.deadlines,
         )
         scanner = getattr(backend, "scanner", None)
         if scanner is not None:
@@ -171,7 +174,7 @@ class Engine:
             self.recent.add(sample, dumps)
             own = self.ras.take_progress()
             comm = own + self._shared_comm()
-            state, findings = step(self.state, sample, self.cfg.detect, dumps, comm)
+            state, findings = step(self.state, sample, self.cfg.detect, dumps, comm, self.deadlines.known())
             self.state, self.last_sample = state, sample
             for w in self.watches:
                 findings.extend(w.watch(state.jobs, sample))
@@ -325,6 +328,7 @@ class Engine:
             self._shared.shutdown(wait=False, cancel_futures=True)
         self.ranks_in_code.close()
         self.stragglers.close()
+        self.deadlines.close()
 
     def _shared_pool(self) -> Executor:
         """One worker for the shared directory (a file system that hangs delays it, never a tick)."""

@@ -27,7 +27,8 @@ Series (alert rules: prometheus/alerts.yml; dashboard: grafana/dashboards/gpu-wa
     _gpu_info{+model_name} (1)
   per job {job_id}: gpu_watchdog_job_state{state} (one-hot: running/suspect/stalled/waiting), _job_stalled,
     _job_ranks (ranks on this node), _job_fallback_level, _job_waiting_seconds, _rank_waited_on{rank},
-    _job_config_info{digest}, and from the straggler watch (jobs with >= 2 ranks sampled here)
+    _job_config_info{digest}, _job_deadline_seconds{source} and _job_deadline_left_seconds (while the job's own
+    collective timeout governs a wait), and from the straggler watch (jobs with >= 2 ranks sampled here)
     _rank_wait_share{rank}, _rank_straggler_score{rank}, _rank_straggler{rank} (wait share alone where the node has
     one rank of the job: the alert rules compare nodes)
   agent: gpu_watchdog_up, _last_sample_timestamp_seconds, _start_time_seconds, _build_info{version},
@@ -35,7 +36,8 @@ Series (alert rules: prometheus/alerts.yml; dashboard: grafana/dashboards/gpu-wa
   counters: gpu_watchdog_incidents_total{kind}, _actions_total{action,result}, _restarts_total{job_id},
     _pyspy_dumps_total{outcome}, _nvml_errors_total{error_class},
     _process_errors_total{error_class}, _gpu_faults_total{UUID,kind},
-    _state_write_errors_total, _internal_errors_total{stage}
+    _state_write_errors_total, _internal_errors_total{stage}, _gpu_seconds_saved_total (GPU-seconds between
+    each recovery's stop and the job's own deadline: rank-seconds for a CPU job)
   histograms: gpu_watchdog_sample_duration_seconds, gpu_watchdog_detection_latency_seconds
 """
 
@@ -61,6 +63,7 @@ from gpu_watchdog.act.events import (
     JobRestarted,
     StacksDumped,
     StallConfirmed,
+    TimeSaved,
 )
 from gpu_watchdog.atomic import write_errors
 from gpu_watchdog.detect.states import JOB_STATES, STALLED, SUSPECT, WAITING
@@ -70,7 +73,7 @@ from gpu_watchdog.model import JobStatus, NodeSample, SampleError
 log = logging.getLogger(__name__)
 
 # Label sets that read 0 from the first scrape, so increase() sees the first event.
-INCIDENT_KINDS = ("stall", "gpu_fault", "config_mismatch", "rank_exited", "straggler")
+INCIDENT_KINDS = ("stall", "gpu_fault", "config_mismatch", "rank_exited", "straggler", "deadline")
 PYSPY_OUTCOMES = OUTCOMES  # py-spy dump outcomes; anything else counts as "other"
 OVERFLOW = "other"  # label value for values past a cap
 INTERNAL_ERROR_STAGES = ("tick", "act")  # the engine's tick after sampling; acting on a finding
@@ -138,6 +141,10 @@ _JOB_GAUGES = (
      "waiting)", ("job_id",)),
     ("gpu_watchdog_rank_waited_on", "1 for each rank on this node the job's other ranks wait on",
      ("job_id", "rank")),
+    ("gpu_watchdog_job_deadline_seconds", "the job's own timeout for the collective its ranks wait in (only while "
+     "it governs a wait), by where it came from (flight_recorder/client/default)", ("job_id", "source")),
+    ("gpu_watchdog_job_deadline_left_seconds", "seconds until the job's own collective timeout ends its current wait "
+     "(only while one governs a wait; negative: past it)", ("job_id",)),
     ("gpu_watchdog_job_config_info", "digest of the job's launch config on this node (differs across nodes: "
      "mismatched config)", ("job_id", "digest")),
     ("gpu_watchdog_rank_wait_share", "share (0..1) of the rank's stack samples over the straggler window spent "
@@ -218,6 +225,12 @@ class _SnapshotCollector:
                 waiting = js.state == WAITING and js.waiting_since is not None
                 fams["gpu_watchdog_job_waiting_seconds"].add_metric(
                     [j], max(0.0, s.t - js.waiting_since) if waiting else 0.0)  # type: ignore[operator]
+                due = js.deadline.due_at(js.waiting_since) if waiting and js.deadline is not None else None
+                if due is not None:
+                    assert js.deadline is not None and js.deadline.timeout_s is not None
+                    fams["gpu_watchdog_job_deadline_seconds"].add_metric([j, js.deadline.source],
+                                                                         js.deadline.timeout_s)
+                    fams["gpu_watchdog_job_deadline_left_seconds"].add_metric([j], due - s.t)
                 if waiting:
                     on = sorted(js.waiting_on)
                     ranks_dropped += max(0, len(on) - m.max_ranks)
@@ -280,6 +293,9 @@ class AgentMetrics:
                                  registry=r)
         self._pyspy = Counter("gpu_watchdog_pyspy_dumps", "py-spy stack dumps by outcome (failures: outcome != ok)",
                               ["outcome"], registry=r)
+        self._gpu_seconds_saved = Counter("gpu_watchdog_gpu_seconds_saved", "GPU-seconds between each recovery's "
+                                          "stop and the job's own collective deadline (known or PyTorch's default; "
+                                          "rank-seconds for a CPU job)", registry=r)
         self._nvml_errors = Counter("gpu_watchdog_nvml_errors", "non-fatal NVML errors while sampling, by error "
                                     "class", ["error_class"], registry=r)
         self._process_errors = Counter("gpu_watchdog_process_errors", "non-fatal errors reading processes while "
@@ -352,6 +368,8 @@ class AgentMetrics:
                 self.pyspy_dump(outcome)
             case GpuFaulted(gpu, cause):
                 self.gpu_fault(gpu, cause)
+            case TimeSaved(_, gpu_seconds):
+                self.gpu_seconds_saved(gpu_seconds)
 
     def incident(self, kind: str) -> None:
         self._incidents.labels(self._kind_cap(kind)).inc()
@@ -374,6 +392,10 @@ class AgentMetrics:
         key = self._fault_cap(f"{uuid}\0{kind}")
         u, k = key.split("\0", 1) if key != OVERFLOW else (OVERFLOW, OVERFLOW)
         self._gpu_faults.labels(u, k).inc()
+
+    def gpu_seconds_saved(self, gpu_seconds: float) -> None:
+        """GPU-seconds (rank-seconds on a CPU job) between a recovery's stop and the job's own deadline."""
+        self._gpu_seconds_saved.inc(max(0.0, gpu_seconds))
 
     def detection_latency(self, seconds: float) -> None:
         self._detection_latency.observe(max(0.0, seconds))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -69,6 +70,7 @@ class Client:
         self._lock = threading.Lock()  # one save at a time: the main thread or the helper, never both
         self._saved = False
         self._thread: threading.Thread | None = None
+        self._groups_reported = 0  # how many process groups the last groups-<rank>.json listed
 
     @classmethod
     def from_env(cls) -> Client:
@@ -126,6 +128,7 @@ class Client:
                 tmp.replace(path)
             except OSError as e:
                 self._lost(e)
+            self._report_groups()
         if self._request is not None and not self._aborted.is_set():
             self._boundary_reached.set()
             self._save_and_ack("saved")
@@ -146,6 +149,21 @@ class Client:
             self._save_and_ack("aborted_saved")  # the collective raised because we aborted it
             self._wait_for_peers()
             raise SystemExit(EXIT_ABORTED) from None
+
+    def _report_groups(self) -> None:
+        """Tell the agent every process group's timeout (the job's own deadline for a collective in it), again
+        whenever the job made more groups. A count per step; the list only when it changed."""
+        pg_names = _pg_names()
+        if pg_names is None or len(pg_names) == self._groups_reported or self.control_dir is None:
+            return
+        try:
+            write_json_atomic(self.control_dir / f"groups-{self.rank}.json",
+                              {"rank": self.rank, "pid": os.getpid(), "t": time.time(),
+                               "groups": process_groups(pg_names)})
+        except OSError as e:
+            self._lost(e)
+            return
+        self._groups_reported = len(pg_names)
 
     def _mark_done(self) -> None:
         """Tell the agent this rank's training loop ended without an exception: a death after this (PyTorch's
@@ -241,3 +259,32 @@ class Client:
 
     def close(self) -> None:
         self._done.set()
+
+
+def _pg_names() -> dict | None:
+    """torch.distributed's group → name map, when the job has initialised it (torch is never imported here)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return None
+        return dict(dist.distributed_c10d._world.pg_names)
+    except Exception:  # a torch without these internals: no report, never a failed step
+        return None
+
+
+def process_groups(pg_names: dict) -> list[dict]:
+    """Each process group's name, description, global ranks and timeout (the longest of its backends')."""
+    from torch.distributed import distributed_c10d as c10d
+
+    out = []
+    for pg, name in pg_names.items():
+        timeouts = []
+        for device in getattr(pg, "_device_types", ()):
+            try:
+                timeouts.append(pg._get_backend(device).options._timeout.total_seconds())
+            except Exception:  # a backend without options (a fake or custom one): its timeout is not known
+                continue
+        out.append({"name": str(name), "desc": str(getattr(pg, "group_desc", "") or ""),
+                    "ranks": sorted(int(r) for r in c10d._world.pg_group_ranks.get(pg, {})),
+                    "timeout_s": max(timeouts) if timeouts else None})
+    return out

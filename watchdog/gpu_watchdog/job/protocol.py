@@ -10,6 +10,9 @@ The agent gives the job a control directory through ``GPU_WATCHDOG_CONTROL_DIR``
                           ``saved`` (at a step boundary), ``aborted_saved`` (after aborting the process
                           group), ``skipped`` (no step completed in this run: the callback was not called,
                           ``step`` is null) or ``failed`` (the callback raised; ``detail`` says what)
+- ``groups-<rank>.json``  the rank's process groups once it has some, rewritten when their number changes:
+                          {rank, pid, t, groups: [{name, desc, ranks, timeout_s}]} — each group's own timeout,
+                          the deadline of a collective in it (evidence.deadline)
 - ``done-<rank>.json``    the rank's training loop (``client.training()``) ended without an exception:
                           {rank, pid, step, t} — a death after it is a death at teardown, never restarted
 Files are written to a temp name and renamed, so a reader never sees half a file.
@@ -81,6 +84,10 @@ class ControlDir:
     def finished(self) -> dict[int, dict[str, Any]]:
         """The ranks whose training loop ended without an exception in this run (``done-<rank>.json``)."""
         return self._by_rank("done-*.json")
+
+    def groups(self) -> dict[int, dict[str, Any]]:
+        """The process groups (with their timeouts) each rank's client reported (``groups-<rank>.json``)."""
+        return self._by_rank("groups-*.json")
 
     def steps(self) -> dict[int, int]:
         out = {}

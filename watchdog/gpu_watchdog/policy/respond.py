@@ -3,7 +3,8 @@
 - ``drain``: a GPU fault a restart on this node cannot fix (lost GPU, reset required, any Xid not in
   ``faults.application_xids``): stop the jobs on that GPU, drain the node.
 - ``record``: an application Xid (the job's own error; the GPU keeps serving others), ranks launched with
-  different settings, a straggler (one rank the others keep waiting for): an incident, nothing is stopped.
+  different settings, a straggler (one rank the others keep waiting for), a wait nearing the job's own collective
+  timeout (``deadline``): an incident, nothing is stopped.
 - ``recover``: a stall (or a requested restart) of a job this agent supervises — ``launch``'s own job, a job
   registered with the daemon — while ``recovery.enabled``: evidence, checkpoint, stop, restart.
 - ``observe``: a stall nobody can restart (a job not registered with the daemon) or with recovery disabled:
@@ -22,6 +23,7 @@ from gpu_watchdog.sample.xid import is_draining
 RECORD_ONLY_KINDS = {
     "config_mismatch": "ranks launched with different settings hang later; nothing to stop yet",
     "straggler": "a slow rank is not a stuck one: observed, never stopped",
+    "deadline": "a wait nearing the job's own timeout may still complete: a warning, never a stop",
 }
 RECOVER, DRAIN, RECORD, OBSERVE = "recover", "drain", "record", "observe"
 

@@ -33,7 +33,8 @@ with ``process_group`` = (name, desc), ``collective_seq_id``, ``p2p_seq_id``, ``
 ("nccl:all_reduce", "nccl:send 0->1", "gloo:recv 1<-0"), ``input_sizes``, ``input_dtypes``, ``state`` (scheduled /
 started / completed: NCCL tracks it; gloo always says scheduled and marks a finished entry ``retired``; a batch —
 ``batch_isend_irecv``, a coalesced collective — is closed by a ``coalesced`` entry whose state is the batch's),
-``time_created_ns``. Everything is read defensively: a field of the wrong type is treated as absent.
+``time_created_ns``, ``timeout_ms`` (the group's timeout when the op was enqueued). Everything is read
+defensively: a field of the wrong type is treated as absent.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class FrOp:
     state: str
     done: bool
     created_s: float | None
+    timeout_s: float | None = None  # the collective's own timeout (``timeout_ms``): when the backend gives up on it
 
     @property
     def is_p2p(self) -> bool:
@@ -273,7 +275,8 @@ def _record_entry(gv: GroupView, e: Mapping[str, Any]) -> None:
         seq=seq, p2p_seq=p2p_seq, op=op, peer=peer, sizes=_sizes(e.get("input_sizes")),
         dtypes=tuple(str(d) for d in e.get("input_dtypes") or () if isinstance(d, str)),
         state=str(e.get("state", "?")), done=done,
-        created_s=created / 1e9 if isinstance(created, (int, float)) and created > 0 else None))
+        created_s=created / 1e9 if isinstance(created, (int, float)) and created > 0 else None,
+        timeout_s=max(_int(e.get("timeout_ms"), 0), 0) / 1000.0 or None))
     if not (peer is not None or e.get("is_p2p")):
         gv.last_enqueued = max(gv.last_enqueued, seq)
 

@@ -159,7 +159,7 @@ class SuspectDumps:
             environ: Any = None) -> tuple[str, ...]:
         """Read the job's FR settings from one rank's environment and write a byte to each rank's dump FIFO.
         Returns the FIFOs that took it (none: no FR, no trigger, or the ranks do not serve the FIFO)."""
-        env = (environ or _rank_environ)(rank_pids)
+        env = (environ or rank_environ)(rank_pids)
         settings = fr_settings(env)
         if settings is None or settings.pipe_prefix is None:
             return ()
@@ -190,7 +190,7 @@ class SuspectDumps:
             return set(self._streak)
 
 
-def _rank_environ(rank_pids: Mapping[int, int]) -> dict[str, str]:
+def rank_environ(rank_pids: Mapping[int, int]) -> dict[str, str]:
     """The environment of the first of the job's ranks that can be read (FR settings are job-wide)."""
     import psutil
 
@@ -350,3 +350,14 @@ def dump_files(directory: str | os.PathLike[str]) -> list[Path]:
         except OSError:
             continue
     return out
+
+
+def dumped_since(settings: FrSettings, ranks: Iterable[int], t: float) -> bool:
+    """Whether every one of ``ranks`` has a dump file written at or after ``t`` (unix seconds)."""
+    for rank in ranks:
+        try:
+            if settings.dump_path(rank).stat().st_mtime < t:
+                return False
+        except OSError:
+            return False
+    return True

@@ -56,11 +56,11 @@ class FlightRecorderAtIncident:
         prefix), after asking the ranks without a suspect-time dump and waiting up to FR_WAIT_S for them."""
         suspect = self.suspect_dumps.asked_at(job.job_id) if self.suspect_dumps is not None and job.job_id else None
         asked_at = suspect[0] if suspect else time.time()
-        ask = [r for r in sorted(job.rank_pids) if suspect is None or not _fresh(settings, {r: 0}, asked_at)]
+        ask = [r for r in sorted(job.rank_pids) if suspect is None or not fr.dumped_since(settings, {r: 0}, asked_at)]
         triggered = list(dict.fromkeys([*(suspect[1] if suspect else ()), *fr.trigger_dumps(settings, ask)]))
         when = f" (at suspect, {time.time() - suspect[0]:.0f}s earlier)" if suspect else ""
         deadline = time.monotonic() + (FR_WAIT_S if triggered else 0.0)
-        while time.monotonic() < deadline and not _fresh(settings, job.rank_pids, asked_at):
+        while time.monotonic() < deadline and not fr.dumped_since(settings, job.rank_pids, asked_at):
             time.sleep(0.2)
         files = fr.collect_dumps(settings, fr_dir(job.incident_dir), ranks=sorted(job.rank_pids), newer_than=started)
         return files, triggered, when
@@ -93,12 +93,3 @@ def _rank_env(rank_pids: Mapping[int, int]) -> tuple[dict[str, str], float | Non
             continue
     return env, min(started) if started else None
 
-
-def _fresh(settings: fr.FrSettings, rank_pids: Mapping[int, int], asked_at: float) -> bool:
-    for rank in rank_pids:
-        try:
-            if settings.dump_path(rank).stat().st_mtime < asked_at:
-                return False
-        except OSError:
-            return False
-    return True
