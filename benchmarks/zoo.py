@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
-from zoo_runs import CASES, COMM_HANG, HEALTHY, SPAWNED, WAITING, Case, Row, run_case  # noqa: E402
+from zoo_runs import CASES, COMM_HANG, HEALTHY, OWN_TIMEOUT, SPAWNED, WAITING, Case, Row, run_case  # noqa: E402
 
 MORE = ("ddp_activation_checkpointing", "ddp_autocast", "fsdp2_dcp", "zero_optimizer", "ddp_comm_hook",
         "ddp_join", "dcp_checkpoint", "ddp_no_sync", "ddp_unused", "dtensor_tp", "pipeline")
@@ -35,8 +35,9 @@ EXTRA = (
     *(Case(p, "poll", HEALTHY, args=("--pause-s", "10")) for p in MORE),
     *(Case(p, "event_wait", COMM_HANG, (2,)) for p in MORE),
     Case("tp_dp_groups", "poll", HEALTHY, args=("--pause-s", "10"), nproc=4),
-    Case("ddp_join", "busy", WAITING, (2,), waiting_timeout_s=20.0),
-    Case("ddp_plain", "dstate", WAITING, (2,), waiting_timeout_s=20.0),  # a rank in D on a dead NFS mount
+    Case("ddp_join", "busy", OWN_TIMEOUT, (2,), waiting_timeout_s=20.0, pg_timeout_s=25.0, finishes=False),
+    # a rank in D on a dead NFS mount: nothing visibly moves, so waiting_timeout_s stands, not the job's deadline
+    Case("ddp_plain", "dstate", WAITING, (2,), waiting_timeout_s=20.0, still_max_s=5.0),
 )
 
 
@@ -59,7 +60,8 @@ def main() -> None:
     print(f"{'program':<18} {'variant':<16} {'expect':<8} {'detected':>8} {'culprit':<8} {'collective':<15} "
           f"{'action':<9} {'NCCL':<5} {'false action':<12} {'exit':>4} {'wall':>6}")
     for case, r, wall in rows:
-        early = (r.detected_after_s or 0.0) < (case.waiting_timeout_s or 600.0) - 1.0
+        bound = case.pg_timeout_s if case.expect == OWN_TIMEOUT else case.waiting_timeout_s
+        early = (r.detected_after_s or 0.0) < (bound or 600.0) - 1.0
         false_action = r.verdict == "acted" and (case.expect == HEALTHY or (case.expect != COMM_HANG and early))
         print(f"{r.program:<18} {r.variant:<16} {case.expect:<8} {_s(r.detected_after_s):>8} "
               f"{_ranks(r.culprit):<8} {(r.collective or '-'):<15} {r.verdict:<9} "

@@ -86,6 +86,10 @@ def test_a_save_past_the_jobs_own_timeout_is_warned_about_and_the_crash_points_a
         # the warning came well before the job's timeout fired (the issue: >= 60 s of 300 s, scaled: 6 s of 30 s)
         assert min(e["t"] for e in timed_out) - warning["detected_at"] >= 30.0 * 0.2
         assert crash["deadline_warning"]["incident"] == warning["id"], crash
+        # the waiters exited first (gloo raised in them): the crash names rank 0, whom they waited on, never them
+        assert crash["culprit_ranks"] == [0], crash
+        assert crash["own_timeout"]["waited_on"] == [0] and crash["own_timeout"]["timeout_s"] == 30.0, crash
+        assert "hit the job's own 30 s collective timeout waiting" in crash["finding"], crash["finding"]
         assert "ran into the deadline incident" in out and "async_save" in out
         assert not [a for a in crash["actions"] if a["action"] == "stop" and "SIGTERM" in a.get("detail", "")]
     finally:

@@ -24,6 +24,9 @@ from waiting import wait_for
 
 ZOO = REPO / "tests" / "zoo"
 HEALTHY, COMM_HANG, WAITING = "healthy", "hang", "waiting"  # what a case expects
+# A wait in a collective on a rank that keeps working: the agent never acts before the job's own collective timeout,
+# which ends the job; the crash incident names the rank its peers waited on (docs/deadline.md).
+OWN_TIMEOUT = "own_timeout"
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class Case:
     culprit: tuple[int, ...] = ()  # COMM_HANG / WAITING: the ranks to name (empty: don't check)
     args: tuple[str, ...] = ()
     waiting_timeout_s: float | None = None  # shortened where the case must reach it
+    still_max_s: float | None = None  # detect.deadline_still_max_s, shortened with waiting_timeout_s where needed
+    pg_timeout_s: float | None = None  # OWN_TIMEOUT: the job's own group timeout (init_process_group(timeout=))
     data_service: bool = False
     collective: str | None = None  # the waiting majority's collective, when the case pins it
     finishes: bool = True  # the restarted run completes
@@ -69,7 +74,9 @@ CASES: tuple[Case, ...] = (
     Case("lightning_ddp", "event_wait", COMM_HANG, (2,)),
     Case("manual_allreduce", "event_wait", COMM_HANG, (2,), collective="all_reduce"),
     Case("tp_dp_groups", "event_wait", COMM_HANG, (2,), nproc=4),
-    Case("ddp_plain", "busy", WAITING, (2,), waiting_timeout_s=20.0),
+    # Endless compute in a rank while its peers wait in DDP's all-reduce: it visibly progresses (CPU), so only the
+    # job's own timeout (25 s here) ends the wait; the agent does not act before it.
+    Case("ddp_plain", "busy", OWN_TIMEOUT, (2,), waiting_timeout_s=20.0, pg_timeout_s=25.0, finishes=False),
     Case("ddp_plain", "poll", WAITING, args=("--pause-s", "600", "--hang-runs", "9"), waiting_timeout_s=20.0,
          finishes=False),
 )
@@ -149,8 +156,10 @@ def row_of(rows: Mapping[str, Row | BaseException], case: Case) -> Row:
 
 
 def run_case(tmp: Path, case: Case, timeout_s: float = 240.0) -> Row:
-    config = {"detect": {"waiting_timeout_s": case.waiting_timeout_s}} if case.waiting_timeout_s else None
-    args = ("--steps", "8", *case.args)
+    detect = {k: v for k, v in (("waiting_timeout_s", case.waiting_timeout_s),
+                                ("deadline_still_max_s", case.still_max_s)) if v is not None}
+    config = {"detect": detect} if detect else None
+    args = ("--steps", "8", *case.args, *(("--pg-timeout-s", str(case.pg_timeout_s)) if case.pg_timeout_s else ()))
     if case.data_service:
         with data_service(2.0, 8) as addr:
             return run_variant(tmp, case.program, case.variant, nproc=case.nproc, args=args, config=config,
@@ -216,6 +225,13 @@ def assert_row(case: Case, row: Row) -> None:
         assert row.detected_after_s <= 10.0, row
         assert row.verdict == "acted", row
         assert ("restart" in row.actions) or ("rank_exited" in row.fallback_reason), row
+    elif case.expect == OWN_TIMEOUT:
+        assert case.pg_timeout_s is not None and row.verdict != "acted", row  # never before the job's own deadline
+        # the job's timeout fired (counted from when its peers entered the collective, a slow step before the onset
+        # event at worst) and torchrun tore the job down: the crash incident, a second or so later
+        assert case.pg_timeout_s - 2.5 <= row.detected_after_s <= case.pg_timeout_s + 15.0, row
+        assert row.rc != 0 and row.incidents == 1, row  # the job's own timeout ended it: nothing to finish
+        return
     else:
         timeout = case.waiting_timeout_s or 600.0
         # The wait is counted from when the job went quiet: the peers may have waited in the collective before

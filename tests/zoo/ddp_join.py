@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 def main() -> None:
     args = zc.parse_args(__doc__)
-    with zc.process_group() as rank:
+    with zc.process_group(timeout_s=args.pg_timeout_s) as rank:
         model = DDP(zc.small_model())
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         my_steps = args.steps + rank  # uneven: rank r has r more batches

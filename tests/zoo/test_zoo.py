@@ -7,8 +7,10 @@ Every row of ``zoo_runs.CASES`` (the table benchmarks/zoo.py prints) is asserted
 - hangs with communication evidence (peers in DDP's backward, FSDP's, TP's, the pipeline's p2p, an all_gather)
   are confirmed within 10 s of the onset, the culprit named, never an NCCL change for a hang in the culprit's own
   code, and the restarted run finishes;
-- hangs without it (a busy rank, a whole job polling forever) wait for ``waiting_timeout_s``: a plain restart with
-  advice, and a job that comes back polling at the same place gives up at once (exit 75).
+- hangs without it (a whole job polling forever) wait for ``waiting_timeout_s``: a plain restart with advice, and a
+  job that comes back polling at the same place gives up at once (exit 75);
+- a rank that keeps computing while its peers wait in a collective is never stopped before the job's own collective
+  timeout, which ends the job; the crash incident names the busy rank, not the waiters that exited first.
 
 The rows run two at a time (independent jobs; the machine's load is part of what the rules must survive), once
 per session, and each test asserts its own row.

@@ -122,3 +122,15 @@ def test_a_rank_stuck_in_a_kernel_wait_gets_waiting_timeout_not_the_deadline() -
     # 60 s after the wait began (waiting_timeout_s), not at the 300 s deadline: rank 0 had been still for 20 s
     assert f.confirmed_at - samples[4].t == 60.0
     assert states[10].jobs[JOB].deadline == CLIENT_300  # while it wrote, the deadline governed
+
+
+def test_a_governed_wait_keeps_its_deadline_when_the_tick_sees_everyone_move() -> None:
+    """As a save ends, every rank moves again at once: the tick's waiting ranks and its latest dump no longer show
+    anyone in a collective. The wait the deadline governs keeps it (it never becomes a stall on that tick, past
+    waiting_timeout_s); only a waited-on rank that went still loses it."""
+    everyone = (0, 1, 2, 3)
+    assert deadline_applies(None, everyone, (), 1.0, CFG) is None
+    assert deadline_applies(None, everyone, (), 1.0, CFG, governed=CLIENT_300) == CLIENT_300
+    newer = Deadline(900.0, "flight_recorder", "timeout_ms 900000", started_at=0.0)
+    assert deadline_applies(newer, everyone, (), 1.0, CFG, governed=CLIENT_300) == newer
+    assert deadline_applies(None, (0,), (), CFG.deadline_still_max_s + 1.0, CFG, governed=CLIENT_300) is None

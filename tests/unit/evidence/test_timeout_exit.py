@@ -43,3 +43,10 @@ def test_no_verdict_without_the_evidence() -> None:
     # the rank the detector saw waited on printed a timeout itself: it was waiting too, so nobody is named
     assert timeout_exit(GLOO, _waiting((1,)), first=(2,)) is None
     assert timeout_exit(GLOO, _waiting((1, 2, 3)), first=(2,)) is None
+
+
+def test_an_older_wait_is_not_the_one_that_timed_out() -> None:
+    """The waiters sat in the collective for the whole timeout before they exited: a wait the detector last saw
+    before that window is another one (it ended), so it names nobody."""
+    assert timeout_exit(GLOO, _waiting((0,)), (2,), seen_at=100.0, exited_at=129.0) is not None
+    assert timeout_exit(GLOO, _waiting((0,)), (2,), seen_at=100.0, exited_at=131.0) is None

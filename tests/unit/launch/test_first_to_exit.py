@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import signal
 
-from gpu_watchdog.launch.exits import finished_work, first_to_exit
+import pytest
+from gpu_watchdog.launch.exits import Exits, TorchrunReport, finished_work, first_to_exit, with_report
 
 KILLED = signal.SIGKILL  # a waitpid status: killed by SIGKILL
 TERMINATED = signal.SIGTERM
@@ -99,3 +100,84 @@ def test_the_in_job_clients_end_of_training_shows_the_work_done_whatever_the_pee
     assert why is not None and "rank 2 had ended its training loop (last step 12)" in why
     assert finished_work((2,), (0, 1, 2), exits, {0: 12, 1: 12}) is None  # not the rank that died
     assert finished_work((), (0, 1, 2), exits, {0: 12, 1: 12, 2: 12}) is None  # which rank failed is not known
+
+
+# torchrun's report (launch.exits.TorchrunReport): the same facts when torchrun reaped the ranks before the agent read
+# them. What it lists of a teardown abort after the peers exited 0: rank 2 only, nothing torn down.
+TEARDOWN_REPORT = TorchrunReport({2: (-6, 12)})
+MID_TRAINING_REPORT = TorchrunReport({2: (-6, 12), 0: (-15, 10), 1: (-15, 11)}, frozenset({10, 11}))
+
+
+def test_peers_reaped_before_the_agent_read_them_are_shown_exited_0_by_torchruns_report() -> None:
+    """The issue: on a busy host the agent woke after torchrun reaped ranks 0 and 1 (no status) and only caught rank
+    2's SIGABRT; without torchrun's report that restarted a finished job."""
+    exits = {0: (100.0, None), 1: (100.01, None), 2: (102.0, ABORTED)}
+    assert finished_work((2,), (0, 1, 2), exits, {}, command_exited_at=102.2) is None  # what it was
+    why = finished_work((2,), (0, 1, 2), exits, {}, command_exited_at=102.2, report=TEARDOWN_REPORT)
+    assert why is not None and "rank 0, rank 1 exited 0" in why and "torchrun's report" in why
+    merged = with_report(exits, TEARDOWN_REPORT, (0, 1, 2), 102.2)
+    assert first_to_exit(merged, 102.2) == (2,)  # and the rank that failed is rank 2, not the earliest peers
+
+
+def test_a_failed_rank_reaped_before_the_agent_read_it_is_shown_killed_by_torchruns_report() -> None:
+    """Reproduced on this box with two CPU burners: the peers' 0 read, rank 2's status reaped away."""
+    exits = {0: (100.0, EXIT_0), 1: (100.01, EXIT_0), 2: (102.0, None)}
+    assert first_to_exit(exits, 102.2) == (2,)
+    assert finished_work((2,), (0, 1, 2), exits, {}, command_exited_at=102.2) is None
+    assert finished_work((2,), (0, 1, 2), exits, {}, command_exited_at=102.2, report=TEARDOWN_REPORT) is not None
+
+
+def test_exits_seen_only_after_the_command_ended_are_still_proven_by_the_report() -> None:
+    """The agent so late that its one wakeup handled the command's exit before the peers': their exit times follow
+    the command's. torchrun reported them (before it exited), so they ended under it."""
+    exits = {0: (103.0, None), 1: (103.0, None), 2: (103.0, None)}
+    assert finished_work((2,), (0, 1, 2), exits, {}, command_exited_at=102.9, report=TEARDOWN_REPORT) is not None
+    assert first_to_exit(with_report(exits, TEARDOWN_REPORT, (0, 1, 2), 102.9), 102.9) == (2,)
+
+
+def test_ranks_the_agent_never_saw_exit_are_added_from_the_report_and_its_own_reads_are_kept() -> None:
+    exits = {2: (102.0, ABORTED), 0: (100.0, EXIT_0)}
+    merged = with_report(exits, TEARDOWN_REPORT, (0, 1, 2), 102.5)
+    assert merged == {2: (102.0, ABORTED), 0: (100.0, EXIT_0), 1: (102.5, EXIT_0)}
+    assert with_report(exits, None, (0, 1, 2), 102.5) == exits
+
+
+def _exits(statuses: dict[int, int], read: bool) -> Exits:
+    """What the agent saw: every status read, or every exit seen with its status reaped away."""
+    return {r: (100.0 + 0.01 * r, st if read else None) for r, st in statuses.items()}
+
+
+@pytest.mark.parametrize("case, statuses, report, finished", [
+    ("teardown abort", {0: EXIT_0, 1: EXIT_0, 2: ABORTED}, TEARDOWN_REPORT, True),
+    ("abort mid-training", {0: TERMINATED, 1: TERMINATED, 2: ABORTED}, MID_TRAINING_REPORT, False),
+    ("exception after peers exited 0", {0: EXIT_0, 1: EXIT_0, 2: EXIT_1}, TorchrunReport({2: (1, 12)}), False),
+    ("peers' collective failed", {0: EXIT_1, 1: EXIT_1, 2: ABORTED},
+     TorchrunReport({2: (-6, 12), 0: (1, 10), 1: (1, 11)}), False),
+])
+def test_the_verdict_is_the_same_from_the_agents_read_torchruns_report_or_both(
+        case: str, statuses: dict[int, int], report: TorchrunReport, finished: bool) -> None:
+    verdicts = {finished_work((2,), (0, 1, 2), _exits(statuses, read), {}, command_exited_at=101.0,
+                              report=told) is not None
+                for read, told in ((True, None), (False, report), (True, report))}
+    assert verdicts == {finished}, case
+
+
+def test_a_rank_that_torchrun_signalled_and_then_exited_0_proves_nothing() -> None:
+    """torchrun tore down pid 11 and does not list it (it exited 0 from a SIGTERM handler): rank 1 is unknown."""
+    exits = {0: (100.0, None), 1: (100.01, None), 2: (100.3, ABORTED)}
+    report = TorchrunReport({2: (-6, 12)}, frozenset({11}))
+    assert finished_work((2,), (0, 1, 2), exits, {}, report=report) is None
+
+
+def test_the_agent_and_torchrun_disagreeing_proves_nothing() -> None:
+    exits = {0: (100.0, EXIT_1), 1: (100.01, EXIT_0), 2: (100.3, ABORTED)}  # the agent read rank 0 exit 1
+    assert finished_work((2,), (0, 1, 2), exits, {}, report=TEARDOWN_REPORT) is None
+    killed_by_term = {0: (100.0, EXIT_0), 1: (100.01, EXIT_0), 2: (100.3, TERMINATED)}
+    assert finished_work((2,), (0, 1, 2), killed_by_term, {}, report=TEARDOWN_REPORT) is None
+
+
+def test_a_failure_torchrun_lists_beyond_the_failed_ranks_proves_nothing() -> None:
+    """Rank 3, never named by the agent, failed too (exit 1): the work is not shown done."""
+    exits = {0: (100.0, EXIT_0), 1: (100.01, EXIT_0), 2: (100.3, ABORTED)}
+    report = TorchrunReport({2: (-6, 12), 3: (1, 13)})
+    assert finished_work((2,), (0, 1, 2), exits, {}, report=report) is None

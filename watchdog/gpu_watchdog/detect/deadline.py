@@ -17,14 +17,23 @@ from gpu_watchdog.model import Deadline, StackEvidence
 
 
 def deadline_applies(deadline: Deadline | None, waiting_on: Sequence[int], evidence: Sequence[StackEvidence],
-                     still_s: float | None, cfg: DetectConfig) -> Deadline | None:
+                     still_s: float | None, cfg: DetectConfig, governed: Deadline | None = None) -> Deadline | None:
     """``deadline`` when it governs the wait: known; the waited-on ranks visibly progress — their CPU time, I/O or
     step heartbeat moved within ``detect.deadline_still_max_s`` (``still_s``: how long ago; None: never seen move),
     unlike a read that never returns or a rank in uninterruptible sleep on a dead mount, where nothing moves and
     ``waiting_timeout_s`` stands; and the waiting ranks wait in communication — the Flight Recorder found the pending
     collective it is the timeout of, or the wait's latest stack dump shows a rank that is not waited on inside a
-    collective or a device sync. Else None."""
-    if deadline is None or not deadline.known or still_s is None or still_s > cfg.deadline_still_max_s:
+    collective or a device sync. Else None.
+
+    ``governed``: the deadline that already governs this same wait. It keeps governing it (the newest known
+    deadline) while the waited-on ranks visibly progress: which ranks the tick sees waiting, and which dump is the
+    latest, flip as the wait ends (every rank moves again at once), and a wait must never lose its deadline — and
+    become a stall past ``waiting_timeout_s`` — on such a tick."""
+    if still_s is None or still_s > cfg.deadline_still_max_s:
+        return None
+    if governed is not None:
+        return deadline if deadline is not None and deadline.known else governed
+    if deadline is None or not deadline.known:
         return None
     if deadline.source == "flight_recorder":
         return deadline

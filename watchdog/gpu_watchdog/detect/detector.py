@@ -383,7 +383,9 @@ def _advance_job(prev: JobStatus, t: float, prev_t: float, ranked: Sequence[tupl
     if facts.partial:
         moved = [m for r in facts.waiting_on if r in obs for m in (obs[r].host_busy_t, obs[r].step_t) if m is not None]
         still_s = t - max(moved) if moved else None
-        facts = replace(facts, deadline=deadline_applies(deadline, facts.waiting_on, facts.evidence, still_s, cfg))
+        governed = prev.deadline if prev.waiting_since == facts.waiting_since else None
+        facts = replace(facts, deadline=deadline_applies(deadline, facts.waiting_on, facts.evidence, still_s, cfg,
+                                                         governed))
     event = _event(prev, facts, t, cfg)
     return _enter(transition(prev.state, event), event, prev, facts, t, cfg)
 

@@ -6,7 +6,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from gpu_watchdog.model import rank_label
 from gpu_watchdog.sample.proc_stat import read_stat
@@ -16,9 +17,47 @@ _TEARDOWN = (signal.SIGTERM, signal.SIGKILL)  # what torchrun sends the survivin
 
 _ALONE_S = 0.05  # an exit this much before every other was seen on its own (not in the same wakeup as the rest)
 
+Exits = Mapping[int, tuple[float, int | None]]  # rank → (when seen exited, its exit status in waitpid form if read)
 
-def first_to_exit(exits: dict[int, tuple[float, int | None]], command_exited_at: float | None = None
-                  ) -> tuple[int, ...]:
+
+@dataclass(frozen=True)
+class TorchrunReport:
+    """What torchrun printed of its workers' ends before it exited (launch.output reads it off the job's stderr): the
+    ChildFailedError report lists every worker that ended with a non-zero code (a worker that ran to exit code 0 is
+    no failure and is not listed), and ``Sending process PID closing signal`` names each worker it tore down. The
+    agent's own read of a zombie is lost when torchrun reaps it first; this is printed after torchrun reaped them."""
+
+    failures: Mapping[int, tuple[int, int]]  # global rank → (exit code as torchrun gives it, -6: SIGABRT; pid)
+    torn_down: frozenset[int] = field(default_factory=frozenset)  # pids torchrun sent a closing signal
+
+    def status(self, rank: int) -> int | None:
+        """``rank``'s exit status (waitpid form) as the report proves it: a listed rank's own; exit code 0 for an
+        unlisted one when every worker torchrun tore down is listed (a signalled worker that exited 0 would be
+        unlisted too); None when it cannot tell."""
+        if rank in self.failures:
+            code = self.failures[rank][0]
+            return -code & 0x7F if code < 0 else (code & 0xFF) << 8
+        listed = {pid for _, pid in self.failures.values()}
+        return 0 if self.torn_down <= listed else None
+
+
+def with_report(exits: Exits, report: TorchrunReport | None, ranks: Iterable[int], at: float
+                ) -> dict[int, tuple[float, int | None]]:
+    """``exits`` completed by torchrun's report: a status the agent could not read (the parent reaped it first) is
+    the report's, and a rank of ``ranks`` the agent never saw exit is added as seen at ``at`` (the command's end:
+    torchrun reports before it exits). What the agent read itself is kept."""
+    out = dict(exits)
+    if report is None:
+        return out
+    for r in set(ranks) | exits.keys():
+        told = report.status(r)
+        seen, own = out.get(r, (at, None))
+        if told is not None and own is None:
+            out[r] = (seen, told)
+    return out
+
+
+def first_to_exit(exits: Exits, command_exited_at: float | None = None) -> tuple[int, ...]:
     """The rank(s) that failed: the first exit, when it was alone first and ended by a signal or unread; else, of
     the exits seen within a second of the first, those that did not end by torchrun's teardown signals; else the
     earliest ones seen. Exit code 0 is no failure. A rank that exited after the launched command itself
@@ -44,13 +83,14 @@ def first_to_exit(exits: dict[int, tuple[float, int | None]], command_exited_at:
     return own or tuple(sorted(r for r, (t, _) in exits.items() if t - first_t < 0.01))
 
 
-def finished_work(failed: tuple[int, ...], ranks: tuple[int, ...], exits: dict[int, tuple[float, int | None]],
-                  done: dict[int, int | None], command_exited_at: float | None = None) -> str | None:
+def finished_work(failed: tuple[int, ...], ranks: tuple[int, ...], exits: Exits, done: dict[int, int | None],
+                  command_exited_at: float | None = None, report: TorchrunReport | None = None) -> str | None:
     """Why the job had finished its work before ``failed`` died (PyTorch's teardown abort at interpreter exit,
     pytorch/pytorch#190489), or None when that is not shown. ``done``: rank → last step, of the ranks whose in-job
     client saw their training loop end without an exception. Without the client: every peer ran its script to
-    exit code 0 before the launched command ended (its last collective needed every rank, the failed one
-    included) and each failed rank was ended by a signal of its own, not by an exception's exit code."""
+    exit code 0 on its own (its last collective needed every rank, the failed one included) and each failed rank was
+    ended by a signal of its own, not by an exception's exit code. The exit codes are the agent's own read or
+    torchrun's ``report``, whichever was had: the same verdict either way, and none when the two disagree."""
     if not failed:
         return None
     if all(r in done for r in failed):
@@ -58,14 +98,44 @@ def finished_work(failed: tuple[int, ...], ranks: tuple[int, ...], exits: dict[i
         at = f" (last step {steps[-1]})" if steps else ""
         return (f"{_ranks_text(failed)} had ended {'its' if len(failed) == 1 else 'their'} training loop{at} before "
                 "dying: a death at teardown")
-    peers = [r for r in ranks if r not in failed]
+    peers = tuple(r for r in ranks if r not in failed)
+    if not (peers and _teardown_death(failed, peers, exits, command_exited_at, report)):
+        return None
+    why = (f"{_ranks_text(peers)} exited 0 (their last collective needed every rank) and {_ranks_text(failed)} died "
+           "by a signal: a death at teardown")
+    if not _teardown_death(failed, peers, exits, command_exited_at, None):
+        why += " (exit statuses from torchrun's report: it reaped the ranks before the agent read them)"
+    return why
+
+
+def _teardown_death(failed: tuple[int, ...], peers: tuple[int, ...], exits: Exits, command_exited_at: float | None,
+                    report: TorchrunReport | None) -> bool:
+    """Every peer ran to exit code 0 on its own and every failed rank died by a signal of its own; torchrun reports
+    no other failure."""
+    if report is not None and not set(report.failures) <= set(failed):
+        return False
     until = command_exited_at if command_exited_at is not None else float("inf")
-    peers_done = peers and all(r in exits and exits[r][1] == 0 and exits[r][0] <= until for r in peers)
-    by_signal = all(r in exits and (st := exits[r][1]) and st & 0x7F and (st & 0x7F) not in _TEARDOWN for r in failed)
-    if peers_done and by_signal:
-        return (f"{_ranks_text(tuple(peers))} exited 0 (their last collective needed every rank) and "
-                f"{_ranks_text(failed)} died by a signal: a death at teardown")
-    return None
+    return (all(_ran_to_0(r, exits.get(r), until, report) for r in peers)
+            and all(_own_signal(r, exits.get(r), report) for r in failed))
+
+
+def _ran_to_0(rank: int, seen: tuple[float, int | None] | None, until: float, report: TorchrunReport | None) -> bool:
+    """``rank`` exited 0 on its own before the launched command ended. torchrun's report of exit 0 is: it reports
+    before it exits, and lists every worker it tore down. The agent's read is timed (Ray tears its workers down
+    after their driver exited, and they may exit 0)."""
+    own = seen[1] if seen is not None else None
+    told = report.status(rank) if report is not None else None
+    if own not in (None, 0) or told not in (None, 0):
+        return False  # one source saw it fail
+    return told == 0 or (seen is not None and own == 0 and seen[0] <= until)
+
+
+def _own_signal(rank: int, seen: tuple[float, int | None] | None, report: TorchrunReport | None) -> bool:
+    """``rank`` was ended by a signal of its own (SIGABRT, SIGSEGV), not torchrun's teardown, as every source that
+    read its status tells."""
+    statuses = [st for st in (seen[1] if seen is not None else None,
+                              report.status(rank) if report is not None else None) if st is not None]
+    return bool(statuses) and all(st & 0x7F and (st & 0x7F) not in _TEARDOWN for st in statuses)
 
 
 def _ranks_text(ranks: tuple[int, ...]) -> str:

@@ -33,14 +33,15 @@ from gpu_watchdog.agent.dispatch import Dispatcher, record_finding
 from gpu_watchdog.config.schema import Config, HookSpec, resolve_state_dir
 from gpu_watchdog.engine.loop import Engine, count_internal_error
 from gpu_watchdog.errors import EXIT_BUDGET_SPENT, EXIT_GPU_FAULT, EXIT_SOFTWARE, UsageError
+from gpu_watchdog.evidence.deadline.timeout_exit import timeout_exit
 from gpu_watchdog.evidence.flight_recorder import dumps as fr
 from gpu_watchdog.evidence.stacks.spawned_ranks import no_rank_warning
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV, RESTART_COUNT_ENV, ControlDir
-from gpu_watchdog.launch.exits import ExitWatch, finished_work, first_to_exit
+from gpu_watchdog.launch.exits import Exits, ExitWatch, TorchrunReport, finished_work, first_to_exit, with_report
 from gpu_watchdog.launch.guardian import Guardian
 from gpu_watchdog.launch.output import JobOutput
-from gpu_watchdog.model import Finding, JobStatus, NodeSample, rank_label, validate_job_id
+from gpu_watchdog.model import Finding, JobState, JobStatus, NodeSample, rank_label, validate_job_id
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.policy.respond import Response
 from gpu_watchdog.sample import ray_node
@@ -146,6 +147,7 @@ class Launcher:
         self.output = JobOutput(job_output, None if job_output == "console" else
                                 job_log or self.state_dir / "logs" / f"{self.job_id}.log",
                                 console=out if job_output == "story" else sys.stderr, note=self.say)
+        self._log_start = 0  # where the current run's output starts in the job log
 
     def say(self, msg: str) -> None:
         try:
@@ -171,6 +173,7 @@ class Launcher:
         env.update(self._flight_recorder_env(env))
         # Ray Train keeps its runs' fault tolerance where the agent can read it (docs/ray.md); the job's own wins.
         env.update({k: v for k, v in ray_node.TRAIN_STATE_ENV.items() if k not in env})
+        self._log_start = _size(self.output.log_path)  # this run's output starts here (the log is appended to)
         try:
             child = subprocess.Popen(self.cmd, env=env, start_new_session=True, **self.output.popen_kwargs())
         except OSError as e:
@@ -232,11 +235,12 @@ class Launcher:
         dispatcher = self.dispatcher(target)
         seen: dict[int, JobProcess] = {}  # every job process sampled in this run (pid + create time)
         last_seen: JobStatus | None = None  # the job as last seen with ranks (they are gone after a crash)
+        last_wait: tuple[JobStatus, float] | None = None  # ... as last seen waiting on some ranks, and when
         next_tick = started = time.monotonic()
         while True:
             rc = target.poll()
             if rc is not None:
-                return self._exited(rc, seen.values(), exits, last_seen, target.attempt)
+                return self._exited(rc, seen.values(), exits, last_seen, target.attempt, last_wait)
             if self.stop_signal is not None:
                 self.say(f"received {signal.Signals(self.stop_signal).name}: stopping the job")
                 self._stop_now(target)
@@ -250,6 +254,8 @@ class Launcher:
                 exits.watch_processes(p.pid for p in job_procs)  # timed from now on, if a rank is named later
                 ours = tick.jobs.get(self.job_id)
                 last_seen = ours or last_seen
+                if ours is not None and ours.waiting_on and ours.state in (JobState.WAITING, JobState.STALLED):
+                    last_wait = (ours, tick.sample.t)
                 if ours is not None:
                     exits.watch(dict(ours.rank_pids))
                 elif last_seen is None:
@@ -358,41 +364,54 @@ class Launcher:
         return _Outcome(restart_env=dict(record.get("env") or {}), level=int(record.get("level", 0)))
 
     def _exited(self, rc: int, seen: Iterable[JobProcess], exits: ExitWatch, last_seen: JobStatus | None,
-                attempt: int) -> _Outcome:
+                attempt: int, last_wait: tuple[JobStatus, float] | None = None) -> _Outcome:
         self.say(f"job exited with code {rc}")
         self._stop_leftovers(seen)
         code = 128 - rc if rc < 0 else rc  # killed by signal N: 128+N, as a shell
         if code != 0 and self.stop_signal is None:
             exits.close()
-            crashed = self._crashed(code, exits.exits, last_seen, attempt, exits.command_exited_at)
+            self.output.finish()  # torchrun's report of its workers' ends is in the job's output: read it whole
+            crashed = self._crashed(code, exits.exits, last_seen, attempt, exits.command_exited_at,
+                                    self.output.torchrun_report, last_wait)
             if crashed is not None:
                 return crashed
         return _Outcome(exit_code=code)
 
-    def _crashed(self, code: int, exits: dict[int, tuple[float, int | None]], status: JobStatus | None,
-                 attempt: int, command_exited_at: float | None = None) -> _Outcome | None:
+    def _crashed(self, code: int, seen: Exits, status: JobStatus | None, attempt: int,
+                 command_exited_at: float | None = None, report: TorchrunReport | None = None,
+                 waited: tuple[JobStatus, float] | None = None) -> _Outcome | None:
         """A rank died and took the job down (torchrun tears every rank down within a second): an incident naming
         the rank, how it ended, its last stack if one was taken and the peers' state; then a restart within the
-        budget when ``recovery.restart_on_crash``, else None (``launch`` exits with the job's code)."""
+        budget when ``recovery.restart_on_crash``, else None (``launch`` exits with the job's code). ``seen``: the
+        exits the agent saw; ``report``: torchrun's, for the statuses torchrun reaped before the agent read them."""
         now = time.time()
         ranks = tuple(sorted(status.ranks_seen)) if status else ()
+        exits = with_report(seen, report, ranks, command_exited_at or now)
         first = first_to_exit(exits, command_exited_at)
         if len(ranks) > 1 and set(first) >= set(ranks):
             first = ()  # every rank went at once: which one failed is not known
-        how = "; ".join(f"{rank_label(r)}: {describe_exit(exits[r][1])}" for r in first) or \
+        how = "; ".join(f"{rank_label(r)}: {_describe(r, exits, seen)}" for r in first) or \
             "no rank was seen exiting first (torchrun reaps and tears down within its monitor interval)"
+        # The job's own collective timeout: the first to exit are the waiters; the rank they waited on is the cause.
         onset = min((t for t, _ in exits.values()), default=now)
-        finding = Finding("rank_exited", "rank_exited", self.job_id, ranks, first, onset, now, status.devices
-                          if status else (), f"{how}; the launched command exited {code}", "process")
+        own = timeout_exit(_tail(self.output.log_path, self._log_start), waited[0] if waited else None, first,
+                           waited[1] if waited else None, onset)
+        if own is not None:
+            how = f"{own.detail()}; {how}"
+        finding = Finding("rank_exited", "rank_exited", self.job_id, ranks, own.waited_on if own else first, onset,
+                          now, status.devices if status else (), f"{how}; the launched command exited {code}",
+                          "process")
         inc = self.ctx.open_incident(finding)
+        if own is not None:
+            inc.update(own_timeout=own.to_json())
         last = status.evidence[-1] if status and status.evidence else None
-        inc.update(exits={str(r): describe_exit(st) for r, (_, st) in sorted(exits.items())},
+        inc.update(exits={str(r): _describe(r, exits, seen) for r in sorted(exits)},
                    peers={str(r): status.state for r in ranks if r not in first} if status else {},
                    last_stacks=[{"rank": rs.rank, "state": rs.state, "where": rs.where, "stack": rs.signature}
                                 for rs in last.ranks] if last else [])
         self.say(f"RANK EXITED in job {self.job_id}: {finding.detail}; incident {inc.id}")
         done = {r: d.get("step") for r, d in self.control.finished().items()}
-        finished = finished_work(first, ranks, exits, done, command_exited_at)
+        finished = finished_work(first, ranks, seen, done, command_exited_at, report)
         if finished is not None:
             inc.update(finished_work=finished)
         if finished is not None and self.cfg.recovery.restart_on_crash:
@@ -423,6 +442,31 @@ class Launcher:
         if left:
             res = stop_processes(left, self.cfg.recovery.stop_grace_s)
             self.say(f"stopped {len(left)} job process(es) left behind by the launched command: {res.detail}")
+
+
+def _size(path: Path | None) -> int:
+    try:
+        return path.stat().st_size if path is not None else 0
+    except OSError:
+        return 0
+
+
+def _tail(path: Path | None, start: int, limit: int = 1 << 20) -> str:
+    """What the job wrote to its log since ``start`` (at most the last ``limit`` bytes); "" without a log."""
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(start, _size(path) - limit))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _describe(rank: int, exits: Exits, seen: Exits) -> str:
+    """How ``rank`` ended, and whether that is torchrun's word rather than the agent's own read."""
+    text = describe_exit(exits[rank][1])
+    return text if rank in seen and seen[rank][1] == exits[rank][1] else f"{text} (torchrun's report)"
 
 
 class _RunHandlers:

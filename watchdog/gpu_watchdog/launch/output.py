@@ -13,7 +13,9 @@ Three modes:
 * ``story`` (the demo): stdout and stderr go to the job log; the console gets the job's ``[job]`` lines only.
 
 A reader thread per run drains the job's pipe whatever happens to the console (a closed console must not block
-the job on a full pipe).
+the job on a full pipe), and reads torchrun's own report of its workers' ends off it (``TorchrunReader``: the exit
+codes a crash's incident needs when torchrun reaped the ranks before the agent read them; not in ``console`` mode,
+where the job's output is not captured).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import IO, Any, TextIO
 
 from gpu_watchdog.atomic import note_write_error
+from gpu_watchdog.launch.exits import TorchrunReport
 
 MODES = ("console", "filtered", "story")
 STORY_PREFIX = "[job]"
@@ -45,6 +48,11 @@ _CHILD_FAILED_LOG = re.compile(r"failed \(exitcode: (8[56])\) local_rank: \d+ \(
 _RULE = re.compile(r"^={20,}\s*$")
 _FAILURE = re.compile(r"^\s*rank\s*: (\d+) .*?\n\s*exitcode\s*: (-?\d+)", re.M)
 _REPORT_MAX_LINES = 400  # a report that never ends is shown as it is
+# torch/distributed/elastic: multiprocessing/api.py ``_close`` (a worker still running when torchrun tears the group
+# down), and errors/__init__.py ``ChildFailedError`` (its exception line, then one entry per failed worker).
+_CLOSING = re.compile(r"Sending process (\d+) closing signal SIG[A-Z]+")
+_CHILD_FAILED = re.compile(r"^(?:[\w.]+\.)?ChildFailedError:")
+_ENTRY = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+) \(pid: (\d+)\)", re.M)
 
 
 class StopNoiseFilter:
@@ -115,6 +123,39 @@ class StopNoiseFilter:
         return out
 
 
+class TorchrunReader:
+    """Reads torchrun's report of its workers' ends off a run's output, line by line: ``report`` is set once a whole
+    ChildFailedError report was read (launch.exits.TorchrunReport), with every closing signal torchrun sent before."""
+
+    def __init__(self) -> None:
+        self.report: TorchrunReport | None = None
+        self._torn_down: set[int] = set()
+        self._block: list[str] | None = None  # in a ChildFailedError report: its lines so far
+        self._rules = 0
+
+    def feed(self, line: str) -> None:
+        text = _TORCH_LOG_PREFIX.sub("", line.rstrip("\n"))
+        if self._block is not None:
+            self._block.append(text)
+            self._rules += bool(_RULE.match(text))
+            if self._rules >= 2:
+                self._finish()
+            elif len(self._block) > _REPORT_MAX_LINES:  # not torchrun's report after all
+                self._block = None
+        elif m := _CLOSING.search(text):
+            self._torn_down.add(int(m.group(1)))
+        elif _CHILD_FAILED.match(text):
+            self._block, self._rules = [], 0
+
+    def _finish(self) -> None:
+        assert self._block is not None
+        entries = _ENTRY.findall("\n".join(self._block))
+        self._block = None
+        if entries:
+            self.report = TorchrunReport({int(r): (int(code), int(pid)) for r, code, pid in entries},
+                                         frozenset(self._torn_down))
+
+
 class JobOutput:
     """One launched job's output routing across its runs (see the module docstring)."""
 
@@ -129,6 +170,13 @@ class JobOutput:
         self.console = console
         self.note = note or (lambda msg: None)
         self._threads: list[threading.Thread] = []
+        self._reader: TorchrunReader | None = None  # the current run's
+
+    @property
+    def torchrun_report(self) -> TorchrunReport | None:
+        """torchrun's report of the current run's failed workers, once ``finish`` drained its output; None when there
+        was none, or the output is not captured (``console``)."""
+        return self._reader.report if self._reader is not None else None
 
     def popen_kwargs(self) -> dict[str, Any]:
         if self.mode == "story":
@@ -140,9 +188,11 @@ class JobOutput:
     def attach(self, child: subprocess.Popen[bytes]) -> None:
         """Start draining the run's pipe (a no-op in ``console`` mode)."""
         stream = child.stdout if self.mode == "story" else child.stderr if self.mode == "filtered" else None
+        self._reader = None
         if stream is None:
             return
-        t = threading.Thread(target=self._pump, args=(stream,), name="job-output", daemon=True)
+        reader = self._reader = TorchrunReader()
+        t = threading.Thread(target=self._pump, args=(stream, reader), name="job-output", daemon=True)
         t.start()
         self._threads.append(t)
 
@@ -152,12 +202,13 @@ class JobOutput:
             t.join(timeout_s)
         self._threads = [t for t in self._threads if t.is_alive()]
 
-    def _pump(self, stream: IO[bytes]) -> None:
+    def _pump(self, stream: IO[bytes], reader: TorchrunReader) -> None:
         log = self._open_log()
         filt = StopNoiseFilter(self.note) if self.mode == "filtered" else None
         try:
             for raw in iter(stream.readline, b""):
                 line = raw.decode("utf-8", "replace")
+                reader.feed(line)
                 if log is not None:
                     try:
                         log.write(line)
@@ -195,4 +246,4 @@ class JobOutput:
             self.console = None
 
 
-__all__ = ["MODES", "JobOutput", "StopNoiseFilter"]
+__all__ = ["MODES", "JobOutput", "StopNoiseFilter", "TorchrunReader"]

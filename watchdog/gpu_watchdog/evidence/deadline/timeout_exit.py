@@ -31,6 +31,10 @@ class TimeoutExit:
     collective: str | None
     doing: str
 
+    def to_json(self) -> dict[str, object]:
+        return {"timed_out_ranks": list(self.timed_out), "timeout_s": self.timeout_s,
+                "waited_on": list(self.waited_on), "collective": self.collective, "doing": self.doing}
+
     def detail(self) -> str:
         who = ", ".join(rank_label(r) for r in self.waited_on)
         what = f" in {self.collective}" if self.collective else ""
@@ -50,9 +54,12 @@ def timeouts_in(output: str) -> dict[int, tuple[float, str | None]]:
     return out
 
 
-def timeout_exit(output: str, status: JobStatus | None, first: Iterable[int]) -> TimeoutExit | None:
+def timeout_exit(output: str, status: JobStatus | None, first: Iterable[int], seen_at: float | None = None,
+                 exited_at: float | None = None) -> TimeoutExit | None:
     """The verdict when the output shows collective timeouts, every rank that exited first is one of them, and the
-    detector last saw those ranks waiting on others (``status.waiting_on``) that did not time out; else None."""
+    detector saw those ranks waiting on others (``status.waiting_on``) that did not time out, at ``seen_at``, within
+    the timeout before the first exit at ``exited_at`` (the waiters sat in the collective all that time: an older
+    wait is another story); else None."""
     first = tuple(sorted(first))
     if status is None or not status.waiting_on or not first:
         return None
@@ -61,6 +68,8 @@ def timeout_exit(output: str, status: JobStatus | None, first: Iterable[int]) ->
     if not waited_on or not set(first) <= set(timed):
         return None
     timeout_s = max(timed[r][0] for r in first)
+    if seen_at is not None and exited_at is not None and seen_at < exited_at - timeout_s:
+        return None
     collective = next((c for r in first if (c := timed[r][1])), None)
     if collective is None and status.deadline is not None:
         collective = status.deadline.collective
