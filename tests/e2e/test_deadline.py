@@ -83,6 +83,11 @@ def test_a_save_past_the_jobs_own_timeout_is_warned_about_and_the_crash_points_a
         _warning(incs)
         timed_out = _events(tmp_path, "timed_out")
         assert timed_out and "Timed out" in timed_out[0]["error"]
+        (save_start,) = _events(tmp_path, "save_start")  # ranks 1-3 enter the all_gather at once
+        raised = min(e["t"] for e in timed_out)
+        print(f"deadline margin: gloo raised {raised - save_start['t'] - 30.0:+.2f} s after the 30 s timeout, "
+              f"launch recorded the crash {crash['detected_at'] - raised:.2f} s later; warning "
+              f"{raised - warning['detected_at']:.1f} s before the timeout")
         # the warning came well before the job's timeout fired (the issue: >= 60 s of 300 s, scaled: 6 s of 30 s)
         assert min(e["t"] for e in timed_out) - warning["detected_at"] >= 30.0 * 0.2
         assert crash["deadline_warning"]["incident"] == warning["id"], crash

@@ -74,7 +74,7 @@ def test_the_client_report_is_learnt_and_the_warning_comes_once_at_half(tmp_path
         pids = {0: writer.pid, 1: os.getpid()}
         watch = DeadlineWatch(lambda: CFG, environ=lambda _pids: {CONTROL_DIR_ENV: str(control)})
         now = time.time()
-        assert watch.watch(_waiting(now, pids, None), _sample(T0 + 1, pids)) == []
+        assert watch.watch(_waiting(now, pids, None), _sample(T0 + 15, pids)) == []
         learnt = _learnt(watch)
         assert learnt.source == "client" and learnt.timeout_s == 900.0
         time.sleep(0.6)  # the writer writes meanwhile
@@ -100,7 +100,7 @@ def test_without_any_source_a_cpu_job_gets_pytorchs_gloo_default(tmp_path: Path)
     pids = {0: os.getpid(), 1: os.getpid()}
     watch = DeadlineWatch(lambda: CFG, environ=lambda _pids: {})
     try:
-        watch.watch(_waiting(time.time(), pids, None), _sample(T0 + 1, pids))
+        watch.watch(_waiting(time.time(), pids, None), _sample(T0 + 15, pids))
         learnt = _learnt(watch)
         assert learnt.source == "default" and learnt.timeout_s == 1800.0 and "gloo" in learnt.detail
     finally:
@@ -111,7 +111,7 @@ def test_a_deadline_the_detector_did_not_apply_is_never_warned_about() -> None:
     pids = {0: os.getpid(), 1: os.getpid()}
     watch = DeadlineWatch(lambda: CFG, environ=lambda _pids: {})
     try:
-        watch.watch(_waiting(time.time(), pids, None), _sample(T0 + 1, pids))
+        watch.watch(_waiting(time.time(), pids, None), _sample(T0 + 15, pids))
         _learnt(watch)
         assert watch.watch(_waiting(time.time(), pids, None), _sample(T0 + 1700, pids)) == []
     finally:
@@ -142,3 +142,16 @@ def test_remedies_fit_what_the_waited_on_rank_does() -> None:
     compute = remedies_for("rank 0: compute at generate (gen.py:9)", False, False)
     assert any("same work" in r for r in compute) and all("async_save" not in r for r in compute)
     assert all(any("ddp_timeout" in r for r in rs) for rs in (compute, remedies_for("", True, False)))
+
+
+def test_a_short_wait_asks_nothing() -> None:
+    """A rank a step behind makes its peers wait a moment: no environment read, no dump asked for, no deadline."""
+    asked = []
+    pids = {0: os.getpid(), 1: os.getpid()}
+    watch = DeadlineWatch(lambda: CFG, environ=lambda p: asked.append(p) or {})
+    try:
+        assert watch.watch(_waiting(time.time(), pids, None), _sample(T0 + 14.9, pids)) == []
+        time.sleep(0.2)
+        assert asked == [] and watch.known() == {} and watch.jobs() == set()
+    finally:
+        watch.close()

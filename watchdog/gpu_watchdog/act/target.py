@@ -103,6 +103,7 @@ class ActContext:
             self.deadline_warnings[job] = {"incident": inc.id, "due_at": f.get("due_at"),
                                            "timeout_s": f.get("timeout_s"), "source": f.get("source"),
                                            "waiting_in": f.get("waiting_in"), "remedies": f.get("remedies") or []}
+            inc.update(collective=f.get("waiting_in"))
             return
         warned = self.deadline_warnings.get(job)
         if warned is None or finding.kind not in ("rank_exited", "stall"):

@@ -403,7 +403,7 @@ class Launcher:
                           "process")
         inc = self.ctx.open_incident(finding)
         if own is not None:
-            inc.update(own_timeout=own.to_json())
+            inc.update(own_timeout=own.to_json(), collective=own.collective)
         last = status.evidence[-1] if status and status.evidence else None
         inc.update(exits={str(r): _describe(r, exits, seen) for r in sorted(exits)},
                    peers={str(r): status.state for r in ranks if r not in first} if status else {},

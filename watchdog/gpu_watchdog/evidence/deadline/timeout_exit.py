@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gpu_watchdog.evidence.stacks.diagnosis import collective_waited_in
 from gpu_watchdog.model import JobStatus, rank_label
 
 _GLOO = re.compile(r"^\[rank(\d+)\]:.*Timed out waiting (\d+)ms for (?:recv|send) operation", re.M)
@@ -73,4 +74,5 @@ def timeout_exit(output: str, status: JobStatus | None, first: Iterable[int], se
     collective = next((c for r in first if (c := timed[r][1])), None)
     if collective is None and status.deadline is not None:
         collective = status.deadline.collective
+    collective = collective or collective_waited_in(status.waiting_on, status.evidence)
     return TimeoutExit(tuple(sorted(timed)), timeout_s, waited_on, collective, status.waiting_doing)

@@ -1,5 +1,6 @@
 """The deadline watch (an ``evidence.source.JobWatch``): for every wait of a job — some ranks waiting on others —
-it learns the job's own deadline once, off the tick (``sources``: a Flight Recorder dump asked for through the dump
+that lasts ``detect.waiting_stack_interval_s`` (or half of ``waiting_timeout_s``), it learns the job's own deadline
+once, off the tick (``sources``: a Flight Recorder dump asked for through the dump
 FIFO where the ranks serve one, the in-job client's group timeouts, the backend's default), hands it to the
 detector (``known``: the next ticks' ``step`` gets it, and a wait it governs is given until the deadline), and
 warns once when the wait passes ``detect.deadline_warn_ratio`` of it: a ``deadline`` finding that says who waits in
@@ -20,9 +21,9 @@ from gpu_watchdog.config.schema import Config
 from gpu_watchdog.evidence.deadline import activity, sources
 from gpu_watchdog.evidence.flight_recorder import dumps as fr
 from gpu_watchdog.evidence.flight_recorder.analysis import rank_trace
-from gpu_watchdog.evidence.stacks.classify import COMMUNICATION_STATES
+from gpu_watchdog.evidence.stacks.diagnosis import collective_waited_in
 from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, ControlDir
-from gpu_watchdog.model import Deadline, Finding, JobState, JobStatus, NodeSample, StackEvidence, rank_label
+from gpu_watchdog.model import Deadline, Finding, JobState, JobStatus, NodeSample, rank_label
 
 log = logging.getLogger("gpu_watchdog.deadline")
 
@@ -62,6 +63,8 @@ class DeadlineWatch:
                 self._waits.pop(js.job_id, None)  # the wait ended (or became a stall): the next one learns anew
                 continue
             w = self._waits.get(js.job_id)
+            if (w is None or w.since != js.waiting_since) and sample.t - js.waiting_since < self._learn_after_s():
+                continue  # a short wait (a rank a step behind) ends by itself: no dump asked, nothing read
             if w is None or w.since != js.waiting_since:
                 w = self._waits[js.job_id] = _Wait(js.waiting_since)
                 w.learning = self._worker().submit(self._learn, dict(js.rank_pids), js.waiting_since,
@@ -74,6 +77,12 @@ class DeadlineWatch:
             if finding is not None:
                 out.append(finding)
         return out
+
+    def _learn_after_s(self) -> float:
+        """How long a wait lasts before its deadline is learnt: long enough that the waits of a healthy job (a rank
+        a step behind) ask nothing, and well before ``waiting_timeout_s``, the earliest the deadline matters."""
+        d = self._cfg().detect
+        return min(d.waiting_stack_interval_s, d.waiting_timeout_s / 2)
 
     def forget(self, job_id: str) -> None:
         self._waits.pop(job_id, None)
@@ -187,15 +196,6 @@ def remedies_for(doing: str, writing: bool, reading: bool) -> list[str]:
         return ["faster input: more DataLoader workers, data on local storage", raise_timeout]
     return ["give every rank the same work between collectives (an evaluation or generation on one rank "
             "only keeps the others waiting)", raise_timeout]
-
-
-def collective_waited_in(waiting_on: tuple[int, ...], evidence: tuple[StackEvidence, ...]) -> str | None:
-    """The collective the waiting ranks sit in at the latest dump (the most common), None when none is."""
-    if not evidence:
-        return None
-    ops = [r.op or r.state for r in evidence[-1].ranks
-           if r.rank not in waiting_on and r.state in COMMUNICATION_STATES]
-    return max(set(ops), key=ops.count) if ops else None
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:

@@ -392,6 +392,16 @@ def stacks_progressed(a: StackEvidence, b: StackEvidence,
             for r in b.ranks if r.rank in before}
 
 
+def collective_waited_in(waiting_on: Sequence[int], evidence: Sequence[StackEvidence]) -> str | None:
+    """The collective the ranks not in ``waiting_on`` sit in at the latest dump (the most common one), None when
+    none of them is in communication."""
+    if not evidence:
+        return None
+    ops = [r.op or r.state for r in evidence[-1].ranks
+           if r.rank not in waiting_on and r.state in COMMUNICATION_STATES]
+    return max(sorted(set(ops)), key=ops.count) if ops else None
+
+
 def communication_evidence(diag: Diagnosis, ranks: Sequence[RankStack]) -> str:
     """What in the stacks says the hang is in communication, in one line ("" when nothing does): ranks that wait
     in the framework's communication path (a c10d collective or p2p op, DDP's reducer, FSDP/DTensor/functional
