@@ -37,7 +37,9 @@ OPTIONAL_HERE = {"gpu_watchdog_gpu_memory_total_bytes", "gpu_watchdog_gpu_memory
                  "gpu_watchdog_gpu_power_watts",
                  "gpu_watchdog_rank_waited_on", "gpu_watchdog_gpu_faults_total", "gpu_watchdog_nvml_errors_total",
                  "gpu_watchdog_process_errors_total",
-                 "gpu_watchdog_rank_straggler"}  # the "named now" panel shows only ranks named (== 1): none in a hang
+                 "gpu_watchdog_rank_straggler",  # the "named now" panel shows only ranks named (== 1): none in a hang
+                 # only while the job's own deadline governs a wait (a save, an eval): a hang has none
+                 "gpu_watchdog_job_deadline_left_seconds", "gpu_watchdog_job_deadline_seconds"}
 
 
 _events = read_events
@@ -101,6 +103,8 @@ def test_prometheus_sees_stall_incident_and_restart(tmp_path: Path) -> None:
             assert seen_stalled - onset <= DETECTION_WINDOW_S
             p.wait_for('increase(gpu_watchdog_incidents_total{kind="stall"}[10m]) > 0', timeout=30)
             p.wait_for('gpu_watchdog_restarts_total{job_id="e2e"} >= 1', timeout=180)
+            # the stop came ~29 min before the job's own (gloo default) timeout: 4 ranks x ~1790 s
+            p.wait_for('gpu_watchdog_gpu_seconds_saved_total > 4 * 1700', timeout=30)
             p.wait_for('gpu_watchdog_job_state{job_id="e2e",state="running"} == 1', timeout=120)
             seen_restart = time.time()
             rc = launcher.wait(timeout=240)

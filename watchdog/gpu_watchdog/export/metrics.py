@@ -166,6 +166,16 @@ _AGENT_GAUGES = (
 )
 
 
+def _add_deadline(fams: Mapping[str, GaugeMetricFamily], js: JobStatus, t: float) -> None:
+    """The job's own deadline and the time left before it, while it governs the job's wait."""
+    d = js.deadline
+    due = d.due_at(js.waiting_since) if d is not None and js.waiting_since is not None else None
+    if js.state != WAITING or d is None or d.timeout_s is None or due is None:
+        return
+    fams["gpu_watchdog_job_deadline_seconds"].add_metric([js.job_id, d.source], d.timeout_s)
+    fams["gpu_watchdog_job_deadline_left_seconds"].add_metric([js.job_id], due - t)
+
+
 class _SnapshotCollector:
     """Series from the latest snapshot. Registered on the registry; reads nothing but AgentMetrics' fields."""
 
@@ -225,12 +235,7 @@ class _SnapshotCollector:
                 waiting = js.state == WAITING and js.waiting_since is not None
                 fams["gpu_watchdog_job_waiting_seconds"].add_metric(
                     [j], max(0.0, s.t - js.waiting_since) if waiting else 0.0)  # type: ignore[operator]
-                due = js.deadline.due_at(js.waiting_since) if waiting and js.deadline is not None else None
-                if due is not None:
-                    assert js.deadline is not None and js.deadline.timeout_s is not None
-                    fams["gpu_watchdog_job_deadline_seconds"].add_metric([j, js.deadline.source],
-                                                                         js.deadline.timeout_s)
-                    fams["gpu_watchdog_job_deadline_left_seconds"].add_metric([j], due - s.t)
+                _add_deadline(fams, js, s.t)
                 if waiting:
                     on = sorted(js.waiting_on)
                     ranks_dropped += max(0, len(on) - m.max_ranks)

@@ -42,10 +42,10 @@ def from_flight_recorder(traces: Sequence[RankTrace], since: float | None = None
                     best = (due, op.timeout_s, op.created_s, op.op, group, tr.rank)
     if best is None:
         return None
-    _, timeout, created, op, group, rank = best
+    _, timeout, created, name, group, rank = best
     return Deadline(timeout, "flight_recorder",
-                    f"timeout_ms {timeout * 1000:.0f} of {op} in process group {group} (rank {rank}'s dump)",
-                    started_at=created, collective=op)
+                    f"timeout_ms {timeout * 1000:.0f} of {name} in process group {group} (rank {rank}'s dump)",
+                    started_at=created, collective=name)
 
 
 def from_client(groups_by_rank: Mapping[int, Mapping[str, Any]]) -> Deadline | None:
