@@ -190,7 +190,7 @@ class Recovery:
         if plan.by_engine:
             return self._restart_by_engine(t, plan, finding, target, sample, status, gathered, restart_env)
         self._stop(t, target)
-        record_time_saved(t, finding, target.control, sample)
+        record_time_saved(t, finding, target.control, sample, gathered)
         t.enter(Phase.STOPPED)
         t.update(advice=decision.advice or None)  # with or without a next run, the advice stands
         if plan.action == GIVE_UP:
@@ -218,7 +218,7 @@ class Recovery:
         assert decision is not None
         ranks = job_rank_processes(sample, target.job_id, dict(status.rank_pids) if status else {})
         stop_job(ctx, t, target, "the hung ranks: ", procs=ranks)
-        record_time_saved(t, finding, target.control, sample)
+        record_time_saved(t, finding, target.control, sample, gathered)
         t.enter(Phase.STOPPED)
         t.update(advice=decision.advice or None)
         if decision.advice:
@@ -408,14 +408,17 @@ def stop_job(ctx: ActContext, t: Transcript, target: JobTarget, why: str, *, wai
     return ok
 
 
-def record_time_saved(t: Transcript, finding: Finding, control: ControlDir | None, sample: NodeSample) -> None:
+def record_time_saved(t: Transcript, finding: Finding, control: ControlDir | None, sample: NodeSample,
+                      gathered: Gathered) -> None:
     """After a stall's stop: the incident's ``deadline`` section (the job's own deadline, where it came from, how
-    much earlier the stop ended the job, in GPU- or rank-seconds), one console line, the counter."""
+    much earlier the stop ended the job, in GPU- or rank-seconds), one console line, the counter. Counted only for
+    a hang in communication: the job's own timeout ends nothing else."""
     if finding.kind != "stall" or not finding.job_id:
         return
     deadline = deadline_at_incident(t.dir, control.groups() if control is not None else {},
                                     backend_of(finding.job_id, sample))
-    rec = time_saved(deadline, finding.onset, time.time(), finding.job_id, sample)
+    in_comm = bool(gathered.communication) or finding.signature == "spin"  # the NCCL spin: a collective hangs
+    rec = time_saved(deadline, finding.onset, time.time(), finding.job_id, sample, in_comm)
     t.update(deadline=rec.to_json())
     t.say(rec.line())
     if rec.saved_s is not None and rec.gpu_seconds is not None:
@@ -430,7 +433,7 @@ def observe(ctx: ActContext, finding: Finding, status: JobStatus | None, sample:
     gathered: Gathered = EvidenceGatherer(ctx).gather(t, finding, status, sample)
     if stop is not None:
         stop_job(ctx, t, stop, "")
-        record_time_saved(t, finding, stop.control, sample)
+        record_time_saved(t, finding, stop.control, sample, gathered)
     t.record_action("observe", True, why)
     t.report(gathered.stacks)
     t.finish(f"observed: {why}")

@@ -24,10 +24,15 @@ class TimeSavedRecord:
     acted_at: float  # when the agent's stop ended it
     units: int  # the job's GPUs on this node, or its ranks here for a CPU job
     unit: str  # "gpu" | "rank"
+    # Why no time is counted though the deadline is known ("": it is): no rank waited in a collective, so the job's
+    # own timeout would never have ended this hang.
+    not_counted: str = ""
 
     @property
     def saved_s(self) -> float | None:
-        return None if self.due_at is None else max(0.0, self.due_at - self.acted_at)
+        if self.due_at is None or self.not_counted:
+            return None
+        return max(0.0, self.due_at - self.acted_at)
 
     @property
     def gpu_seconds(self) -> float | None:
@@ -37,10 +42,13 @@ class TimeSavedRecord:
         saved = self.saved_s
         return {**self.deadline.to_json(), "due_at": self.due_at, "acted_at": self.acted_at,
                 "saved_s": None if saved is None else round(saved, 1), "units": self.units, "unit": self.unit,
-                "gpu_seconds": None if saved is None else round(saved * self.units, 1)}
+                "gpu_seconds": None if saved is None else round(saved * self.units, 1),
+                **({"not_counted": self.not_counted} if self.not_counted else {})}
 
     def line(self) -> str:
         """The console story's one line."""
+        if self.not_counted:
+            return f"time saved: none counted ({self.not_counted})"
         if self.saved_s is None:
             return f"time saved: not known (the job's deadline is {self.deadline.detail})"
         what = "GPU" if self.unit == "gpu" else "rank"
@@ -68,9 +76,15 @@ def deadline_at_incident(incident_dir: str | Path, groups: Mapping[int, Mapping[
                                sources.backend_default(backend), tried=tried)
 
 
-def time_saved(deadline: Deadline, onset: float, acted_at: float, job_id: str, sample: NodeSample) -> TimeSavedRecord:
-    """``deadline`` against a wait that began at ``onset`` (the stall's), for the job's GPUs (or ranks) here."""
+NOT_IN_COMMUNICATION = "no rank waited in a collective: the job's own timeout would never have ended this hang"
+
+
+def time_saved(deadline: Deadline, onset: float, acted_at: float, job_id: str, sample: NodeSample,
+               in_communication: bool = True) -> TimeSavedRecord:
+    """``deadline`` against a wait that began at ``onset`` (the stall's), for the job's GPUs (or ranks) here. A hang
+    with no rank in communication (``in_communication`` False) has no deadline of its own: nothing is counted."""
     pids = {p.pid for p in sample.processes if p.job is not None and p.job.job_id == job_id and p.is_rank}
     gpus = {d.uuid for d in sample.devices if not d.virtual and d.pids & pids}
     units, unit = (len(gpus), "gpu") if gpus else (len(pids), "rank")
-    return TimeSavedRecord(deadline, deadline.due_at(onset), acted_at, units, unit)
+    return TimeSavedRecord(deadline, deadline.due_at(onset), acted_at, units, unit,
+                           "" if in_communication else NOT_IN_COMMUNICATION)
