@@ -573,3 +573,35 @@ def test_only_a_dump_whose_file_time_agrees_with_its_clock_tells_when_it_was_tak
     assert told_dump_time(entries, t0 + 45) == t0 + 45
     assert told_dump_time(entries, t0 + YEAR) is None and told_dump_time(entries, t0 - 100) is None
     assert told_dump_time(entries, None) is None
+
+
+def test_the_first_collective_of_a_job_names_the_rank_that_never_completed_it() -> None:
+    """PyTorch's own analyzer case (issue 42): both ranks scheduled the job's first BROADCAST; rank 0's device
+    completed it, rank 1's never did (last_completed -1). Rank 1 is behind, even though it completed nothing."""
+    groups = {"0": ("default_pg", [0, 1])}
+    dumps = {0: _dump([_e(0, DEF, 1, "nccl:broadcast", state="completed")], groups, {"0": (1, 1)}),
+             1: _dump([_e(0, DEF, 1, "nccl:broadcast", state="scheduled")], groups, {"0": (1, -1)})}
+    a = _analyze(dumps, min_wait_s=0.0)
+    assert a.culprit_ranks == (1,), a.reason
+    assert [g.kind for g in a.groups] == ["behind"]
+    # a dump with no pg_status says nothing of completions: nobody is behind by it
+    no_status = {r: _dump([_e(0, DEF, 1, "nccl:broadcast", state="scheduled")], groups) for r in (0, 1)}
+    assert _analyze(no_status, min_wait_s=0.0).culprit_ranks == ()
+    # nobody completed anything: every rank waits in the same first collective, no one is behind
+    both = {r: _dump([_e(0, DEF, 1, "nccl:broadcast", state="scheduled")], groups, {"0": (1, -1)}) for r in (0, 1)}
+    assert [g.kind for g in _analyze(both, min_wait_s=0.0).groups] == ["blocked"]
+
+
+@pytest.mark.parametrize("op", ["nccl:all_to_all_single", "nccl:all_to_all", "nccl:scatter", "nccl:gather"])
+def test_uneven_split_sizes_are_not_a_mismatch(op: str) -> None:
+    """MoE's all_to_all with uneven routing sends different split sizes per rank (scatter and gather roots hold
+    more than their peers): legal, so a hang there is never called a size mismatch, and nobody is named for the
+    sizes; a dtype that differs still is one."""
+    groups = {"0": ("default_pg", [0, 1])}
+    dumps = {r: _dump([_e(1, DEF, 1, op, state="started", sizes=[[8 + 24 * r]])], groups, {"0": (1, 0)})
+             for r in (0, 1)}
+    a = _analyze(dumps, min_wait_s=0.0)
+    assert all(g.kind != "mismatch" for g in a.groups) and a.culprit_ranks == (), a.reason
+    dumps[1] = _dump([_e(1, DEF, 1, op, state="started", sizes=[[32]], dtypes=["Half"])], groups, {"0": (1, 0)})
+    (g,) = _analyze(dumps, min_wait_s=0.0).groups
+    assert (g.kind, g.mismatch) == ("mismatch", "dtypes")

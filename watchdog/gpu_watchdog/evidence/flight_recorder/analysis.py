@@ -5,9 +5,12 @@ last enqueued collective sequence ids and the entries at the frontier tell who w
 
 * **missing**: members that never enqueued the collective their peers wait in;
 * **mismatch**: members in a different op, or with different sizes / dtypes, at the same sequence id (the side
-  that differs from the job's other ranks at that sequence id in groups of the same description is named);
+  that differs from the job's other ranks at that sequence id in groups of the same description is named); sizes
+  are not compared for ops whose sizes legally differ per rank (``UNEVEN_SIZES``: all_to_all with split sizes,
+  scatter/gather roots, the ``_v`` variants);
 * **p2p**: a send or recv whose partner has no matching recv / send;
-* **behind**: members that enqueued collectives the others completed, and never completed them (``pg_status``).
+* **behind**: members that enqueued collectives the others completed, and never completed them (``pg_status``) —
+  also a member that has completed none at all yet (the job's very first collective).
 
 A missing rank is not the culprit when it is itself blocked in another group waiting on someone else: the ranks
 waiting form a graph (waiter → the ranks it waits for) and the culprits are where the chains end: ranks blocked
@@ -84,6 +87,7 @@ class GroupView:
     members: tuple[int, ...] | None = None  # global ranks, from pg_config
     last_enqueued: int = -1
     last_completed: int = -1
+    status_seen: bool = False  # pg_status named this group: last_completed -1 then means "completed none yet"
     ops: list[FrOp] = field(default_factory=list)  # oldest first
 
     def pending(self) -> list[FrOp]:
@@ -256,6 +260,7 @@ def _apply_status(groups: Mapping[str, GroupView], status: Mapping[Any, Any], pg
         if known is None or not isinstance(st, Mapping):
             continue  # a group whose entries left the ring buffer: its name is unknown
         gv = groups[known]
+        gv.status_seen = True
         gv.last_enqueued = max(gv.last_enqueued, _int(st.get("last_enqueued_collective")))
         gv.last_completed = max(gv.last_completed, _int(st.get("last_completed_collective")))
 
@@ -362,7 +367,15 @@ def _members(name: str, traces: Mapping[int, RankTrace], world: set[int]) -> tup
     return tuple(sorted(known))
 
 
+# Collectives whose input sizes legally differ per rank (split sizes, a root that sends or receives it all), as
+# PyTorch's own analyzer exempts them (flight_recorder/components/types.py): MoE's uneven all_to_all is normal.
+UNEVEN_SIZES = frozenset({"all_to_all", "all_to_all_single", "all_to_all_v_single", "alltoall", "alltoall_base",
+                          "scatter", "gather", "reduce_scatter_v", "all_gather_v"})
+
+
 def _signature(o: FrOp, kind: str) -> object:
+    if kind == "sizes" and o.op in UNEVEN_SIZES:
+        return None  # compared by op and dtype only
     return {"op": o.op, "sizes": o.sizes, "dtypes": o.dtypes}[kind]
 
 
@@ -505,10 +518,14 @@ def _behind_in_completion(members: tuple[int, ...], views: Mapping[int, GroupVie
     """Members (pg_status) that keep enqueueing collectives but fall behind the others in completing them: their GPU
     failed or a kernel never finished. (Members that stopped issuing work fall behind in *enqueueing* instead and
     have nothing pending: those are ``missing``.) Empty when the group has no status or nobody lags."""
-    known = {r: v for r in members if (v := views.get(r)) is not None and v.last_completed >= 0}
+    # A member whose status says it completed nothing yet (-1) is behind too when its peers completed what it
+    # enqueued: the first collective of a job is where init-time hangs live.
+    known = {r: v for r in members if (v := views.get(r)) is not None and (v.last_completed >= 0 or v.status_seen)}
     if len(known) < 2:
         return ()
     done = max(v.last_completed for v in known.values())
+    if done < 0:
+        return ()
     return tuple(sorted(r for r, v in known.items() if v.last_completed < done and v.last_enqueued > v.last_completed))
 
 
