@@ -10,8 +10,7 @@ from pathlib import Path
 
 from gpu_watchdog.evidence.analyze import fr_dir
 from gpu_watchdog.evidence.deadline import sources
-from gpu_watchdog.evidence.flight_recorder.analysis import rank_trace
-from gpu_watchdog.evidence.flight_recorder.dumps import dump_files, dump_rank, load_dump
+from gpu_watchdog.evidence.flight_recorder.dumps import dump_files, load_traces
 from gpu_watchdog.model import Deadline, NodeSample
 
 
@@ -61,15 +60,7 @@ def deadline_at_incident(incident_dir: str | Path, groups: Mapping[int, Mapping[
                          backend: str | None) -> Deadline:
     """The job's deadline as an incident knows it: the pending collectives of the Flight Recorder dumps it
     collected, else the client's group timeouts, else the backend's default."""
-    traces = []
-    for f in dump_files(fr_dir(incident_dir)):
-        try:
-            doc = load_dump(f)
-            rank = dump_rank(f, doc)
-            if rank is not None:
-                traces.append(rank_trace(doc, rank, f.stat().st_mtime))
-        except Exception:  # a dump that cannot be read tells nothing; the other sources still do
-            continue
+    traces = load_traces(dump_files(fr_dir(incident_dir)))
     tried = ["no Flight Recorder dump with a pending collective", "no in-job client report",
              f"backend {backend or 'not known'}"]
     return sources.first_known(sources.from_flight_recorder(traces), sources.from_client(groups),

@@ -20,7 +20,6 @@ from datetime import datetime
 from gpu_watchdog.config.schema import Config
 from gpu_watchdog.evidence.deadline import activity, sources
 from gpu_watchdog.evidence.flight_recorder import dumps as fr
-from gpu_watchdog.evidence.flight_recorder.analysis import rank_trace
 from gpu_watchdog.evidence.stacks.diagnosis import collective_waited_in
 from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, ControlDir
 from gpu_watchdog.model import Deadline, Finding, JobState, JobStatus, NodeSample, rank_label
@@ -134,16 +133,7 @@ class DeadlineWatch:
             end = time.monotonic() + FR_WAIT_S
             while time.monotonic() < end and not fr.dumped_since(settings, rank_pids, asked_at):
                 time.sleep(0.2)
-        traces = []
-        for rank in rank_pids:
-            path = settings.dump_path(rank)
-            try:
-                mtime = path.stat().st_mtime
-                if mtime < since:
-                    continue  # an earlier wait's dump
-                traces.append(rank_trace(fr.load_dump(path), rank, mtime))
-            except Exception:  # missing, half-written or foreign: this rank tells nothing
-                continue
+        traces = fr.load_traces((settings.dump_path(r) for r in rank_pids), since)  # not an earlier wait's
         return sources.from_flight_recorder(traces, since)
 
     def _warning(self, js: JobStatus, w: _Wait, sample: NodeSample) -> Finding | None:

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpu_watchdog.evidence.flight_recorder.analysis import RankTrace, rank_trace
+
 DEFAULT_DUMP_PREFIX = "/tmp/nccl_trace_rank_"
 BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # torch >= 2.8 reads the first, older the second
 DUMP_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
@@ -361,3 +363,21 @@ def dumped_since(settings: FrSettings, ranks: Iterable[int], t: float) -> bool:
         except OSError:
             return False
     return True
+
+
+def load_traces(files: Iterable[str | os.PathLike[str]], since: float | None = None) -> list[RankTrace]:
+    """The analysis' view of each readable dump file (its rank from the dump or its name, its mtime the dump time);
+    a file written before ``since``, missing, half-written or foreign is left out: it tells nothing."""
+    traces = []
+    for f in files:
+        try:
+            mtime = os.stat(f).st_mtime
+            if since is not None and mtime < since:
+                continue
+            doc = load_dump(f)
+            rank = dump_rank(f, doc)
+            if rank is not None:
+                traces.append(rank_trace(doc, rank, mtime))
+        except Exception:
+            continue
+    return traces
