@@ -147,7 +147,6 @@ class Launcher:
         self.output = JobOutput(job_output, None if job_output == "console" else
                                 job_log or self.state_dir / "logs" / f"{self.job_id}.log",
                                 console=out if job_output == "story" else sys.stderr, note=self.say)
-        self._log_start = 0  # where the current run's output starts in the job log
 
     def say(self, msg: str) -> None:
         try:
@@ -173,7 +172,6 @@ class Launcher:
         env.update(self._flight_recorder_env(env))
         # Ray Train keeps its runs' fault tolerance where the agent can read it (docs/ray.md); the job's own wins.
         env.update({k: v for k, v in ray_node.TRAIN_STATE_ENV.items() if k not in env})
-        self._log_start = _size(self.output.log_path)  # this run's output starts here (the log is appended to)
         try:
             child = subprocess.Popen(self.cmd, env=env, start_new_session=True, **self.output.popen_kwargs())
         except OSError as e:
@@ -394,7 +392,7 @@ class Launcher:
             "no rank was seen exiting first (torchrun reaps and tears down within its monitor interval)"
         # The job's own collective timeout: the first to exit are the waiters; the rank they waited on is the cause.
         onset = min((t for t, _ in exits.values()), default=now)
-        own = timeout_exit(_tail(self.output.log_path, self._log_start), waited[0] if waited else None, first,
+        own = timeout_exit(self.output.run_text(), waited[0] if waited else None, first,
                            waited[1] if waited else None, onset)
         if own is not None:
             how = f"{own.detail()}; {how}"
@@ -442,25 +440,6 @@ class Launcher:
         if left:
             res = stop_processes(left, self.cfg.recovery.stop_grace_s)
             self.say(f"stopped {len(left)} job process(es) left behind by the launched command: {res.detail}")
-
-
-def _size(path: Path | None) -> int:
-    try:
-        return path.stat().st_size if path is not None else 0
-    except OSError:
-        return 0
-
-
-def _tail(path: Path | None, start: int, limit: int = 1 << 20) -> str:
-    """What the job wrote to its log since ``start`` (at most the last ``limit`` bytes); "" without a log."""
-    if path is None:
-        return ""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(start, _size(path) - limit))
-            return f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
 
 
 def _describe(rank: int, exits: Exits, seen: Exits) -> str:

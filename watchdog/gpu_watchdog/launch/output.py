@@ -171,6 +171,7 @@ class JobOutput:
         self.note = note or (lambda msg: None)
         self._threads: list[threading.Thread] = []
         self._reader: TorchrunReader | None = None  # the current run's
+        self._run_start = 0  # where the current run's output starts in the log (appended to across runs)
 
     @property
     def torchrun_report(self) -> TorchrunReport | None:
@@ -189,12 +190,24 @@ class JobOutput:
         """Start draining the run's pipe (a no-op in ``console`` mode)."""
         stream = child.stdout if self.mode == "story" else child.stderr if self.mode == "filtered" else None
         self._reader = None
+        self._run_start = _size(self.log_path)
         if stream is None:
             return
         reader = self._reader = TorchrunReader()
         t = threading.Thread(target=self._pump, args=(stream, reader), name="job-output", daemon=True)
         t.start()
         self._threads.append(t)
+
+    def run_text(self, limit: int = 1 << 20) -> str:
+        """What the current run wrote to the log (its last ``limit`` bytes); "" without a log (``console``)."""
+        if self.log_path is None:
+            return ""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(self._run_start, _size(self.log_path) - limit))
+                return f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
 
     def finish(self, timeout_s: float = 5.0) -> None:
         """Wait (bounded) until the runs' output is drained: their last lines come before what launch says next."""
@@ -247,3 +260,10 @@ class JobOutput:
 
 
 __all__ = ["MODES", "JobOutput", "StopNoiseFilter", "TorchrunReader"]
+
+
+def _size(path: Path | None) -> int:
+    try:
+        return path.stat().st_size if path is not None else 0
+    except OSError:
+        return 0
