@@ -9,6 +9,8 @@ from typing import Any
 
 from gpu_watchdog.evidence.culprit import SOURCE_TITLES
 from gpu_watchdog.evidence.stacks.diagnosis import format_ranks, group_key
+from gpu_watchdog.evidence.waiting_groups import SOURCE_TITLES as GROUP_SOURCES
+from gpu_watchdog.evidence.waiting_groups import WaitingGroup, desyncs
 from gpu_watchdog.model import RankStack
 
 
@@ -27,8 +29,8 @@ def action_status(action: dict[str, Any]) -> str:
 
 
 def render_report(summary: dict[str, Any], stacks: Sequence[RankStack]) -> str:
-    lines = (_verdict_lines(summary) + _stack_lines(summary, stacks) + _flight_recorder_lines(summary)
-             + _action_lines(summary))
+    lines = (_verdict_lines(summary) + _waiting_group_lines(summary) + _stack_lines(summary, stacks)
+             + _flight_recorder_lines(summary) + _action_lines(summary))
     return "\n".join(lines) + "\n"
 
 
@@ -58,6 +60,16 @@ def _verdict_lines(s: dict[str, Any]) -> list[str]:
         lines.append(f"trace:   {s['trace']}, the samples before confirmation (gpu-watchdog replay {where}; "
                      f"picture: gpu-watchdog incidents show {s['id']} --plot {s['id']}.png)")
     return lines
+
+
+def _waiting_group_lines(s: dict[str, Any]) -> list[str]:
+    """Who waits in which process group (``waiting_groups``: the Flight Recorder's, else the ranks' frames')."""
+    groups = [WaitingGroup.from_json(g) for g in s.get("waiting_groups") or () if isinstance(g, dict)]
+    if not groups:
+        return []
+    source = GROUP_SOURCES.get(groups[0].source, groups[0].source)
+    return ["", f"process groups the ranks wait in (from {source}):"] + [f"  {w.line()}" for w in groups] + \
+        [f"  {line}" for line in desyncs(groups)]
 
 
 def _stack_lines(s: dict[str, Any], stacks: Sequence[RankStack]) -> list[str]:

@@ -273,7 +273,9 @@ def _pg_names() -> dict | None:
 
 
 def process_groups(pg_names: dict) -> list[dict]:
-    """Each process group's name, description, global ranks and timeout (the longest of its backends')."""
+    """Each process group's name, description, global ranks, timeout (the longest of its backends') and address (the
+    object's ``id``: what py-spy prints for a ``group`` argument, so that the agent can tell from a rank's frames which
+    group it waits in)."""
     from torch.distributed import distributed_c10d as c10d
 
     out = []
@@ -286,5 +288,5 @@ def process_groups(pg_names: dict) -> list[dict]:
                 continue
         out.append({"name": str(name), "desc": str(getattr(pg, "group_desc", "") or ""),
                     "ranks": sorted(int(r) for r in c10d._world.pg_group_ranks.get(pg, {})),
-                    "timeout_s": max(timeouts) if timeouts else None})
+                    "timeout_s": max(timeouts) if timeouts else None, "address": id(pg)})
     return out

@@ -16,6 +16,7 @@ from gpu_watchdog.evidence.culprit import from_flight_recorder
 from gpu_watchdog.evidence.flight_recorder import dumps as fr
 from gpu_watchdog.evidence.flight_recorder.analysis import FrAnalysis, analyze_traces, rank_trace
 from gpu_watchdog.evidence.source import Begin, Found, IncidentJob
+from gpu_watchdog.evidence.waiting_groups import from_flight_recorder as groups_from_flight_recorder
 
 FR_WAIT_S = 10.0  # how long to wait for the triggered ranks' dumps (the first one may import torch._dynamo)
 NO_TRIGGER = "not available: no dump trigger (TORCH_NCCL_DEBUG_INFO_PIPE_FILE unset; gloo ranks have no dump pipe)"
@@ -46,9 +47,11 @@ class FlightRecorderAtIncident:
                 return Found(False, NO_TRIGGER, outcome="not_available")
             return Found(False, f"no dump collected, {len(triggered)} triggered")
         analysis = analyze_traces(traces, min_wait_s=0.0)  # the stall is confirmed: every wait counts
+        # Who waits in which group, exact where the dumps tell it: it replaces what the ranks' frames told.
+        waiting = [w.as_json() for w in groups_from_flight_recorder(analysis)]
+        section = {"flight_recorder": _section(analysis), **({"waiting_groups": waiting} if waiting else {})}
         return Found(True, f"{len(files)} dump(s) collected, {len(triggered)} triggered{when}; {analysis.reason}",
-                     verdict=from_flight_recorder(analysis), communication=_communication(analysis),
-                     section={"flight_recorder": _section(analysis)})
+                     verdict=from_flight_recorder(analysis), communication=_communication(analysis), section=section)
 
     def _collect(self, settings: fr.FrSettings, job: IncidentJob, started: float | None
                  ) -> tuple[list[Path], list[str], str]:

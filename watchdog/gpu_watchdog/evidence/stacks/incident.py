@@ -5,9 +5,10 @@ as it runs: the ``dump_stacks`` and ``dump_workers`` actions, the summary's culp
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psutil
@@ -26,11 +27,14 @@ from gpu_watchdog.evidence.stacks.collect import (
     rank_workers,
 )
 from gpu_watchdog.evidence.stacks.diagnosis import Diagnosis, diagnose, format_ranks
+from gpu_watchdog.evidence.stacks.frame_groups import client_groups, read_frame_groups
+from gpu_watchdog.evidence.waiting_groups import WaitingGroup, describe, from_frames
 from gpu_watchdog.model import Finding, NodeSample, RankStack, StackEvidence, rank_known, rank_label
 from gpu_watchdog.sample import ray_node
 from gpu_watchdog.sample.group_members import fd_targets
 from gpu_watchdog.sample.processes import command_text
 
+logger = logging.getLogger("gpu_watchdog.evidence")
 PEER_WAIT_S = 6.0  # how long a job whose local ranks all wait alike waits for another node's published dump
 
 PeerStacks = Callable[[str, float], Mapping[str, StackEvidence]]  # (job, since) → the other nodes' dumps, by host
@@ -75,6 +79,10 @@ class StacksAtIncident:
         remote = self.remote_stacks(log, finding, diag, stacks, job.job_id)
         if remote:  # the other nodes' ranks, from their agents' dumps: the culprit named from any node
             diag = diagnose([*stacks, *remote], None, missing, elsewhere)
+        waiting = self.waiting_groups(stacks, rank_pids, job.world_size)
+        if waiting:  # who waits in which group goes with the verdict (it names nobody)
+            diag = replace(diag, reason=f"{diag.reason}; {describe(waiting)}")
+            log.update(waiting_groups=[w.as_json() for w in waiting])
         log.update(culprit_ranks=list(diag.culprit_ranks) or list(finding.culprit_ranks),
                    collective=diag.collective, reason=diag.reason, desync=diag.desync,
                    groups=[[k, list(v)] for k, v in diag.groups])
@@ -86,6 +94,17 @@ class StacksAtIncident:
         blocked = self._workers(log, diag, stacks, rank_pids, job)
         return StacksFound(tuple(stacks), diag, blocked[0].stack if blocked else culprit, alive(diag, remote),
                            tuple(_worker_json(w) for w in blocked), tuple(r.outcome for r in results.values()))
+
+    def waiting_groups(self, stacks: list[RankStack], rank_pids: Mapping[int, int],
+                       world_size: int | None) -> list[WaitingGroup]:
+        """The group each of this node's ranks in a collective or p2p op waits in, from its own frames (a re-dump
+        with locals) named through its in-job client's report of its groups where the job runs one."""
+        try:
+            frames = read_frame_groups(stacks, rank_pids, self.cfg)
+            return from_frames(frames, client_groups(rank_pids.values()) if frames else {}, world_size)
+        except Exception:  # diagnostics must never block recovery: no groups is "not known"
+            logger.exception("reading the ranks' process groups from their frames failed")
+            return []
 
     def remote_stacks(self, log: EvidenceLog, finding: Finding, diag: Diagnosis, stacks: list[RankStack],
                       job_id: str) -> list[RankStack]:
