@@ -594,14 +594,21 @@ def test_the_first_collective_of_a_job_names_the_rank_that_never_completed_it() 
 
 @pytest.mark.parametrize("op", ["nccl:all_to_all_single", "nccl:all_to_all", "nccl:scatter", "nccl:gather"])
 def test_uneven_split_sizes_are_not_a_mismatch(op: str) -> None:
-    """MoE's all_to_all with uneven routing sends different split sizes per rank (scatter and gather roots hold
-    more than their peers): legal, so a hang there is never called a size mismatch, and nobody is named for the
-    sizes; a dtype that differs still is one."""
+    """MoE's all_to_all with uneven routing sends different split sizes per rank, a scatter root's input and a
+    gather root's output hold every rank's share: legal, so a hang there is never called a size mismatch, and nobody
+    is named for the sizes; a dtype that differs still is one. (tests/unit/evidence/test_fr_corpus.py covers every
+    op.)"""
     groups = {"0": ("default_pg", [0, 1])}
-    dumps = {r: _dump([_e(1, DEF, 1, op, state="started", sizes=[[8 + 24 * r]])], groups, {"0": (1, 0)})
-             for r in (0, 1)}
+    legal = {"nccl:scatter": ([[16]], []), "nccl:gather": ([[8]], [[8]])}  # rank 0 (root), rank 1: input
+    legal_out = {"nccl:scatter": ([[8]], [[8]]), "nccl:gather": ([[16]], [])}
+
+    def entry(r: int, dtype: str = "Float") -> dict[str, Any]:
+        e = _e(1, DEF, 1, op, state="started", sizes=[[8 + 24 * r]], dtypes=[dtype])
+        return {**e, "input_sizes": legal[op][r], "output_sizes": legal_out[op][r]} if op in legal else e
+
+    dumps = {r: _dump([entry(r)], groups, {"0": (1, 0)}) for r in (0, 1)}
     a = _analyze(dumps, min_wait_s=0.0)
     assert all(g.kind != "mismatch" for g in a.groups) and a.culprit_ranks == (), a.reason
-    dumps[1] = _dump([_e(1, DEF, 1, op, state="started", sizes=[[32]], dtypes=["Half"])], groups, {"0": (1, 0)})
+    dumps[1] = _dump([entry(1, "Half")], groups, {"0": (1, 0)})
     (g,) = _analyze(dumps, min_wait_s=0.0).groups
     assert (g.kind, g.mismatch) == ("mismatch", "dtypes")

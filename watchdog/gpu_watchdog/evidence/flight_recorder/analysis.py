@@ -5,9 +5,10 @@ last enqueued collective sequence ids and the entries at the frontier tell who w
 
 * **missing**: members that never enqueued the collective their peers wait in;
 * **mismatch**: members in a different op, or with different sizes / dtypes, at the same sequence id (the side
-  that differs from the job's other ranks at that sequence id in groups of the same description is named); sizes
-  are not compared for ops whose sizes legally differ per rank (``UNEVEN_SIZES``: all_to_all with split sizes,
-  scatter/gather roots, the ``_v`` variants);
+  that differs from the job's other ranks at that sequence id in groups of the same description is named; a
+  coalesced batch is compared op by op); sizes are compared on the side that must agree (the input; the output of
+  scatter and all_gather_v; none for all_to_all's split sizes: ``_signature``), dtypes as the set a rank moves (a
+  scatter's non-root records no input);
 * **p2p**: a send or recv whose partner has no matching recv / send;
 * **behind**: members that enqueued collectives the others completed, and never completed them (``pg_status``) —
   also a member that has completed none at all yet (the job's very first collective).
@@ -30,14 +31,15 @@ structure alone decides.
 Dump format (``torch/csrc/distributed/c10d/FlightRecorder.hpp``, read the same for gloo and NCCL, versions 2.x):
 ``pg_config`` {group name: {name, desc, ranks: "[0, 1]"}} (NCCL fills it; gloo leaves one empty entry, so group
 members are then the ranks whose entries name the group), ``pg_status`` {pg_id: {last_enqueued_collective,
-last_started_collective, last_completed_collective}} where pg_id is the rank-local id the entries carry in
-``pg_id`` (a group without entries is paired with its id by creation order: ``_status_names``), and ``entries``
-with ``process_group`` = (name, desc), ``collective_seq_id``, ``p2p_seq_id``, ``is_p2p``, ``profiling_name``
-("nccl:all_reduce", "nccl:send 0->1", "gloo:recv 1<-0"), ``input_sizes``, ``input_dtypes``, ``state`` (scheduled /
-started / completed: NCCL tracks it; gloo always says scheduled and marks a finished entry ``retired``; a batch —
-``batch_isend_irecv``, a coalesced collective — is closed by a ``coalesced`` entry whose state is the batch's),
-``time_created_ns``, ``timeout_ms`` (the group's timeout when the op was enqueued). Everything is read
-defensively: a field of the wrong type is treated as absent.
+last_started_collective, last_completed_collective}} where pg_id is the rank-local id the entries carry in ``pg_id``
+(a group without entries is paired with its id by creation order: ``_status_names``; gloo counts op ids there, sends
+and recvs included: ``_gloo_seq``), and ``entries`` with ``process_group`` = (name, desc), ``collective_seq_id``,
+``p2p_seq_id``, ``is_p2p``, ``profiling_name`` ("nccl:all_reduce", "nccl:send 0->1", "nccl:recv 1<-0"; gloo records
+no send/recv), ``input_sizes``, ``output_sizes``, ``input_dtypes``, ``op_id``, ``state`` (scheduled / started /
+completed: NCCL tracks it; gloo always says scheduled and marks a finished entry ``retired``; a batch —
+``batch_isend_irecv``, a coalesced collective — is closed by an entry whose state is the batch's: ``CLOSES_BATCH``),
+``time_created_ns``, ``timeout_ms`` (the group's timeout when the op was enqueued). Everything is read defensively:
+a field of the wrong type is treated as absent.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class FrOp:
     done: bool
     created_s: float | None
     timeout_s: float | None = None  # the collective's own timeout (``timeout_ms``): when the backend gives up on it
+    out_sizes: tuple[tuple[int, ...], ...] = ()  # ``output_sizes``: what must agree for scatter, all_gather_v
+    out_dtypes: tuple[str, ...] = ()
 
     @property
     def is_p2p(self) -> bool:
@@ -185,6 +189,10 @@ def _sizes(v: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(_int(x, 0) for x in s) if isinstance(s, (list, tuple)) else () for s in v)
 
 
+def _dtypes(v: Any) -> tuple[str, ...]:
+    return tuple(d for d in v if isinstance(d, str)) if isinstance(v, (list, tuple)) else ()
+
+
 def _is_done(entry: Mapping[str, Any], op: str, seq: int, gv: GroupView, gloo: bool) -> bool:
     if entry.get("state") == "completed":
         return True
@@ -213,7 +221,7 @@ def rank_trace(doc: Mapping[str, Any], rank: int, dumped_at: float | None = None
     pg_id_name = _add_entry_groups(groups, entries)
     status = doc.get("pg_status")
     if isinstance(status, Mapping):
-        _apply_status(groups, status, _status_names(status, config, pg_id_name, groups))
+        _apply_status(groups, status, _status_names(status, config, pg_id_name, groups), _gloo_op_ids(entries))
     for e in entries:
         _record_entry(groups[_group_of(e)[0]], e)
     return RankTrace(rank, version, groups, told_dump_time(entries, dumped_at), len(entries))
@@ -253,16 +261,45 @@ def _add_entry_groups(groups: dict[str, GroupView], entries: Sequence[Mapping[st
     return pg_id_name
 
 
-def _apply_status(groups: Mapping[str, GroupView], status: Mapping[Any, Any], pg_id_name: Mapping[str, str]) -> None:
-    """Take each named group's last enqueued and last completed collective from ``pg_status``."""
+def _apply_status(groups: Mapping[str, GroupView], status: Mapping[Any, Any], pg_id_name: Mapping[str, str],
+                  gloo_ops: Mapping[str, Sequence[tuple[int, int]]]) -> None:
+    """Take each named group's last enqueued and last completed collective from ``pg_status`` (gloo's op counters
+    translated into collective sequence ids: ``_gloo_seq``)."""
     for pg_id, st in status.items():
         known = pg_id_name.get(str(pg_id))
         if known is None or not isinstance(st, Mapping):
             continue  # a group whose entries left the ring buffer: its name is unknown
         gv = groups[known]
-        gv.status_seen = True
-        gv.last_enqueued = max(gv.last_enqueued, _int(st.get("last_enqueued_collective")))
-        gv.last_completed = max(gv.last_completed, _int(st.get("last_completed_collective")))
+        counters = _int(st.get("last_enqueued_collective")), _int(st.get("last_completed_collective"))
+        enqueued, completed = (_gloo_seq(c, gloo_ops[known]) for c in counters) if known in gloo_ops else counters
+        if completed is not None:
+            gv.status_seen = True
+            gv.last_completed = max(gv.last_completed, completed)
+        gv.last_enqueued = max(gv.last_enqueued, -1 if enqueued is None else enqueued)
+
+
+def _gloo_op_ids(entries: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[int, int]]]:
+    """Per gloo group: its entries' (``op_id``, ``collective_seq_id``), oldest first."""
+    out: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for e in entries:
+        op_id, seq = _int(e.get("op_id")), _int(e.get("collective_seq_id"))
+        if str(e.get("profiling_name", "")).startswith("gloo:") and op_id >= 0 and seq >= 0:
+            out[_group_of(e)[0]].append((op_id, seq))
+    return out
+
+
+def _gloo_seq(counter: int, op_seq: Sequence[tuple[int, int]]) -> int | None:
+    """The collective sequence id a gloo ``pg_status`` counter stands for. Gloo counts every op of a group in it —
+    its sends and recvs too, which it does not record — as in the entries' ``op_id``, while ``collective_seq_id``
+    counts collectives only: a pipeline stage that sent 3 times has completed op 5 where its peers completed op 2,
+    all of them collective #2. The counter is the newest collective entry's at or before it; the counter itself where
+    no send/recv came before the oldest entry (op id = seq); None (unknown) where the ring buffer lost the mapping."""
+    if counter < 0:
+        return counter
+    before = [seq for op_id, seq in op_seq if op_id <= counter]
+    if before:
+        return max(before)
+    return counter if op_seq and op_seq[0][0] == op_seq[0][1] else None
 
 
 def _record_entry(gv: GroupView, e: Mapping[str, Any]) -> None:
@@ -272,16 +309,17 @@ def _record_entry(gv: GroupView, e: Mapping[str, Any]) -> None:
     p2p_seq = _int(e.get("p2p_seq_id"), 0)
     gloo = str(e.get("profiling_name", "")).startswith("gloo:")
     done = _is_done(e, op, seq, gv, gloo)
-    if op == COALESCED:
+    if CLOSES_BATCH.match(op):
         _close_batch(gv, bool(e.get("is_p2p")), seq, p2p_seq, str(e.get("state", "?")), done)
         return
     created = e.get("time_created_ns")
     gv.ops.append(FrOp(
         seq=seq, p2p_seq=p2p_seq, op=op, peer=peer, sizes=_sizes(e.get("input_sizes")),
-        dtypes=tuple(str(d) for d in e.get("input_dtypes") or () if isinstance(d, str)),
+        dtypes=_dtypes(e.get("input_dtypes")),
         state=str(e.get("state", "?")), done=done,
         created_s=created / 1e9 if isinstance(created, (int, float)) and created > 0 else None,
-        timeout_s=max(_int(e.get("timeout_ms"), 0), 0) / 1000.0 or None))
+        timeout_s=max(_int(e.get("timeout_ms"), 0), 0) / 1000.0 or None, out_sizes=_sizes(e.get("output_sizes")),
+        out_dtypes=_dtypes(e.get("output_dtypes"))))
     if not (peer is not None or e.get("is_p2p")):
         gv.last_enqueued = max(gv.last_enqueued, seq)
 
@@ -309,9 +347,12 @@ def _status_names(status: Mapping[Any, Any], config: Any, from_entries: Mapping[
 
 
 # ProcessGroupNCCL records a batch (batch_isend_irecv, a coalesced collective) as one entry per op, all with the
-# batch's sequence id, then one "coalesced" entry for the work that runs them together: only that one's state
-# moves (the ops stay "scheduled" forever). It is bookkeeping, not an op of its own.
-COALESCED = "coalesced"
+# batch's sequence id, then one entry for the work that runs them together: only that one's state moves (the ops
+# stay "scheduled" forever). It is bookkeeping, not an op of its own: "coalesced", or "<OPTYPE>_coalesced" where an
+# all_gather / reduce_scatter of uneven sizes runs as one _broadcast_oop / _reduce_oop per rank
+# ("ALLGATHER_coalesced"). The lower-case fast paths ("allreduce_coalesced", "all_gather_into_tensor_coalesced")
+# are collectives of their own.
+CLOSES_BATCH = re.compile(r"^(?:coalesced|[A-Z][A-Z_]*_coalesced)$")
 
 
 def _close_batch(gv: GroupView, p2p: bool, seq: int, p2p_seq: int, state: str, done: bool) -> None:
@@ -367,16 +408,21 @@ def _members(name: str, traces: Mapping[int, RankTrace], world: set[int]) -> tup
     return tuple(sorted(known))
 
 
-# Collectives whose input sizes legally differ per rank (split sizes, a root that sends or receives it all), as
-# PyTorch's own analyzer exempts them (flight_recorder/components/types.py): MoE's uneven all_to_all is normal.
-UNEVEN_SIZES = frozenset({"all_to_all", "all_to_all_single", "all_to_all_v_single", "alltoall", "alltoall_base",
-                          "scatter", "gather", "reduce_scatter_v", "all_gather_v"})
+# Which sizes must agree on every member: the input (the default: all_reduce, broadcast, gather's contribution,
+# reduce_scatter_v's full input), the output where each rank sends its own share and all receive the same (scatter
+# from its root, all_gather_v), none where each rank has its own split sizes (all_to_all: MoE's uneven routing is
+# normal; only the totals agree, ``_split_totals_differ``).
+SPLIT_SIZES = frozenset({"all_to_all", "all_to_all_single", "all_to_all_v_single", "alltoall", "alltoall_base"})
+OUTPUT_AGREES = frozenset({"scatter", "all_gather_v"})
 
 
-def _signature(o: FrOp, kind: str) -> object:
-    if kind == "sizes" and o.op in UNEVEN_SIZES:
-        return None  # compared by op and dtype only
-    return {"op": o.op, "sizes": o.sizes, "dtypes": o.dtypes}[kind]
+def _signature(ops: Sequence[FrOp], kind: str) -> object:
+    """What a member ran at one sequence id (a coalesced batch: every op of it), as far as ``kind`` compares."""
+    if kind == "op":
+        return tuple(o.op for o in ops)
+    if kind == "dtypes":  # the types a member moves, whichever side: a scatter root has inputs, its peers none
+        return tuple(frozenset(o.dtypes + o.out_dtypes) for o in ops)
+    return tuple(None if o.op in SPLIT_SIZES else o.out_sizes if o.op in OUTPUT_AGREES else o.sizes for o in ops)
 
 
 def _op_at(gv: GroupView | None, seq: int) -> FrOp | None:
@@ -385,18 +431,23 @@ def _op_at(gv: GroupView | None, seq: int) -> FrOp | None:
     return next((o for o in reversed(gv.ops) if o.seq == seq and not o.is_p2p), None)
 
 
+def _ops_at(gv: GroupView | None, seq: int) -> tuple[FrOp, ...]:
+    """Every collective op a member recorded at ``seq``: one, or the ops of a coalesced batch."""
+    return () if gv is None else tuple(o for o in gv.ops if o.seq == seq and not o.is_p2p)
+
+
 def _waited(traces: Mapping[int, RankTrace], ops: Mapping[int, FrOp]) -> float | None:
     ages = [traces[r].dumped_at - o.created_s for r, o in ops.items()  # type: ignore[operator]
             if traces[r].dumped_at is not None and o.created_s is not None]
     return round(max(ages), 1) if ages else None
 
 
-def _deviants(members_ops: Mapping[int, FrOp], name: str, desc: str, seq: int,
+def _deviants(members_ops: Mapping[int, Sequence[FrOp]], name: str, desc: str, seq: int,
               traces: Mapping[int, RankTrace]) -> tuple[str | None, tuple[int, ...]]:
-    """(mismatch kind, the ranks whose op at ``seq`` differs). A tie inside the group is broken by what every rank
+    """(mismatch kind, the ranks whose ops at ``seq`` differ). A tie inside the group is broken by what every rank
     of every group with the same description did at the same sequence id (TP groups run the same program)."""
     for kind in ("op", "sizes", "dtypes"):
-        sigs = {r: _signature(o, kind) for r, o in members_ops.items()}
+        sigs = {r: _signature(ops, kind) for r, ops in members_ops.items()}
         if len(set(sigs.values())) < 2:
             continue
         votes = Counter(sigs.values())
@@ -406,9 +457,9 @@ def _deviants(members_ops: Mapping[int, FrOp], name: str, desc: str, seq: int,
             for t in traces.values():
                 for gv in t.groups.values():
                     if gv.desc == desc and gv.name != name:
-                        o = _op_at(gv, seq)
-                        if o is not None:
-                            votes[_signature(o, kind)] += 1
+                        ops = _ops_at(gv, seq)
+                        if ops:
+                            votes[_signature(ops, kind)] += 1
             ranked = [s for s, _ in votes.most_common() if s in set(sigs.values())]
             if not ranked or (len(votes) > 1 and votes.most_common()[0][1] == votes.most_common()[1][1]):
                 return kind, tuple(sorted(sigs))  # cannot tell which side: name them all
@@ -448,14 +499,15 @@ def _collective_finding(name: str, desc: str, members: tuple[int, ...], views: M
     missing = _never_enqueued(seq, members, present, views, traces)
     ref = present[waiting[0]] if waiting else next(iter(present.values()))
     waited = _waited(traces, {r: present[r] for r in waiting})
-    kind_m, deviants = _deviants(present, name, desc, seq, traces) if len(present) > 1 else (None, ())
+    batches = {r: _ops_at(views.get(r), seq) for r in present}
+    kind_m, deviants = _deviants(batches, name, desc, seq, traces) if len(present) > 1 else (None, ())
     base: dict[str, Any] = dict(name=name, desc=desc, op=ref.op, sizes=[list(s) for s in ref.sizes],
                                 dtypes=list(ref.dtypes), seq=seq, members=members, waiting=waiting, missing=missing,
                                 waited_s=waited)
     where = f"{_where(name, desc)} {ref.op} #{seq}"
     g.blocked.update(waiting)
     if deviants:
-        return _mismatch_finding(base, where, present, ref, kind_m, deviants, g)
+        return _mismatch_finding(base, where, batches, kind_m, deviants, g)
     for r in waiting:
         g.waits[r] |= set(missing)
     if missing:
@@ -477,18 +529,21 @@ def _never_enqueued(seq: int, members: tuple[int, ...], present: Mapping[int, Fr
                                 and (views.get(r) is None or views[r].last_enqueued < seq)}))  # type: ignore[union-attr]
 
 
-def _mismatch_finding(base: dict[str, Any], where: str, present: Mapping[int, FrOp], ref: FrOp, kind_m: str | None,
+def _mismatch_finding(base: dict[str, Any], where: str, batches: Mapping[int, Sequence[FrOp]], kind_m: str | None,
                       deviants: tuple[int, ...], g: _Graph) -> GroupFinding:
     """The members at the frontier run different collectives: the deviants are the cause, and every waiter waits
     for them."""
     g.direct.update(deviants)
     for r in base["waiting"]:
         g.waits[r] |= set(deviants) - {r}
-    what = ", ".join(f"{format_ranks([r])} {present[r].op} {_fmt_sizes(present[r])}" for r in deviants)
-    normal = next((o for r, o in present.items() if r not in deviants), ref)
+    what = ", ".join(f"{format_ranks([r])} {_fmt_batch(batches[r])}" for r in deviants)
+    normal = next((ops for r, ops in batches.items() if r not in deviants), batches[deviants[0]])
     return GroupFinding(kind="mismatch", mismatch=kind_m, culprits=deviants, **base,
-                        detail=f"{where}: {kind_m} mismatch: {what} where the others run {normal.op} "
-                               f"{_fmt_sizes(normal)}")
+                        detail=f"{where}: {kind_m} mismatch: {what} where the others run {_fmt_batch(normal)}")
+
+
+def _fmt_batch(ops: Sequence[FrOp]) -> str:
+    return " + ".join(f"{o.op} {_fmt_sizes(o)}" for o in ops)
 
 
 def _behind_finding(base: dict[str, Any], members: tuple[int, ...], views: Mapping[int, GroupView | None],
