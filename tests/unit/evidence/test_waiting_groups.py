@@ -75,6 +75,15 @@ def test_ranks_in_the_same_collective_of_one_group_are_one_entry_and_no_desync()
     assert desyncs([w]) == [] and "desync" not in describe([w])
 
 
+def test_a_member_seen_nowhere_is_never_said_to_be_waited_for() -> None:
+    """Rank 2 waits in DP group {0,2}: rank 0 is named as waited for only where it is known to be elsewhere (its
+    frames show another call, or its stack no communication) — another node's rank may be waiting too."""
+    frames = {2: _frames("mesh", range(4))[2]}
+    (alone,) = from_frames(frames, _mesh_clients(), 4)
+    (known,) = from_frames(frames, _mesh_clients(), 4, elsewhere={0})
+    assert (alone.waiting, alone.waits_on) == ((2,), ()) and known.waits_on == (0,)
+
+
 def test_without_the_clients_report_a_group_address_names_nothing() -> None:
     assert from_frames(_frames("mesh", range(4)), {}, 4) == []
     assert describe([]) == ""

@@ -17,7 +17,7 @@ Nothing here names a culprit: who waits where is what the operator reads beside 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,10 +101,13 @@ def _members(g: Mapping[str, Any]) -> tuple[int, ...]:
 
 
 def from_frames(frames: Mapping[int, FrameGroup], clients: Mapping[int, Sequence[Mapping[str, Any]]],
-                world_size: int | None) -> list[WaitingGroup]:
+                world_size: int | None, elsewhere: Collection[int] = ()) -> list[WaitingGroup]:
     """The groups the ranks' frames show (``stacks.frame_groups``), named through each rank's client report
     (``clients``: rank → its groups) where there is one; ranks of one group in one collective family form one
-    WaitingGroup, waiting on the members not in it (a point-to-point op waits on its partner)."""
+    WaitingGroup, waiting on the members known not to be in it: those whose frames show another call, and
+    ``elsewhere`` (ranks whose stacks are in no communication op, or that have none). A member seen nowhere (another
+    node's rank, one whose frames were not read) may be waiting too: it is not named. A point-to-point op waits on
+    its partner."""
     keyed: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     facts: dict[tuple[Any, ...], tuple[tuple[int, ...], str | None, str, str | None, int | None]] = {}
     for rank, fg in sorted(frames.items()):
@@ -134,7 +137,7 @@ def from_frames(frames: Mapping[int, FrameGroup], clients: Mapping[int, Sequence
         elif family in P2P_FAMILIES or family == WAIT_FAMILY or not ranks:
             on = ()  # whom a bare wait() or a p2p op without a partner in its frames waits for is not told
         else:
-            on = tuple(r for r in ranks if r not in waiting)
+            on = tuple(r for r in ranks if r not in waiting and (r in frames or r in elsewhere))
         out.append(WaitingGroup(ranks, name, desc, op, tuple(waiting), on, FRAMES))
     return sorted(out, key=lambda w: w.waiting)
 

@@ -16,6 +16,7 @@ import psutil
 from gpu_watchdog.config.schema import StacksConfig
 from gpu_watchdog.evidence.analyze import write_rank_stacks
 from gpu_watchdog.evidence.source import EvidenceLog, IncidentJob
+from gpu_watchdog.evidence.stacks.classify import COMMUNICATION_STATES, P2P_FAMILIES, collective_family
 from gpu_watchdog.evidence.stacks.collect import (
     WAITS_ON_WORKERS,
     WorkerStack,
@@ -79,7 +80,9 @@ class StacksAtIncident:
         remote = self.remote_stacks(log, finding, diag, stacks, job.job_id)
         if remote:  # the other nodes' ranks, from their agents' dumps: the culprit named from any node
             diag = diagnose([*stacks, *remote], None, missing, elsewhere)
-        waiting = self.waiting_groups(stacks, rank_pids, job.world_size)
+        # the members known not to wait in any group: no stack (exited), or a stack outside communication
+        elsewhere = missing | {s.rank for s in [*stacks, *remote] if s.state not in COMMUNICATION_STATES}
+        waiting = self.waiting_groups(stacks, rank_pids, job.world_size, elsewhere)
         if waiting:  # who waits in which group goes with the verdict (it names nobody)
             diag = replace(diag, reason=f"{diag.reason}; {describe(waiting)}")
             log.update(waiting_groups=[w.as_json() for w in waiting])
@@ -95,13 +98,15 @@ class StacksAtIncident:
         return StacksFound(tuple(stacks), diag, blocked[0].stack if blocked else culprit, alive(diag, remote),
                            tuple(_worker_json(w) for w in blocked), tuple(r.outcome for r in results.values()))
 
-    def waiting_groups(self, stacks: list[RankStack], rank_pids: Mapping[int, int],
-                       world_size: int | None) -> list[WaitingGroup]:
+    def waiting_groups(self, stacks: list[RankStack], rank_pids: Mapping[int, int], world_size: int | None,
+                       elsewhere: set[int]) -> list[WaitingGroup]:
         """The group each of this node's ranks in a collective or p2p op waits in, from its own frames (a re-dump
-        with locals) named through its in-job client's report of its groups where the job runs one."""
+        with locals) named through its in-job client's report of its groups. Without a client the frames name only
+        point-to-point partners: the re-dump is then taken only for ranks in a p2p op."""
         try:
-            frames = read_frame_groups(stacks, rank_pids, self.cfg)
-            return from_frames(frames, client_groups(rank_pids.values()) if frames else {}, world_size)
+            clients = client_groups(rank_pids.values())
+            asked = stacks if clients else [s for s in stacks if collective_family(s.op or "?") in P2P_FAMILIES]
+            return from_frames(read_frame_groups(asked, rank_pids, self.cfg), clients, world_size, elsewhere)
         except Exception:  # diagnostics must never block recovery: no groups is "not known"
             logger.exception("reading the ranks' process groups from their frames failed")
             return []
