@@ -4,7 +4,8 @@ vision and speech loops. Every rank runs the same code: nothing in it says which
 loader worker's), as a noisy neighbour or a throttled host does.
 
 Variants (``zoo_common``): ``healthy`` trains to the end; ``eval``: rank 0 evaluates for ``--pause-s`` seconds
-once, at ``--hang-step``, while its peers wait in a barrier."""
+once, at ``--hang-step``, while its peers wait in a barrier; ``uneven``: rank ``--rank`` gets twice the data of
+each of its peers every step (uneven shards: the same collectives, twice its own compute)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def main() -> None:
 
         def train_step(step: int, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
             x, y = batch
+            if args.variant == "uneven" and rank == args.rank:
+                x, y = torch.cat([x, x.flip(0)]), torch.cat([y, y.flip(0)])
             for _ in range(3):  # a few micro-steps per batch: the rank's own compute
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 opt.zero_grad()

@@ -300,6 +300,10 @@ def test_a_straggler_window_too_short_for_its_slices_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"straggler\.window_s must hold 4 samples per slice: at least slices x 4 x "
                                           r"interval_s = 40, got 39"):
         config_from_dict({"straggler": {"interval_s": 2.0, "window_s": 39.0, "slices": 5}})
+    with pytest.raises(ConfigError, match=r"straggler\.signal_window_s must hold 4 ticks per slice: at least "
+                                          r"signal_slices x 4 x agent.interval_s = 60, got 59"):
+        config_from_dict({"straggler": {"signal_window_s": 59.0, "signal_slices": 15}})
+    assert config_from_dict({"straggler": {"signal_window_s": 59.0, "signals": False}}).straggler.signals is False
     with pytest.raises(ConfigError, match=r"straggler\.max_share_ratio must be between 0 and 1"):
         config_from_dict({"straggler": {"max_share_ratio": 1.5}})
 
@@ -337,7 +341,8 @@ FULL = Config(
                   watch_interval_s=0.0),
     flight_recorder=FlightRecorderConfig(enabled=False, buffer_size=20000, dump_on_suspect=False),
     straggler=StragglerConfig(enabled=False, interval_s=10.0, window_s=600.0, cpu_budget_percent=0.2, slices=4,
-                              min_peer_wait_share=0.3, max_share_ratio=0.4),
+                              min_peer_wait_share=0.3, max_share_ratio=0.4, signals=False, signal_window_s=300.0,
+                              signal_slices=10),
     daemon=DaemonSettings(control_socket="/tmp/gw/c.sock", socket_group="", allowed_uids=(1000, 1001),
                           allowed_gids=(2000,), allow_root=False, max_request_bytes=4096, preempt_timeout_s=5.0,
                           peer_timeout_s=7.0, stop_unregistered=True, incident_max_age_days=1.5,

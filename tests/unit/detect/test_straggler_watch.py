@@ -25,7 +25,8 @@ from nvml_standin.fixtures import nvml_standin_lib as _nvml_standin_lib_fixture 
 
 CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
 PIDS = {0: 1001, 1: 1002, 2: 1003}
-CFG = config_from_dict({"straggler": {"interval_s": 0.001, "window_s": 16.0, "slices": 4}})
+# The stack rounds alone (the cheap signal would read whatever processes hold these pids here: test_straggler_signals)
+CFG = config_from_dict({"straggler": {"interval_s": 0.001, "window_s": 16.0, "slices": 4, "signals": False}})
 
 
 def _rounds(monkeypatch: pytest.MonkeyPatch, slow: int | None, cpu_s: float = 0.0) -> None:

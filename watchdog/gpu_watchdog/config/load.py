@@ -223,6 +223,11 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     if st.window_s < least:
         raise ConfigError(f"config: straggler.window_s must hold {MIN_SLICE_SAMPLES} samples per slice: at least "
                           f"slices x {MIN_SLICE_SAMPLES} x interval_s = {least:g}, got {st.window_s:g}")
+    least = st.signal_slices * MIN_SLICE_SAMPLES * cfg.agent.interval_s
+    if st.signals and st.signal_window_s < least:
+        raise ConfigError(f"config: straggler.signal_window_s must hold {MIN_SLICE_SAMPLES} ticks per slice: at "
+                          f"least signal_slices x {MIN_SLICE_SAMPLES} x agent.interval_s = {least:g}, got "
+                          f"{st.signal_window_s:g}")
     if cfg.faults.drain_hook and cfg.faults.drain_hook not in cfg.hooks:
         raise ConfigError(f"config: faults.drain_hook names no [hooks.{cfg.faults.drain_hook}] table")
     return cfg

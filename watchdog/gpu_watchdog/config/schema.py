@@ -203,6 +203,12 @@ class StragglerConfig:
     slices: int = 5
     min_peer_wait_share: float = 0.2  # its peers wait at least this share of their samples (the job loses time) ...
     max_share_ratio: float = 0.5  # ... and it waits at most this times their median share
+    # The cheap signal: every tick, each rank's main-thread scheduler clocks and wait channel (and its GPU's
+    # signature), a few tens of µs per rank. Its own window, in its own slices (the same rule): 150 s in 15 names a
+    # persistent straggler 2.5 min after its onset, and no single slow phase up to 130 s makes one.
+    signals: bool = True
+    signal_window_s: float = 150.0
+    signal_slices: int = 15
 
 
 DEFAULT_SOCKET = "/run/gpu-watchdog/control.sock"

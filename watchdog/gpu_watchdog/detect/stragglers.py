@@ -1,7 +1,9 @@
-"""The straggler watch of one agent: low-rate stack samples of every job's ranks, their scores, and one
-``straggler`` finding per rank and run that the window names (observe only: ``policy.respond`` records it).
+"""The straggler watch of one agent: every job's ranks watched two ways — the cheap signal every tick (each rank's
+main-thread scheduler clocks and wait channel, its GPU's signature: evidence.straggler.signals) over a short window,
+and low-rate stack samples over a long one — and one ``straggler`` finding per rank and run that either window names
+(observe only: ``policy.respond`` records it). The finding says which (``evidence``: ``signals`` or ``stacks``).
 
-Sampling costs a nonblocking ``py-spy dump`` per rank (about 10 ms of the agent's CPU each, measured; the job is
+The cheap signal costs a few tens of µs per rank and tick, read on the engine's thread. Stack sampling costs a nonblocking ``py-spy dump`` per rank (about 10 ms of the agent's CPU each, measured; the job is
 never paused) every ``straggler.interval_s``, on a worker of its own so it never delays a hang's dumps. A job is
 sampled while it has peers (at least two ranks here, or ranks elsewhere: its world size says so) and is not
 stalled: a confirmed stall is a hang, and the window starts again after it. A suspect or waiting job is sampled
@@ -14,18 +16,21 @@ from __future__ import annotations
 
 import logging
 import resource
+import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from gpu_watchdog.config.schema import Config
+from gpu_watchdog.detect.detector import device_signature
 from gpu_watchdog.detect.states import STALLED
 from gpu_watchdog.evidence.stacks.collect import classify_results, pids_on_gpu, with_gpu_line
 from gpu_watchdog.evidence.stacks.dump import dump_stacks
-from gpu_watchdog.evidence.straggler.causes import Cause, HostCounters, find_causes, host_counters
+from gpu_watchdog.evidence.straggler.causes import Cause, HostCounters, contention, find_causes, host_counters, origin
 from gpu_watchdog.evidence.straggler.score import Thresholds, Verdict, WaitWindow, as_sampled
+from gpu_watchdog.evidence.straggler.signals import ThreadClock, asleep_as, interval_states, read_clock, shares
 from gpu_watchdog.model import DeviceSample, Finding, JobStatus, NodeSample, rank_label
 
 log = logging.getLogger("gpu_watchdog.straggler")
@@ -39,8 +44,30 @@ Round = tuple[float, dict[int, str], dict[int, HostCounters], float]
 
 
 @dataclass
+class _Signals:
+    """One job's cheap signal: the last clocks read of each rank, the window of their intervals, and each rank's
+    host counters at each slice (for the causes)."""
+
+    clocks: dict[int, ThreadClock] = field(default_factory=dict)
+    window: WaitWindow = field(default_factory=WaitWindow)
+    counters: deque[tuple[float, dict[int, HostCounters]]] = field(default_factory=deque)
+    cpu: dict[int, deque[tuple[float, float, float]]] = field(default_factory=dict)  # rank → (t, running, queued)
+    asleep: dict[int, str] = field(default_factory=dict)  # rank → what it was last seen asleep on
+    verdict: Verdict | None = None
+
+    def reset(self) -> None:
+        self.clocks.clear()
+        self.window.reset()
+        self.counters.clear()
+        self.cpu.clear()
+        self.asleep.clear()
+        self.verdict = None
+
+
+@dataclass
 class _JobWatch:
     pids: dict[int, int]
+    signals: _Signals = field(default_factory=_Signals)
     window: WaitWindow = field(default_factory=WaitWindow)
     counters: deque[tuple[float, dict[int, HostCounters]]] = field(default_factory=deque)
     next_at: float = 0.0  # monotonic
@@ -108,9 +135,15 @@ class StragglerWatch:
         self._pool: ThreadPoolExecutor | None = None
 
     def rank_scores(self) -> dict[str, dict[int, tuple[float, float, bool]]]:
-        """Per watched job, rank → (wait share, score, named the straggler now): the metrics' per-rank series."""
-        return {j: {r: (s.wait_share, s.score, r in w.verdict.stragglers) for r, s in w.verdict.scores.items()}
-                for j, w in self._jobs.items() if w.verdict is not None and w.verdict.scores}
+        """Per watched job, rank → (wait share, score, named the straggler now): the metrics' per-rank series, from
+        the cheap signal's window where it has scores (fresher), else the stacks'."""
+        out = {}
+        for j, w in self._jobs.items():
+            v = next((v for v in (w.signals.verdict, w.verdict) if v is not None and v.scores), None)
+            if v is not None:
+                named = set(v.stragglers) | set(w.verdict.stragglers if w.verdict else ())
+                out[j] = {r: (s.wait_share, s.score, r in named) for r, s in v.scores.items()}
+        return out
 
     def forget(self, job_id: str) -> None:
         """The job ended or was restarted: its window starts again."""
@@ -126,7 +159,8 @@ class StragglerWatch:
     def watch(self, jobs: Mapping[str, JobStatus], sample: NodeSample) -> list[Finding]:
         cfg = self._cfg()
         sc = cfg.straggler
-        if not sc.enabled or not cfg.stacks.enabled:
+        stacks = cfg.stacks.enabled
+        if not sc.enabled or not (stacks or sc.signals):
             self._jobs.clear()
             return []
         now = time.monotonic()
@@ -145,9 +179,19 @@ class StragglerWatch:
                 w = self._jobs[js.job_id] = _JobWatch(dict(js.rank_pids))
             th = Thresholds(sc.window_s * w.stretch, sc.slices, sc.min_peer_wait_share, sc.max_share_ratio)
             self._collect(w, th.window_s)
-            if js.state == STALLED:  # a hang, not a straggler: its window starts again once the job runs
+            if js.state == STALLED:  # a hang, not a straggler: its windows start again once the job runs
                 w.window.reset()
                 w.counters.clear()
+                w.signals.reset()
+                continue
+            if sc.signals:
+                sig_th = Thresholds(sc.signal_window_s, sc.signal_slices, sc.min_peer_wait_share, sc.max_share_ratio)
+                _read_signals(w, cfg, sample, devices, sig_th)
+                for rank in w.signals.verdict.stragglers if w.signals.verdict else ():
+                    if rank not in w.reported:
+                        w.reported.add(rank)
+                        out.append(_signal_finding(js, w, rank, devices, sample, sig_th))
+            if not stacks:
                 continue
             if w.pending is None and now >= w.next_at:
                 cost = w.round_cpu_s if w.round_cpu_s is not None else DUMP_CPU_S * len(w.pids)
@@ -160,7 +204,7 @@ class StragglerWatch:
             for rank in w.verdict.stragglers:
                 if rank not in w.reported:
                     w.reported.add(rank)
-                    out.append(_finding(js, w, rank, devices, sample, th))
+                    out.append(_stack_finding(js, w, rank, devices, sample, th))
         return out
 
     def _worker(self) -> ThreadPoolExecutor:
@@ -189,33 +233,105 @@ class StragglerWatch:
             w.counters.popleft()
 
 
-def _finding(js: JobStatus, w: _JobWatch, rank: int, devices: Mapping[int, DeviceSample], sample: NodeSample,
-             th: Thresholds) -> Finding:
+def _read_signals(w: _JobWatch, cfg: Config, sample: NodeSample, devices: Mapping[int, DeviceSample],
+                  th: Thresholds) -> None:
+    """One tick of the cheap signal: every rank's interval since the last read, its host counters once a slice."""
+    sig = w.signals
+    t = time.monotonic()
+    on_device = Counter(devices[pid].uuid for pid in w.pids.values() if pid in devices)
+    states: dict[int, dict[str, float]] = {}
+    for rank, pid in w.pids.items():
+        clock, before = read_clock(pid, t), sig.clocks.get(rank)
+        if clock is None:
+            sig.clocks.pop(rank, None)
+            continue
+        sig.clocks[rank] = clock
+        sh = shares(before, clock) if before is not None else None
+        if sh is None:
+            sig.asleep[rank] = asleep_as(clock, sig.asleep.get(rank, "unknown"))
+            continue
+        dev = devices.get(pid)
+        # a GPU that several of the job's ranks share says nothing about one of them
+        device = device_signature(dev, cfg.detect, None, frozenset(w.pids.values())) \
+            if dev is not None and on_device[dev.uuid] == 1 else None
+        asleep = sig.asleep[rank] = asleep_as(clock, sig.asleep.get(rank, "unknown"))
+        states[rank] = interval_states(sh, asleep, device)
+        sig.cpu.setdefault(rank, deque()).append((sample.t, sh.running, sh.queued))
+    if states:
+        sig.window.add(sample.t, states, th.window_s)
+    if not sig.counters or sample.t - sig.counters[-1][0] >= th.window_s / th.slices:
+        sig.counters.append((sample.t, {r: host_counters(pid, devices.get(pid)) for r, pid in w.pids.items()}))
+    start = sample.t - th.window_s
+    while len(sig.counters) > 1 and sig.counters[1][0] <= start:
+        sig.counters.popleft()
+    for shares_of in sig.cpu.values():
+        while shares_of and shares_of[0][0] < start:
+            shares_of.popleft()
+    sig.verdict = sig.window.verdict(sample.t, th)
+
+
+def _cpu_shares(sig: _Signals, rank: int) -> tuple[float, float]:
+    """(its mean share on a CPU, its mean share queued for one) over the window."""
+    rows = sig.cpu.get(rank) or deque()
+    if not rows:
+        return 0.0, 0.0
+    return sum(r for _, r, _ in rows) / len(rows), sum(q for _, _, q in rows) / len(rows)
+
+
+def _signal_finding(js: JobStatus, w: _JobWatch, rank: int, devices: Mapping[int, DeviceSample],
+                    sample: NodeSample, th: Thresholds) -> Finding:
+    sig = w.signals
+    assert sig.verdict is not None
+    running, queued = _cpu_shares(sig, rank)
+    peers = [_cpu_shares(sig, r) for r in sig.verdict.scores if r != rank]
+    peer_running = statistics.median(p[0] for p in peers) if peers else 0.0
+    peer_queued = statistics.median(p[1] for p in peers) if peers else 0.0
+    cpu = {"running_share": round(running, 3), "queued_share": round(queued, 3),
+           "peer_running_share": round(peer_running, 3), "peer_queued_share": round(peer_queued, 3)}
+    extra = contention(running, queued, peer_running, peer_queued)
+    return _finding(js, w.pids[rank], rank, sig.verdict, sig.counters, devices, sample, th, "signals",
+                    extra=[extra] if extra else [], origin_hint=(running, peer_running), facts={"cpu": cpu})
+
+
+def _stack_finding(js: JobStatus, w: _JobWatch, rank: int, devices: Mapping[int, DeviceSample], sample: NodeSample,
+                   th: Thresholds) -> Finding:
+    assert w.verdict is not None
+    return _finding(js, w.pids[rank], rank, w.verdict, w.counters, devices, sample, th, "stacks")
+
+
+def _finding(js: JobStatus, pid: int, rank: int, verdict: Verdict,
+             counters: deque[tuple[float, dict[int, HostCounters]]], devices: Mapping[int, DeviceSample],
+             sample: NodeSample, th: Thresholds, basis: str, *, extra: list[Cause] | None = None,
+             origin_hint: tuple[float, float] | None = None, facts: Mapping[str, object] | None = None) -> Finding:
     """The straggler finding for ``rank``, its causes read now (the incident's ``straggler`` section)."""
-    verdict = w.verdict
-    assert verdict is not None
     score = verdict.scores[rank]
-    pid = w.pids[rank]
     dev = devices.get(pid)
-    first = w.counters[0] if w.counters else None
-    last = w.counters[-1] if w.counters else None
+    first = counters[0] if counters else None
+    last = counters[-1] if counters else None
     causes = find_causes(pid, score.input_share, dev, first[1].get(rank) if first else None,
                          last[1].get(rank) if last else None, (last[0] - first[0]) if first and last else 0.0)
+    if not any(c.kind == "cpu_throttled" for c in causes):  # a quota queues it too: say the quota, once
+        causes.extend(extra or [])
+    why = origin(causes, *(origin_hint or (0.0, 0.0)))
     peers = verdict.peer_wait_share(rank)
+    what = "stack samples" if basis == "stacks" else "time"
+    because = f"; slow because of its {why}" if why != "unknown" else ""
     detail = (f"{rank_label(rank)} is the straggler of job {js.job_id}: its peers waited in {peers:.0%} of their "
-              f"stack samples over the last {th.window_s:.0f} s, it in {score.wait_share:.0%} (score "
-              f"{score.score:.2f}); cause: {_causes_text(causes)}")
-    facts: dict[str, object] = {
+              f"{what} over the last {th.window_s:.0f} s, it in {score.wait_share:.0%} (score {score.score:.2f})"
+              f"{because}; cause: {_causes_text(causes)}")
+    section: dict[str, object] = {
         "rank": rank, "host": sample.hostname, "pid": pid, "score": round(score.score, 3),
         "wait_share": round(score.wait_share, 3), "peer_wait_share": round(peers, 3),
-        "window_s": th.window_s, "since": verdict.since, "samples": score.samples,
+        "window_s": th.window_s, "since": verdict.since, "samples": score.samples, "evidence": basis,
+        "origin": why,
         "gpu": {"index": dev.index, "uuid": dev.uuid} if dev is not None else None,
         "causes": [c.to_json() for c in causes],
         "scores": {str(r): s.to_json() for r, s in sorted(verdict.scores.items())},
+        **(facts or {}),
     }
     return Finding("straggler", "slow_rank", js.job_id, tuple(sorted(js.rank_pids)), (rank,),
                    verdict.since if verdict.since is not None else sample.t, sample.t,
-                   (dev.uuid,) if dev is not None else (), detail, "stacks", facts)
+                   (dev.uuid,) if dev is not None else (), detail, basis, section)
 
 
 def _causes_text(causes: list[Cause]) -> str:

@@ -120,9 +120,10 @@ _KERNEL_IO = re.compile(
     r"fsync|writeback|wb_wait"
 )
 # ... and of a thread waiting for bytes from a pipe or a socket: a consumer waiting on its producer.
-# (Linux: pipe_read/pipe_wait_readable for pipes, unix_stream_read_generic for Unix sockets, sk_wait_data and
-# wait_woken — which sk_wait_data sleeps in — for TCP/UDP reads, inet_csk_accept for a server awaiting a client.)
-_KERNEL_DATA = re.compile(r"^pipe_read$|^pipe_wait_readable$|unix_stream_read|sk_wait_data|^wait_woken$|"
+# (Linux: pipe_read — anon_pipe_read on newer kernels, this project's test box among them — and pipe_wait_readable
+# for pipes, unix_stream_read_generic for Unix sockets, sk_wait_data and wait_woken — which sk_wait_data sleeps in —
+# for TCP/UDP reads, inet_csk_accept for a server awaiting a client.)
+_KERNEL_DATA = re.compile(r"^(anon_)?pipe_read$|^pipe_wait_readable$|unix_stream_read|sk_wait_data|^wait_woken$|"
                           r"inet_csk_accept|unix_wait_for_peer")
 
 

@@ -17,11 +17,21 @@ CPU_THROTTLED_MIN_SHARE = 0.05  # of the window's wall time spent throttled by t
 INPUT_MIN_SHARE = 0.3  # of its samples spent waiting for input: its data loader (or storage) is what it waits on
 MEMORY_PRESSURE_MIN_AVG60 = 10.0  # % of the last minute some of the cgroup's tasks stalled on memory
 SM_CLOCK_BELOW_MAX = 0.9
+# Of the time it wanted a CPU (running or runnable), the share it waited for one — at least this, and this many
+# times its peers' share: the CPUs where it runs are oversubscribed (a noisy neighbour, too many ranks or loader
+# workers on them). Its peers' share must be measured (they wanted a CPU a little of the time at least).
+CONTENTION_MIN_SHARE = 0.5
+CONTENTION_RATIO = 2.0
+CONTENTION_MIN_DEMAND = 0.05
+# On a CPU (or its GPU at work) this many times its peers' median share, with no cause on its node: it does more
+# per step than they do — its work (uneven shards, a heavier pipeline stage), not its machine.
+WORK_RATIO = 1.25
+NODE_CAUSES = frozenset({"cpu_throttled", "cpu_contention", "memory_pressure", "input", "gpu_clocks", "pcie"})
 
 
 @dataclass(frozen=True)
 class Cause:
-    kind: str  # cpu_throttled | memory_pressure | input | gpu_clocks | pcie
+    kind: str  # cpu_throttled | cpu_contention | memory_pressure | input | gpu_clocks | pcie
     detail: str
 
     def to_json(self) -> dict[str, str]:
@@ -173,3 +183,25 @@ def _gpu_causes(dev: DeviceSample, first: HostCounters | None, last: HostCounter
         out.append(Cause("pcie", f"GPU {dev.index} PCIe link at gen {gen} x{width}, below its gen {gen_max} "
                                  f"x{width_max}"))
     return out
+
+
+def contention(running: float, queued: float, peer_running: float, peer_queued: float) -> Cause | None:
+    """The rank waited for a CPU far more of the time it wanted one than its peers did (the cheap signal's shares
+    over the window)."""
+    if running + queued < CONTENTION_MIN_DEMAND or peer_running + peer_queued < CONTENTION_MIN_DEMAND:
+        return None
+    unserved, peers = queued / (running + queued), peer_queued / (peer_running + peer_queued)
+    if unserved >= CONTENTION_MIN_SHARE and unserved >= CONTENTION_RATIO * peers:
+        return Cause("cpu_contention", f"waiting for a CPU {unserved:.0%} of the time it wanted one (its peers "
+                                       f"{peers:.0%}): the CPUs where it runs are oversubscribed")
+    return None
+
+
+def origin(causes: list[Cause], busy: float, peer_busy: float) -> str:
+    """"node" when its node shows a cause; "work" when none does and it is at work (``busy``: its share on a CPU
+    or its GPU at work) far more than its peers — it does more per step; else "unknown"."""
+    if any(c.kind in NODE_CAUSES for c in causes):
+        return "node"
+    if busy > 0 and busy >= WORK_RATIO * peer_busy:
+        return "work"
+    return "unknown"

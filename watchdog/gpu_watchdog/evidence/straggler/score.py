@@ -19,6 +19,7 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Union
 
 from gpu_watchdog.config.schema import MIN_SLICE_SAMPLES
 
@@ -70,18 +71,23 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
+# One rank in one round: the state its stack sample shows, or the shares of the interval it spent in each state
+# (the cheap signals: evidence.straggler.signals), summing to at most 1.
+Observed = Union[str, Mapping[str, float]]
+
+
 class WaitWindow:
-    """The rounds of one job's stack samples within ``window_s`` (newest last)."""
+    """The rounds of one job's samples within ``window_s`` (newest last)."""
 
     def __init__(self) -> None:
-        self._rounds: deque[tuple[float, Mapping[int, str]]] = deque()
+        self._rounds: deque[tuple[float, Mapping[int, Mapping[str, float]]]] = deque()
         self.started: float | None = None  # the first round kept since the last reset
 
-    def add(self, t: float, states: Mapping[int, str], window_s: float) -> None:
-        """One round: rank → its main thread's state at ``t``."""
+    def add(self, t: float, states: Mapping[int, Observed], window_s: float) -> None:
+        """One round: rank → its main thread's state at ``t`` (or its shares of states since the last round)."""
         if self.started is None:
             self.started = t
-        self._rounds.append((t, dict(states)))
+        self._rounds.append((t, {r: {s: 1.0} if isinstance(s, str) else dict(s) for r, s in states.items()}))
         while self._rounds and self._rounds[0][0] < t - window_s:
             self._rounds.popleft()
 
@@ -110,17 +116,19 @@ class WaitWindow:
         return Verdict(scores, tuple(sorted(flagged or ())), start)
 
 
-def _scores(rounds: Iterable[Mapping[int, str]]) -> dict[int, RankScore]:
-    counts: dict[int, list[int]] = {}  # rank → [counted, waiting, input]
+def _scores(rounds: Iterable[Mapping[int, Mapping[str, float]]]) -> dict[int, RankScore]:
+    counts: dict[int, list[float]] = {}  # rank → [rounds, counted weight, waiting, input]
     for states in rounds:
-        for rank, state in states.items():
-            if state in UNCOUNTED_STATES:
+        for rank, weights in states.items():
+            counted = {s: w for s, w in weights.items() if s not in UNCOUNTED_STATES and w > 0}
+            if not counted:
                 continue
-            c = counts.setdefault(rank, [0, 0, 0])
+            c = counts.setdefault(rank, [0, 0.0, 0.0, 0.0])
             c[0] += 1
-            c[1] += state in WAITING_STATES
-            c[2] += state in INPUT_STATES
-    shares = {r: (n, w / n, i / n) for r, (n, w, i) in counts.items() if n}
+            c[1] += sum(counted.values())
+            c[2] += sum(w for s, w in counted.items() if s in WAITING_STATES)
+            c[3] += sum(w for s, w in counted.items() if s in INPUT_STATES)
+    shares = {r: (int(n), w / m, i / m) for r, (n, m, w, i) in counts.items() if m > 0}
     out = {}
     for r, (n, wait, inp) in shares.items():
         peers = _median([s[1] for q, s in shares.items() if q != r])

@@ -1,0 +1,187 @@
+"""The straggler's cheap signal (evidence.straggler.signals, detect.stragglers): each rank's main-thread scheduler
+clocks and wait channel every tick — real processes here, whose threads really sleep on a futex, a pipe or a timer,
+or really run — and, on a GPU, the device's signature (the NVML stand-in, read through the real pynvml). No stack is
+taken in these tests: stack sampling is off."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pynvml
+import pytest
+from gpu_watchdog.config.load import config_from_dict
+from gpu_watchdog.detect import stragglers
+from gpu_watchdog.detect.detector import RUNNING, STALLED
+from gpu_watchdog.evidence.straggler.signals import ThreadClock, ThreadShares, asleep_as, interval_states, \
+    read_clock, shares
+from gpu_watchdog.model import JobStatus, NodeSample
+from gpu_watchdog.sample.trace import read_trace
+from nvml_standin import NvmlStandin
+from nvml_standin.fixtures import nvml_standin as _nvml_standin_fixture  # noqa: F401
+from nvml_standin.fixtures import nvml_standin_lib as _nvml_standin_lib_fixture  # noqa: F401
+
+CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
+# A window of 8 ticks in 2 slices (4 ticks each, the least a slice takes); no stack rounds.
+CFG = config_from_dict({"straggler": {"signal_window_s": 8.0, "signal_slices": 2}, "stacks": {"enabled": False}})
+TICK_S = 0.25  # real time between reads; the samples' own clock advances a second per tick
+
+WAIT_ON_FUTEX = "import threading; threading.Event().wait()"  # a gloo rank waiting for its collective's work
+WAIT_ON_PIPE = "import os; r, w = os.pipe(); os.read(r, 1)"  # a rank waiting for its input
+BUSY = "while True: pass"  # a rank at its own work
+HALF = ("import threading, time\nev = threading.Event()\nwhile True:\n    end = time.monotonic() + 0.05\n"
+        "    while time.monotonic() < end: pass\n    ev.wait(0.05)")  # works half the time, waits the other half
+
+
+@pytest.fixture
+def spawn() -> Iterator:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*codes: str) -> dict[int, int]:
+        for code in codes:
+            procs.append(subprocess.Popen([sys.executable, "-c", code]))
+        time.sleep(1.0)  # past the interpreter's start: each main thread in its steady state
+        return {rank: p.pid for rank, p in enumerate(procs[-len(codes):])}
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def _run(watch: stragglers.StragglerWatch, js: JobStatus, sample: NodeSample, ticks: int, start: float = 0.0,
+         state_at=lambda t: RUNNING) -> list:
+    found = []
+    for i in range(ticks):
+        t = start + i
+        found += watch.watch({js.job_id: replace(js, state=state_at(t))}, replace(sample, t=t))
+        time.sleep(TICK_S)
+    return found
+
+
+def _job(pids: dict[int, int]) -> JobStatus:
+    return JobStatus("j", ranks=tuple(sorted(pids)), rank_pids=pids)
+
+
+BARE = NodeSample(t=0.0, hostname="node-a", backend="proc")
+
+
+def _clock(state: str, wchan: str) -> ThreadClock:
+    return ThreadClock(0.0, state, 0.0, 0.0, wchan)
+
+
+@pytest.mark.parametrize(("state", "wchan", "expected"), [
+    ("S", "futex_wait_queue", "collective"),  # a collective's completion (or a lock): a wait on its peers
+    ("S", "futex_do_wait", "collective"),
+    ("S", "pipe_read", "data_wait"),  # its input: a loader's pipe, a socket
+    ("S", "unix_stream_read_generic", "data_wait"),
+    ("D", "folio_wait_bit_common", "io"),
+    ("D", "", "io"),
+    ("S", "hrtimer_nanosleep", "sleep"),  # its own sleep
+    ("S", "do_epoll_wait", "unknown"),  # nothing a rule reads: not counted
+])
+def test_an_asleep_thread_counts_as_what_its_wait_channel_says(state: str, wchan: str, expected: str) -> None:
+    assert asleep_as(_clock(state, wchan)) == expected
+    assert asleep_as(_clock(state, wchan), last="data_wait") == expected  # asleep now: now says
+
+
+def test_a_thread_found_running_slept_where_it_last_did() -> None:
+    assert asleep_as(_clock("R", "0"), last="collective") == "collective"
+    assert asleep_as(_clock("R", ""), last="data_wait") == "data_wait"
+    assert asleep_as(_clock("R", "0")) == "unknown"  # never seen asleep: not counted
+
+
+def test_an_interval_is_split_into_work_and_the_wait_its_channel_names_and_a_gpu_decides_for_its_rank() -> None:
+    sh = ThreadShares(1.0, running=0.3, queued=0.1)
+    assert interval_states(sh, "collective", None) == pytest.approx({"compute": 0.4, "collective": 0.6})
+    assert interval_states(sh, "data_wait", "idle_held") == pytest.approx({"compute": 0.4, "data_wait": 0.6})
+    # NCCL: a waiting rank spins on its CPU and on its GPU alike; the GPU tells a wait from work
+    spinning_cpu = ThreadShares(1.0, running=1.0, queued=0.0)
+    assert interval_states(spinning_cpu, "unknown", "spin") == {"collective": 1.0}
+    assert interval_states(spinning_cpu, "unknown", "busy") == {"compute": 1.0}
+
+
+def test_reading_a_real_thread_and_what_it_did_between_two_reads(spawn) -> None:
+    pids = spawn(BUSY, WAIT_ON_FUTEX)
+    first = {r: read_clock(p, time.monotonic()) for r, p in pids.items()}
+    time.sleep(0.5)
+    second = {r: read_clock(p, time.monotonic()) for r, p in pids.items()}
+    busy, waiting = (shares(first[r], second[r]) for r in (0, 1))
+    assert busy is not None and busy.running + busy.queued > 0.8, busy
+    assert waiting is not None and waiting.asleep > 0.9 and "futex" in second[1].wchan, (waiting, second[1])
+    assert read_clock(2**22 + 7, 0.0) is None  # gone (or never there): None, no exception
+    assert shares(second[0], first[0]) is None  # time going back says nothing
+
+
+def test_the_rank_at_work_while_its_peers_wait_on_their_collective_is_named_from_the_signal(spawn) -> None:
+    pids = spawn(WAIT_ON_FUTEX, BUSY, WAIT_ON_FUTEX)
+    watch = stragglers.StragglerWatch(lambda: CFG)
+    found = _run(watch, _job(pids), BARE, 14)
+    assert len(found) == 1, [f.detail for f in found]
+    f = found[0]
+    assert (f.kind, f.culprit_ranks, f.basis) == ("straggler", (1,), "signals")
+    st = f.facts
+    assert st["evidence"] == "signals" and st["pid"] == pids[1] and st["window_s"] == 8.0
+    assert st["wait_share"] < 0.1 and st["peer_wait_share"] > 0.9, st
+    assert st["origin"] == "work" and "slow because of its work" in f.detail, f.detail  # no cause on its node
+    assert st["cpu"]["running_share"] > 1.25 * st["cpu"]["peer_running_share"], st["cpu"]
+    assert "of their time over the last 8 s" in f.detail
+    assert watch.rank_scores()["j"][1][2] is True
+
+
+def test_even_ranks_and_ranks_waiting_on_their_input_are_no_straggler(spawn) -> None:
+    """Three ranks alike (work half the time, wait on a futex the other half): nobody. A rank waiting on its
+    input is not at work: with its peers waiting on a futex it is named — and its cause is its input."""
+    pids = spawn(HALF, HALF, HALF)
+    watch = stragglers.StragglerWatch(lambda: CFG)
+    assert _run(watch, _job(pids), BARE, 14) == []
+    assert set(watch.rank_scores()["j"]) == {0, 1, 2}  # every rank scored, none named
+
+    pids = spawn(WAIT_ON_FUTEX, WAIT_ON_PIPE, WAIT_ON_FUTEX)
+    found = _run(stragglers.StragglerWatch(lambda: CFG), _job(pids), BARE, 14)
+    assert [f.culprit_ranks for f in found] == [(1,)]
+    causes = {c["kind"] for c in found[0].facts["causes"]}
+    assert causes == {"input"} and found[0].facts["origin"] == "node", found[0].facts
+
+
+def test_a_stall_restarts_the_signal_window(spawn) -> None:
+    pids = spawn(WAIT_ON_FUTEX, BUSY, WAIT_ON_FUTEX)
+    watch = stragglers.StragglerWatch(lambda: CFG)
+    # stalled at tick 6: the window starts again, so 8 more ticks are needed after it
+    found = _run(watch, _job(pids), BARE, 14, state_at=lambda t: STALLED if t == 6 else RUNNING)
+    assert found == []
+    assert len(_run(watch, _job(pids), BARE, 3, start=14)) == 1
+
+
+def test_a_thermally_throttled_gpu_the_others_spin_wait_on_is_named_from_the_gpus_alone(
+        spawn, nvml_standin: NvmlStandin, tmp_path: Path) -> None:
+    """An NCCL job as NVML shows it: ranks 0 and 2's GPUs spin in a collective kernel (SMs 100 %, memory
+    controller idle, 90 W of 700), rank 1's works (97 %, memory busy, 640 W) held down by thermal slowdown at 1140 of
+    1980 MHz. On their CPUs all three look the same (asleep here; NCCL's spin would be running): only the GPUs tell.
+    Named from the signal, with "thermal"."""
+    pids = spawn(WAIT_ON_FUTEX, WAIT_ON_FUTEX, WAIT_ON_FUTEX)
+    state = nvml_standin.require_scripted()
+    thermal = pynvml.nvmlClocksEventReasonSwThermalSlowdown | pynvml.nvmlClocksEventReasonHwThermalSlowdown
+    with state.batch():
+        spin = {"utilization_gpu": 100, "utilization_memory": 0, "power_mw": 90_000}
+        gpus = [state.add_gpu(**spin), state.add_gpu(utilization_gpu=97, utilization_memory=60, power_mw=640_000),
+                state.add_gpu(**spin)]
+        for rank, pid in pids.items():
+            state.place_process(gpus[rank], pid=pid, mem_bytes=20 << 30)
+        state.throttle(gpus[1], thermal, sm_clock_mhz=1140, sm_clock_max_mhz=1980)
+    trace = tmp_path / "gpus.jsonl"
+    subprocess.run([CLI, "record", "--backend", "nvml", "--duration", "0.5", "--interval", "0.5", "--output",
+                    str(trace)], env=nvml_standin.env, check=True, capture_output=True, timeout=60)
+    sample = next(r for r in read_trace(trace)[1] if isinstance(r, NodeSample))
+    found = _run(stragglers.StragglerWatch(lambda: CFG), _job(pids), replace(sample, processes=()), 14)
+    assert [f.culprit_ranks for f in found] == [(1,)]
+    f = found[0]
+    assert f.basis == "signals" and f.devices == (sample.devices[1].uuid,)
+    assert f.facts["wait_share"] == 0.0 and f.facts["peer_wait_share"] == 1.0
+    gpu = [c for c in f.facts["causes"] if c["kind"] == "gpu_clocks"]
+    assert len(gpu) == 1 and "thermal" in gpu[0]["detail"] and f.facts["origin"] == "node"
+    assert "thermal" in f.detail
