@@ -47,6 +47,9 @@ class Case:
     desync: bool = False  # the incident must name a desync
     nproc: int = 3
     spawns: bool = False  # the program starts its ranks itself (mp.spawn): run with python, not torchrun
+    # COMM_HANG: entries the first incident's ``waiting_groups`` must hold, each (waiting ranks, the group's ranks, its
+    # description, the ranks waited for) — () and "" where the group is not known (a p2p partner alone)
+    waiting_in: tuple[tuple[tuple[int, ...], tuple[int, ...], str, tuple[int, ...]], ...] = ()
 
     @property
     def name(self) -> str:
@@ -74,6 +77,19 @@ CASES: tuple[Case, ...] = (
     Case("lightning_ddp", "event_wait", COMM_HANG, (2,)),
     Case("manual_allreduce", "event_wait", COMM_HANG, (2,), collective="all_reduce"),
     Case("tp_dp_groups", "event_wait", COMM_HANG, (2,), nproc=4),
+    # A 2-D DeviceMesh (dp x tp) whose ranks run the in-job client: rank 0 runs a TP all_gather its TP peer skips.
+    # Each waiting rank's group is read from its frames (the client's report names the group's address): the desync
+    # sits inside TP group {0,1}; the DP ranks wait in their DP groups on the TP pair.
+    Case("mesh_2d", "desync", COMM_HANG, (0,), args=("--rank", "0"), desync=True, nproc=4,
+         waiting_in=(((0,), (0, 1), "mesh_tp", (1,)), ((1,), (0, 1), "mesh_tp", (0,)),
+                     ((2,), (0, 2), "mesh_dp", (0,)), ((3,), (1, 3), "mesh_dp", (1,)))),
+    # The middle stage of a pipeline hangs: the next stage's receive names it as the partner it waits for (the first
+    # stage waits on its forward sends in bulk, whose partner its frames do not hold: not named).
+    Case("pipeline", "lock", COMM_HANG, (1,), args=("--rank", "1"), waiting_in=(((2,), (), "", (1,)),)),
+    # Their healthy twins: a stage computing 12 s in its forward while its partners wait in p2p; a hot expert computing
+    # 12 s while its peers wait in an all_to_all of uneven split sizes.
+    Case("pipeline", "slow_stage", HEALTHY, args=("--rank", "1", "--pause-s", "12")),
+    Case("moe_uneven", "slow_expert", HEALTHY, args=("--rank", "1", "--pause-s", "12")),
     # Endless compute in a rank while its peers wait in DDP's all-reduce: it visibly progresses (CPU), so only the
     # job's own timeout (25 s here) ends the wait; the agent does not act before it.
     Case("ddp_plain", "busy", OWN_TIMEOUT, (2,), waiting_timeout_s=20.0, pg_timeout_s=25.0, finishes=False),
@@ -122,6 +138,9 @@ class Row:
     nccl_change: bool  # some incident's next run got NCCL_* settings
     fallback_reason: str
     incidents: int
+    reason: str = ""  # the first incident's
+    # the first incident's waiting_groups, each (waiting, group ranks, desc, waits_on) as Case.waiting_in
+    waiting_groups: tuple[tuple[tuple[int, ...], tuple[int, ...], str, tuple[int, ...]], ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -205,7 +224,14 @@ def run_variant(tmp: Path, program: str, variant: str, *, nproc: int = 3, args: 
                bool(first.get("desync")) if first else False,
                "acted" if acted else "observed" if incidents else "none", actions,
                any(any(k.startswith("NCCL_") for k in (f.get("env") or {})) for f in fallback),
-               "; ".join(str(f.get("reason")) for f in fallback if f.get("reason")), len(incidents))
+               "; ".join(str(f.get("reason")) for f in fallback if f.get("reason")), len(incidents),
+               str(first.get("reason") or "") if first else "", _waiting_groups(first))
+
+
+def _waiting_groups(inc: Mapping[str, Any] | None) -> tuple[tuple[tuple[int, ...], tuple[int, ...], str,
+                                                                 tuple[int, ...]], ...]:
+    return tuple((tuple(g.get("waiting") or ()), tuple(g.get("ranks") or ()), str(g.get("desc") or ""),
+                  tuple(g.get("waits_on") or ())) for g in (inc or {}).get("waiting_groups") or ())
 
 
 def assert_row(case: Case, row: Row) -> None:
@@ -221,6 +247,7 @@ def assert_row(case: Case, row: Row) -> None:
     if case.collective:
         assert row.collective == case.collective, row
     assert row.desync == case.desync, row
+    assert set(case.waiting_in) <= set(row.waiting_groups), row
     if case.expect == COMM_HANG:
         assert row.detected_after_s <= 10.0, row
         assert row.verdict == "acted", row

@@ -6,7 +6,8 @@ Every row of ``zoo_runs.CASES`` (the table benchmarks/zoo.py prints) is asserted
   with no incident that acts;
 - hangs with communication evidence (peers in DDP's backward, FSDP's, TP's, the pipeline's p2p, an all_gather)
   are confirmed within 10 s of the onset, the culprit named, never an NCCL change for a hang in the culprit's own
-  code, and the restarted run finishes;
+  code, and the restarted run finishes; where the row says so, the incident names the process group each waiting
+  rank waits in and whom it waits for (a 2-D DeviceMesh's TP and DP groups, a pipeline stage's partner);
 - hangs without it (a whole job polling forever) wait for ``waiting_timeout_s``: a plain restart with advice, and a
   job that comes back polling at the same place gives up at once (exit 75);
 - a rank that keeps computing while its peers wait in a collective is never stopped before the job's own collective

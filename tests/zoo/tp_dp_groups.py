@@ -20,20 +20,7 @@ def main() -> None:
         torch.manual_seed(rank % tp_size)
         shard = torch.nn.Linear(64, 64)
         opt = torch.optim.SGD(shard.parameters(), lr=0.01)
-
-        def train_step(step: int) -> None:
-            torch.manual_seed(1000 + step)
-            x, y = zc.batch(16)
-            out = shard(x)
-            dist.all_reduce(out, group=tp)  # the row-parallel sum of the TP pair
-            loss = torch.nn.functional.mse_loss(out, y)
-            opt.zero_grad()
-            loss.backward()
-            for p in shard.parameters():
-                dist.all_reduce(p.grad, group=dp)
-            opt.step()
-
-        zc.train_loop(args, rank, train_step)
+        zc.train_loop(args, rank, zc.tp_dp_step(shard, opt, tp, dp))
 
 
 if __name__ == "__main__":

@@ -188,6 +188,26 @@ def plain_step(model: Callable[[torch.Tensor], torch.Tensor], opt: torch.optim.O
     return train_step
 
 
+def tp_dp_step(shard: torch.nn.Module, opt: torch.optim.Optimizer, tp: object, dp: object) -> Callable[[int], None]:
+    """The step of the TP x DP programs, for train_loop: the same batch on every rank, the row-parallel sum of the
+    activations in the rank's TP group (``tp``), backward, each gradient all-reduced in its DP group (``dp``)."""
+    import torch.distributed as dist
+
+    def train_step(step: int) -> None:
+        torch.manual_seed(1000 + step)
+        x, y = batch(16)
+        out = shard(x)
+        dist.all_reduce(out, group=tp)  # the row-parallel sum of the TP pair
+        loss = torch.nn.functional.mse_loss(out, y)
+        opt.zero_grad()
+        loss.backward()
+        for p in shard.parameters():
+            dist.all_reduce(p.grad, group=dp)
+        opt.step()
+
+    return train_step
+
+
 def poll_for_shard(args: argparse.Namespace, step: int) -> None:
     """Wait for the next shard file the way data pipelines often do: look every 2 s."""
     shard = Path(args.workdir) / f"shard-{step}"
