@@ -52,7 +52,7 @@ def test_a_desync_inside_one_tp_group_of_a_2d_mesh_names_each_ranks_group() -> N
     """Rank 0 in a TP all_gather its TP peer skips; rank 1 in the TP all_reduce; ranks 2 and 3 in their DP
     all_reduce: each rank's group is named by its frame's group address and its client's report."""
     stacks = [_stack(f"mesh-rank{r}", r) for r in range(4)]
-    groups = from_frames(_frames("mesh", range(4)), _mesh_clients(), 4)
+    groups = from_frames(_frames("mesh", range(4)), _mesh_clients())
     got = {w.waiting: (w.collective, w.desc, w.ranks, w.waits_on) for w in groups}
     assert got == {(0,): ("all_gather_single", "mesh_tp", (0, 1), (1,)),
                    (1,): ("all_reduce", "mesh_tp", (0, 1), (0,)),
@@ -70,7 +70,7 @@ def test_ranks_in_the_same_collective_of_one_group_are_one_entry_and_no_desync()
     clients = _mesh_clients()
     tp = {r: next(g["address"] for g in clients[r] if g["desc"] == "mesh_tp") for r in (0, 1)}
     frames = {r: FrameGroup(r, "all_reduce", address=tp[r]) for r in (0, 1)}
-    (w,) = from_frames(frames, clients, 4)
+    (w,) = from_frames(frames, clients)
     assert (w.waiting, w.ranks, w.waits_on, w.name, w.desc) == ((0, 1), (0, 1), (), "3", "mesh_tp")
     assert desyncs([w]) == [] and "desync" not in describe([w])
 
@@ -79,20 +79,20 @@ def test_a_member_seen_nowhere_is_never_said_to_be_waited_for() -> None:
     """Rank 2 waits in DP group {0,2}: rank 0 is named as waited for only where it is known to be elsewhere (its
     frames show another call, or its stack no communication) — another node's rank may be waiting too."""
     frames = {2: _frames("mesh", range(4))[2]}
-    (alone,) = from_frames(frames, _mesh_clients(), 4)
-    (known,) = from_frames(frames, _mesh_clients(), 4, elsewhere={0})
+    (alone,) = from_frames(frames, _mesh_clients())
+    (known,) = from_frames(frames, _mesh_clients(), elsewhere={0})
     assert (alone.waiting, alone.waits_on) == ((2,), ()) and known.waits_on == (0,)
 
 
 def test_without_the_clients_report_a_group_address_names_nothing() -> None:
-    assert from_frames(_frames("mesh", range(4)), {}, 4) == []
+    assert from_frames(_frames("mesh", range(4)), {}) == []
     assert describe([]) == ""
 
 
 def test_a_send_names_its_partner_from_its_frame() -> None:
     frames = _frames("p2p", range(2))
     assert frames[0].peer == 1 and frames[1].peer is None
-    (w,) = from_frames(frames, {}, 2)  # rank 1's default-group all_reduce: only an address without the client
+    (w,) = from_frames(frames, {})  # rank 1's default-group all_reduce: only an address without the client
     assert (w.waiting, w.collective, w.waits_on) == ((0,), "send", (1,))
     assert w.line() == "rank 0 waits in send for rank 1"
 
@@ -102,7 +102,7 @@ def test_a_pipeline_stage_waits_on_the_partner_its_schedule_holds_the_work_under
     its forward sends in bulk, whose partner its frames do not hold (never guessed)."""
     frames = _frames("pipeline", range(3))
     assert frames[2].peer == 1 and frames[0].peer is None and not frames[0].known
-    (w,) = from_frames({r: f for r, f in frames.items() if f.op}, {}, 3)
+    (w,) = from_frames({r: f for r, f in frames.items() if f.op}, {})
     assert (w.waiting, w.waits_on) == ((2,), (1,))
 
 
@@ -121,7 +121,7 @@ def test_the_flight_recorder_of_a_healthy_job_names_no_waiting_group() -> None:
 
 
 def test_the_report_shows_each_waiting_group_and_the_desync_inside_one() -> None:
-    groups = from_frames(_frames("mesh", range(4)), _mesh_clients(), 4)
+    groups = from_frames(_frames("mesh", range(4)), _mesh_clients())
     summary = {"id": "x", "kind": "stall", "culprit_ranks": [0], "waiting_groups": [w.as_json() for w in groups]}
     text = render_report(summary, [])
     assert "process groups the ranks wait in (from the ranks' frames):" in text

@@ -7,7 +7,7 @@ the desync sits inside TP group {0, 1}. Two sources tell the group:
 * the **Flight Recorder** (every pending collective per group: name, description, members, who waits and who never
   came; ``flight_recorder.analysis.GroupFinding``), exact where the job records one;
 * the **ranks' own frames** (``stacks.frame_groups``): the ``group`` a c10d call was made with, named through the
-  in-job client's report of its groups, the default group when called with none, a point-to-point partner.
+  in-job client's report of its groups (its address), a point-to-point partner.
 
 A ``WaitingGroup`` is one group × the collective some of its members wait in: the group's ranks, name and
 description (``group_desc``: ``mesh_tp`` for a mesh dimension), the ranks waiting, and the members they wait for.
@@ -28,7 +28,6 @@ from gpu_watchdog.evidence.stacks.frame_groups import FrameGroup
 
 FLIGHT_RECORDER = "flight_recorder"
 FRAMES = "frames"
-DEFAULT_DESC = "default_pg"  # torch's description of the default group
 SOURCE_TITLES = {FLIGHT_RECORDER: "the Flight Recorder", FRAMES: "the ranks' frames"}
 
 
@@ -62,9 +61,8 @@ class WaitingGroup:
         return f"{format_ranks(self.waiting)} {verb} in {self.collective or '?'}{of}{on}"
 
     def title(self) -> str:
-        """``group 3 mesh_tp (ranks 0,1)`` / ``the default group (ranks 0-3)``."""
-        head = "the default group" if self.desc == DEFAULT_DESC and not self.name else \
-            " ".join(p for p in ("group", self.name, self.desc) if p)
+        """``group 3 mesh_tp (ranks 0,1)``, ``group 0 default_pg (ranks 0-3)``."""
+        head = " ".join(p for p in ("group", self.name, self.desc) if p)
         return f"{head} ({format_ranks(self.ranks)})" if self.ranks else head
 
 
@@ -85,15 +83,8 @@ def from_flight_recorder(analysis: FrAnalysis) -> list[WaitingGroup]:
 
 
 def _client_group(report: Sequence[Mapping[str, Any]], fg: FrameGroup) -> Mapping[str, Any] | None:
-    """The client-reported group a frame's group is: by address, by name, or the default group."""
-    for g in report:
-        if fg.address is not None and g.get("address") == fg.address:
-            return g
-        if fg.name is not None and str(g.get("name")) == fg.name:
-            return g
-        if fg.default and g.get("desc") == DEFAULT_DESC:
-            return g
-    return None
+    """The client-reported group a frame's group is (by its address)."""
+    return next((g for g in report if fg.address is not None and g.get("address") == fg.address), None)
 
 
 def _members(g: Mapping[str, Any]) -> tuple[int, ...]:
@@ -101,7 +92,7 @@ def _members(g: Mapping[str, Any]) -> tuple[int, ...]:
 
 
 def from_frames(frames: Mapping[int, FrameGroup], clients: Mapping[int, Sequence[Mapping[str, Any]]],
-                world_size: int | None, elsewhere: Collection[int] = ()) -> list[WaitingGroup]:
+                elsewhere: Collection[int] = ()) -> list[WaitingGroup]:
     """The groups the ranks' frames show (``stacks.frame_groups``), named through each rank's client report
     (``clients``: rank → its groups) where there is one; ranks of one group in one collective family form one
     WaitingGroup, waiting on the members known not to be in it: those whose frames show another call, and
@@ -114,10 +105,6 @@ def from_frames(frames: Mapping[int, FrameGroup], clients: Mapping[int, Sequence
         g = _client_group(clients.get(rank, ()), fg)
         if g is not None:
             ranks, name, desc = _members(g), str(g.get("name")), str(g.get("desc") or "")
-        elif fg.default:
-            ranks, name, desc = tuple(range(world_size)) if world_size else (), None, DEFAULT_DESC
-        elif fg.name is not None:
-            ranks, name, desc = (), fg.name, ""
         else:
             ranks, name, desc = (), None, ""
         family = collective_family(fg.op or "?")

@@ -1,14 +1,15 @@
 """Which process group a rank waits in, read from its own frames (py-spy ``--locals``), and the groups its in-job
 client reported (``groups-<rank>.json``).
 
-A c10d call's frame holds the ``group`` it was called with. py-spy prints a ``ProcessGroup`` only as its address
-(``<torch._C._distributed_c10d.ProcessGroup at 0x7f…>``: no ranks, no name), and that address differs from rank to
-rank, so the frames alone tell only ``group=None`` (the default group) from "some other group". The in-job client
-reports each group's address (``id(pg)``, the same number) beside its name, description and ranks: where it runs,
-the address names the group exactly. Functional collectives carry the group's name (``group_name``), the same on
-every rank. A point-to-point call carries its partner: ``dst``/``src`` (global ranks) or ``group_dst``/``group_src``
-(ranks within the group); pipelining's ``_wait_batch_p2p(work)`` waits on the Work its caller's ``works`` dict holds
-under the partner's rank (only an identical Work counts: its sends waited later in bulk show no partner).
+A c10d call's frame holds the ``group`` it was called with (the default group's object once the call resolved
+``group=None``). py-spy prints a ``ProcessGroup`` only as its address (``<torch._C._distributed_c10d.ProcessGroup at
+0x7f…>``: no ranks, no name), and that address differs from rank to rank, so the frames alone name no group. The
+in-job client reports each group's address (``id(pg)``, the same number) beside its name, description and ranks:
+where it runs, the address names the group exactly. (A functional collective waits in ``wait_tensor``, whose frame
+holds no group.) A point-to-point call carries its partner: ``dst``/``src`` (global ranks) or
+``group_dst``/``group_src`` (ranks within the group); pipelining's ``_wait_batch_p2p(work)`` waits on the Work its
+caller's ``works`` dict holds under the partner's rank (only an identical Work counts: its sends waited later in bulk
+show no partner).
 
 Locals may hold anything (paths, tokens): only these few values are kept, never the dump itself.
 """
@@ -41,16 +42,13 @@ class FrameGroup:
 
     rank: int
     op: str | None  # the op its stack was classified in (RankStack.op)
-    default: bool = False  # called with group=None: the default group
     address: int | None = None  # the ProcessGroup object's address (its client's report names it)
-    name: str | None = None  # the group's name, where the frame holds it (functional collectives)
     peer: int | None = None  # a point-to-point partner, global rank
     group_peer: int | None = None  # a point-to-point partner as a rank within the group (group_dst / group_src)
 
     @property
     def known(self) -> bool:
-        return self.default or self.address is not None or self.name is not None or self.peer is not None \
-            or self.group_peer is not None
+        return self.address is not None or self.peer is not None or self.group_peer is not None
 
 
 def _local(frame: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
@@ -76,14 +74,10 @@ def group_in_frames(thread: Mapping[str, Any], rank: int, op: str | None = None)
         if not any(p in _file(fr) for p in C10D_FILES):
             continue
         group = _local(fr, "group")
-        name = _local(fr, "group_name")
         found = FrameGroup(
             rank, op,
-            default=group is not None and group.get("repr") == "None",
             address=int(group["addr"]) if group is not None and isinstance(group.get("addr"), int)
             and _PROCESS_GROUP.search(str(group.get("repr", ""))) else None,
-            name=str(name["repr"]).strip('"\'') if name is not None and str(name.get("repr", "")).startswith(('"', "'"))
-            else None,
             peer=next((p for k in _GLOBAL_PEER if (p := _int_local(fr, k)) is not None), peer),
             group_peer=next((p for k in _GROUP_PEER if (p := _int_local(fr, k)) is not None), None))
         if found.known:

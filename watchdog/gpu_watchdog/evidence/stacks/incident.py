@@ -82,7 +82,7 @@ class StacksAtIncident:
             diag = diagnose([*stacks, *remote], None, missing, elsewhere)
         # the members known not to wait in any group: no stack (exited), or a stack outside communication
         elsewhere = missing | {s.rank for s in [*stacks, *remote] if s.state not in COMMUNICATION_STATES}
-        waiting = self.waiting_groups(stacks, rank_pids, job.world_size, elsewhere)
+        waiting = self.waiting_groups(stacks, rank_pids, elsewhere)
         if waiting:  # who waits in which group goes with the verdict (it names nobody)
             diag = replace(diag, reason=f"{diag.reason}; {describe(waiting)}")
             log.update(waiting_groups=[w.as_json() for w in waiting])
@@ -98,7 +98,7 @@ class StacksAtIncident:
         return StacksFound(tuple(stacks), diag, blocked[0].stack if blocked else culprit, alive(diag, remote),
                            tuple(_worker_json(w) for w in blocked), tuple(r.outcome for r in results.values()))
 
-    def waiting_groups(self, stacks: list[RankStack], rank_pids: Mapping[int, int], world_size: int | None,
+    def waiting_groups(self, stacks: list[RankStack], rank_pids: Mapping[int, int],
                        elsewhere: set[int]) -> list[WaitingGroup]:
         """The group each of this node's ranks in a collective or p2p op waits in, from its own frames (a re-dump
         with locals) named through its in-job client's report of its groups. Without a client the frames name only
@@ -106,7 +106,7 @@ class StacksAtIncident:
         try:
             clients = client_groups(rank_pids.values())
             asked = stacks if clients else [s for s in stacks if collective_family(s.op or "?") in P2P_FAMILIES]
-            return from_frames(read_frame_groups(asked, rank_pids, self.cfg), clients, world_size, elsewhere)
+            return from_frames(read_frame_groups(asked, rank_pids, self.cfg), clients, elsewhere)
         except Exception:  # diagnostics must never block recovery: no groups is "not known"
             logger.exception("reading the ranks' process groups from their frames failed")
             return []
