@@ -4,9 +4,10 @@
 
 P3's goal: the agent costs at most 0.5 % of a core with one job on the node. A real ``gpu-watchdog run`` daemon
 (default config: 1 s ticks, proc backend since this box has no GPU) watches a real 4-rank torchrun job
-(tests/jobs/train.py, healthy, 0.3 s steps). Three daemons are measured side by side in one run, alternating
-window by window: ``[straggler] enabled = false`` with no RAS watching, the shipped straggler sampling (a
-nonblocking py-spy dump of each rank every 30 s) with no RAS watching (``ras.watch_interval_s = 0``), and both
+(tests/jobs/train.py, healthy, 0.3 s steps). Four daemons are measured side by side in one run, alternating
+window by window: ``[straggler] enabled = false`` with no RAS watching, the shipped straggler watch (the cheap
+signal every tick, a nonblocking py-spy dump of each rank every 30 s at most) with no RAS watching
+(``ras.watch_interval_s = 0``), the stack samples alone (``[straggler] signals = false``), and both
 with the default 2 s RAS watching against a RAS stand-in
 (tests/support/ras_standin.py, ``ras.enabled = on``) whose report follows a running job — counts that rise at
 every query, so every poll pair is a "moving" observation the detector consumes. CPU is the daemon process's
@@ -40,7 +41,10 @@ from ras_standin import Comm, Rank, RasStandIn, report_json  # noqa: E402
 GW = str(Path(sys.executable).parent / "gpu-watchdog")
 
 
-def daemon_config(base: Path, name: str, ras_addr: str, watch_s: float, stragglers: bool = True) -> Path:
+def daemon_config(base: Path, name: str, ras_addr: str, watch_s: float, stragglers: bool = True,
+                  signals: bool = True) -> Path:
+    off = "signals = false" if stragglers else "enabled = false"
+    straggler = "" if stragglers and signals else f"[straggler]\n{off}"
     cfg = base / f"{name}.toml"
     cfg.write_text(f"""
 [agent]
@@ -55,7 +59,7 @@ socket_group = ""
 enabled = "on"
 addr = "{ras_addr}"
 watch_interval_s = {watch_s}
-{"" if stragglers else "[straggler]" + chr(10) + "enabled = false"}
+{straggler}
 """)
     (base / name).mkdir(exist_ok=True)
     return cfg
@@ -137,7 +141,8 @@ def main() -> int:
                             str(REPO / "tests" / "jobs" / "train.py"), "--scenario", "healthy", "--steps", str(steps),
                             "--step-s", "0.3", "--workdir", str(base)], env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, start_new_session=True)
-    names = ("stragglers off, no RAS", "stragglers on, no RAS", "stragglers on, RAS every 2 s")
+    names = ("stragglers off, no RAS", "stragglers on, no RAS", "stragglers on, RAS every 2 s",
+             "stacks only (no signal), no RAS")
     results: dict[str, list[float]] = {n: [] for n in names}
     baseline = f"baseline {args.baseline.name}" if args.baseline is not None else None
     if baseline:
@@ -146,7 +151,8 @@ def main() -> int:
         with RasStandIn(source=moving_report) as ras:
             configs = {names[0]: daemon_config(base, "bare", ras.addr, 0.0, stragglers=False),
                        names[1]: daemon_config(base, "off", ras.addr, 0.0),
-                       names[2]: daemon_config(base, "on", ras.addr, 2.0)}
+                       names[2]: daemon_config(base, "on", ras.addr, 2.0),
+                       names[3]: daemon_config(base, "stacks", ras.addr, 0.0, signals=False)}
             if baseline:
                 configs[baseline] = baseline_config(base)
             time.sleep(10)  # the job's ranks are up and training
@@ -164,9 +170,9 @@ def main() -> int:
         if job.poll() is None:
             os.killpg(job.pid, 15)
         job.wait(30)
-    bare, off, on = (statistics.median(results[n]) for n in names)
+    bare, off, on, stacks = (statistics.median(results[n]) for n in names)
     print(f"median: {names[0]} {bare:.3f} %, {names[1]} {off:.3f} % (+{off - bare:.3f}), {names[2]} {on:.3f} % "
-          f"(+{on - off:.3f} for RAS); goal ≤ 0.5 %")
+          f"(+{on - off:.3f} for RAS), {names[3]} {stacks:.3f} % (the cheap signal: {off - stacks:+.3f}); goal ≤ 0.5 %")
     if baseline:
         old = statistics.median(results[baseline])
         print(f"median: {baseline} {old:.3f} %; this tree without RAS watch / {baseline}: {off / old:.2f}")

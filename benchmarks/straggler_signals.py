@@ -1,6 +1,6 @@
 """Which cheap per-rank signal tells a straggler from its peers, and what does reading it cost?
 
-    .venv/bin/python benchmarks/straggler_signals.py [--seconds 60] [--cases even,cpu,work,input]
+    .venv/bin/python benchmarks/straggler_signals.py [--seconds 60] [--cases even,cpu,work,input] [--step-s 0]
 
 Runs real 3-rank torchrun gloo DDP jobs (``tests/zoo/ddp_compute.py``, every rank the same code), one case at a
 time: ``even``; ``cpu``: rank 1 held to 0.1 of a core by a cgroup quota (needs root); ``work``: rank 2 gets twice
@@ -32,11 +32,10 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT / "watchdog"))
 
 from cpu_quota import cpu_quota  # noqa: E402
-from launch_harness import torchrun  # noqa: E402
-
 from gpu_watchdog.config.schema import Config  # noqa: E402
 from gpu_watchdog.detect.stragglers import take_round  # noqa: E402
 from gpu_watchdog.evidence.straggler.signals import read_clock, shares  # noqa: E402
+from launch_harness import torchrun  # noqa: E402
 
 JOB = ROOT / "tests" / "zoo" / "ddp_compute.py"
 CASES = {"even": ("healthy", None), "cpu": ("healthy", 1), "work": ("uneven", 2), "input": ("healthy", 2)}
@@ -52,11 +51,11 @@ def _events(path: Path) -> list[dict]:
     return out
 
 
-def _start(case: str, tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
+def _start(case: str, tmp: Path, step_s: float) -> tuple[subprocess.Popen[bytes], Path]:
     variant, rank = CASES[case]
     events = tmp / f"{case}.jsonl"
     argv = [torchrun(), "--standalone", "--nproc-per-node", "3", str(JOB), "--events", str(events), "--workdir",
-            str(tmp), "--step-s", "0", "--ckpt-every", "1000000", "--steps", "100000", "--variant", variant]
+            str(tmp), "--step-s", str(step_s), "--ckpt-every", "1000000", "--steps", "100000", "--variant", variant]
     if rank is not None:
         argv += ["--rank", str(rank)]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True), events
@@ -100,8 +99,8 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def measure(case: str, seconds: float, warmup: float, tmp: Path) -> dict[int, dict[str, object]]:
-    job, events = _start(case, tmp)
+def measure(case: str, seconds: float, warmup: float, tmp: Path, step_s: float) -> dict[int, dict[str, object]]:
+    job, events = _start(case, tmp, step_s)
     try:
         pids = _rank_pids(events)
         time.sleep(warmup)
@@ -145,7 +144,7 @@ def measure(case: str, seconds: float, warmup: float, tmp: Path) -> dict[int, di
             "running": statistics.mean(s.running for s, _, _ in rows) if rows else float("nan"),
             "queued": statistics.mean(s.queued for s, _, _ in rows) if rows else float("nan"),
             "asleep": statistics.mean(s.asleep for s, _, _ in rows) if rows else float("nan"),
-            "wchan": collections.Counter(w for _, st, w in rows if st != "R").most_common(2),
+            "wchan": collections.Counter(w for _, st, w in rows if st != "R").most_common(4),
             "stacks": {k: round(v / n, 2) for k, v in stacks[r].most_common()},
             "steps_per_s": (steps1[r] - steps0[r]) / elapsed,
         }
@@ -158,6 +157,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--warmup", type=float, default=15.0)
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--step-s", type=float, default=0.0, help="each rank sleeps this long after each step (a job "
+                    "that does not keep the host's CPUs busy: on a small host a rank with more work slows the job "
+                    "only where the host has CPU to spare)")
     args = ap.parse_args()
     cases = args.cases.split(",")
     bad = [c for c in cases if c not in CASES]
@@ -165,7 +167,7 @@ def main() -> int:
         ap.error(f"unknown case(s) {', '.join(bad)}: choose from {', '.join(CASES)}")
     with tempfile.TemporaryDirectory(prefix="straggler-signals-", ignore_cleanup_errors=True) as tmp:
         for case in cases:
-            res = measure(case, args.seconds, args.warmup, Path(tmp))
+            res = measure(case, args.seconds, args.warmup, Path(tmp), args.step_s)
             cost = res.pop(-1)
             print(f"\n== {case}: cheap read {cost['read_us']:.0f} µs CPU per rank, stack round "
                   f"{cost['round_ms']:.1f} ms CPU (3 ranks)")

@@ -1,11 +1,9 @@
 """Stragglers of real torchrun DDP jobs (gloo, 3 ranks, ``tests/zoo/ddp_compute.py``: every rank runs the same
-code), under ``launch``: one rank held back from outside is named, with its cause; a job whose rank 0 evaluates
-once for 40 s is not — and nothing is ever stopped for either.
-
-Windows are short for the test (``[straggler]`` interval 1 s, window 64 s in 8 slices of 8 samples: a single
-pause up to 48 s never makes a straggler; a CPU budget that never spaces the rounds); the shipped defaults are
-30 s / 900 s / 5 slices / 0.05 % of a core (docs/stragglers.md). The
-eval job runs beside the two others (started with the module): the host's load is part of what it must survive.
+code), under ``launch`` with the **shipped defaults**: one rank held back from outside is named within 3 minutes of
+the onset, with its cause; a job whose rank 0 evaluates once for 2 minutes is not — and nothing is ever stopped for
+either. The cheap signal names them (150 s window in 15 slices: no single pause up to 130 s makes a straggler); the
+stack samples' 15-minute window is too long for these tests to reach. The eval job runs beside the others (started
+with the module): the host's load is part of what it must survive.
 """
 
 from __future__ import annotations
@@ -22,20 +20,22 @@ from launch_harness import REPO, LaunchRun, base_env, read_events, start_launch,
 
 pytestmark = pytest.mark.slow
 JOB = REPO / "tests" / "zoo" / "ddp_compute.py"
-WINDOW = {"interval_s": 1.0, "window_s": 64.0, "slices": 8, "cpu_budget_percent": 50.0}  # rounds every second
+SIGNAL_WINDOW_S = 150.0  # the shipped straggler.signal_window_s (asserted below)
+NAMED_WITHIN_S = 180.0  # the issue's promise: a persistent straggler named within 3 minutes of its onset
+EVAL_S = 120.0
 
 
 def _start(tmp_path: Path, job_id: str, *job_args: str) -> tuple[LaunchRun, Path]:
     """The job under ``launch``; no periodic checkpoint: rank 0 saving every few steps is a real, persistent
     straggler (CI named it: its peers waited 79 % of their samples, it 5 %), not the uniform job these tests need."""
     events = tmp_path / "events.jsonl"
-    cfg = write_config(tmp_path / "gw.toml", {"straggler": WINDOW})
+    cfg = write_config(tmp_path / "gw.toml", {})
     # At nice 10: these jobs train flat out (--step-s 0) and judge by wall-clock windows, so they take whatever CPU
     # is free; the suite's other worker, whose tests time detection, gets the cores first.
     argv = ["nice", "-n", "10", torchrun(), "--standalone", "--nproc-per-node", "3", str(JOB), "--events", str(events),
             "--workdir", str(tmp_path), "--step-s", "0", "--ckpt-every", "1000000", *job_args]
     return start_launch(["--backend", "proc", "--config", str(cfg)], argv, env=base_env(), tmp_path=tmp_path,
-                        job_id=job_id, max_lifetime_s=400), events
+                        job_id=job_id, max_lifetime_s=900), events
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,7 +43,7 @@ def eval_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LaunchR
     """The healthy job with a 40 s eval on rank 0, started with the module so it runs beside the others (the host's
     load is part of what it must survive); judged by the last test."""
     run, events = _start(tmp_path_factory.mktemp("eval"), "t-straggler-eval", "--variant", "eval", "--hang-step",
-                         "20", "--pause-s", "40", "--steps", "100000")
+                         "20", "--pause-s", str(EVAL_S), "--steps", "100000")
     try:
         yield run, events
     finally:
@@ -55,6 +55,14 @@ def _rank_pids(run: LaunchRun, events: Path) -> dict[int, int]:
         pids = {e["rank"]: e["pid"] for e in read_events(events) if e["event"] == "start"}
         return pids if len(pids) == 3 else None
     return run.wait_for("three ranks started", started, 120)
+
+
+def test_the_shipped_window_is_the_one_these_tests_measure() -> None:
+    from gpu_watchdog.config.schema import StragglerConfig
+
+    sc = StragglerConfig()
+    assert sc.signals and sc.signal_window_s == SIGNAL_WINDOW_S
+    assert EVAL_S <= sc.signal_window_s - 2 * sc.signal_window_s / sc.signal_slices
 
 
 def _straggler(run: LaunchRun, timeout: float) -> dict[str, Any]:
@@ -78,7 +86,7 @@ def test_a_rank_held_to_a_cpu_quota_is_named_the_straggler_with_its_cause(tmp_pa
         pids = _rank_pids(run, events)
         with cpu_quota([pids[1]], cores=0.04):
             throttled_at = time.time()
-            inc = _straggler(run, 150)
+            inc = _straggler(run, NAMED_WITHIN_S)
             named_after = time.time() - throttled_at
         print(f"rank 1 held to 0.04 of a core: named the straggler {named_after:.0f} s later")
         _observed_only(run, inc)
@@ -86,6 +94,7 @@ def test_a_rank_held_to_a_cpu_quota_is_named_the_straggler_with_its_cause(tmp_pa
         assert inc["culprit_ranks"] == [1] and st["rank"] == 1 and st["pid"] == pids[1]
         assert st["wait_share"] < 0.5 * st["peer_wait_share"] and st["peer_wait_share"] >= 0.2
         assert set(st["scores"]) == {"0", "1", "2"} and st["score"] > 0.1
+        assert st["evidence"] == "signals" and st["window_s"] == SIGNAL_WINDOW_S and st["origin"] == "node"
         kinds = {c["kind"]: c["detail"] for c in st["causes"]}
         assert "cpu_throttled" in kinds and "quota 0.04 of a core" in kinds["cpu_throttled"], st["causes"]
         assert "input" not in kinds
@@ -102,30 +111,30 @@ def test_a_rank_whose_loader_worker_is_throttled_is_named_with_input_as_its_caus
         worker = run.wait_for("rank 2's loader worker",
                               lambda: next(iter(psutil.Process(pids[2]).children()), None), 30)
         with cpu_quota([worker.pid], cores=0.03):
-            inc = _straggler(run, 150)
+            inc = _straggler(run, NAMED_WITHIN_S)
         _observed_only(run, inc)
         st = inc["straggler"]
         assert inc["culprit_ranks"] == [2], inc["reason"]
         kinds = [c["kind"] for c in st["causes"]]
         assert "input" in kinds and "cpu_throttled" not in kinds, st["causes"]
-        assert st["scores"]["2"]["input_share"] >= 0.3
+        assert st["scores"]["2"]["input_share"] >= 0.3 and st["origin"] == "node"
     finally:
         run.kill()
 
 
-def test_a_job_whose_rank_0_evaluates_once_for_40_s_has_no_straggler(eval_run: tuple[LaunchRun, Path]) -> None:
-    """Uniform ranks, and once a 40 s eval on rank 0 while its peers wait in a barrier: the peers wait all that
+def test_a_job_whose_rank_0_evaluates_once_for_2_minutes_has_no_straggler(eval_run: tuple[LaunchRun, Path]) -> None:
+    """Uniform ranks, and once a 2-minute eval on rank 0 while its peers wait in a barrier: the peers wait all that
     time, yet through every window that holds the eval (until a whole window after it) no incident, nothing done."""
     run, events = eval_run
     try:
         onset = run.wait_for("rank 0's eval", lambda: next(
             (e["t"] for e in read_events(events) if e["event"] == "hang_onset"), None), 120)
-        until = onset + 40 + WINDOW["window_s"] + 5
+        until = onset + EVAL_S + SIGNAL_WINDOW_S + 5
         while time.time() < until:
             assert run.incidents() == [], run.output()[-3000:]
             assert run.poll() is None, run.output()[-3000:]
             time.sleep(1)
-        steps = [e for e in read_events(events) if e["event"] == "step" and e["t"] > onset + 40]
+        steps = [e for e in read_events(events) if e["event"] == "step" and e["t"] > onset + EVAL_S]
         assert {e["rank"] for e in steps} == {0, 1, 2}  # training went on after the eval
         out = run.output()
         assert "STALL" not in out and "stopped the job" not in out and "is the straggler" not in out

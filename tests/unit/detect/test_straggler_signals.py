@@ -17,8 +17,14 @@ import pytest
 from gpu_watchdog.config.load import config_from_dict
 from gpu_watchdog.detect import stragglers
 from gpu_watchdog.detect.detector import RUNNING, STALLED
-from gpu_watchdog.evidence.straggler.signals import ThreadClock, ThreadShares, asleep_as, interval_states, \
-    read_clock, shares
+from gpu_watchdog.evidence.straggler.signals import (
+    ThreadClock,
+    ThreadShares,
+    asleep_as,
+    interval_states,
+    read_clock,
+    shares,
+)
 from gpu_watchdog.model import JobStatus, NodeSample
 from gpu_watchdog.sample.trace import read_trace
 from nvml_standin import NvmlStandin
@@ -79,6 +85,7 @@ def _clock(state: str, wchan: str) -> ThreadClock:
     ("S", "futex_do_wait", "collective"),
     ("S", "pipe_read", "data_wait"),  # its input: a loader's pipe, a socket
     ("S", "unix_stream_read_generic", "data_wait"),
+    ("S", "poll_schedule_timeout.constprop.0", "data_wait"),  # queue.get(timeout) polls its pipe first
     ("D", "folio_wait_bit_common", "io"),
     ("D", "", "io"),
     ("S", "hrtimer_nanosleep", "sleep"),  # its own sleep

@@ -3,8 +3,9 @@ main-thread scheduler clocks and wait channel, its GPU's signature: evidence.str
 and low-rate stack samples over a long one — and one ``straggler`` finding per rank and run that either window names
 (observe only: ``policy.respond`` records it). The finding says which (``evidence``: ``signals`` or ``stacks``).
 
-The cheap signal costs a few tens of µs per rank and tick, read on the engine's thread. Stack sampling costs a nonblocking ``py-spy dump`` per rank (about 10 ms of the agent's CPU each, measured; the job is
-never paused) every ``straggler.interval_s``, on a worker of its own so it never delays a hang's dumps. A job is
+The cheap signal costs well under 0.1 ms per rank and tick, read on the engine's thread. Stack sampling costs a
+nonblocking ``py-spy dump`` per rank (about 10 ms of the agent's CPU each, measured; the job is never paused) every
+``straggler.interval_s``, on a worker of its own so it never delays a hang's dumps. A job is
 sampled while it has peers (at least two ranks here, or ranks elsewhere: its world size says so) and is not
 stalled: a confirmed stall is a hang, and the window starts again after it. A suspect or waiting job is sampled
 on: a rank starved of input leaves the whole job looking idle while it crawls. A node with one rank of a job

@@ -19,7 +19,6 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Union
 
 from gpu_watchdog.config.schema import MIN_SLICE_SAMPLES
 
@@ -73,7 +72,7 @@ def _median(values: list[float]) -> float:
 
 # One rank in one round: the state its stack sample shows, or the shares of the interval it spent in each state
 # (the cheap signals: evidence.straggler.signals), summing to at most 1.
-Observed = Union[str, Mapping[str, float]]
+Observed = str | Mapping[str, float]
 
 
 class WaitWindow:

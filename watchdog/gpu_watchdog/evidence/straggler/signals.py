@@ -89,6 +89,9 @@ def shares(before: ThreadClock, after: ThreadClock) -> ThreadShares | None:
 
 _FUTEX = re.compile(r"futex")
 _SLEEP = re.compile(r"nanosleep|hrtimer")
+# A main thread polling file descriptors waits for bytes from a producer: a DataLoader's queue.get polls its pipe
+# before reading it (measured: 5 of 24 reads of an input-starved rank, the rest in the read itself).
+_POLL = re.compile(r"poll_schedule_timeout|do_sys_poll|do_select|core_sys_select")
 
 
 def asleep_as(clock: ThreadClock, last: str = "unknown") -> str:
@@ -103,6 +106,8 @@ def asleep_as(clock: ThreadClock, last: str = "unknown") -> str:
         return kernel
     if _FUTEX.search(clock.wchan):
         return "collective"
+    if _POLL.search(clock.wchan):
+        return "data_wait"
     return "sleep" if _SLEEP.search(clock.wchan) else "unknown"
 
 
