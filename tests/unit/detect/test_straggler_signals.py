@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-import pynvml
 import pytest
+from gpu_samples import one_gpu_per_rank_one_hot
 from gpu_watchdog.config.load import config_from_dict
 from gpu_watchdog.detect import stragglers
 from gpu_watchdog.detect.detector import RUNNING, STALLED
@@ -26,12 +26,10 @@ from gpu_watchdog.evidence.straggler.signals import (
     shares,
 )
 from gpu_watchdog.model import JobStatus, NodeSample
-from gpu_watchdog.sample.trace import read_trace
 from nvml_standin import NvmlStandin
 from nvml_standin.fixtures import nvml_standin as _nvml_standin_fixture  # noqa: F401
 from nvml_standin.fixtures import nvml_standin_lib as _nvml_standin_lib_fixture  # noqa: F401
 
-CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
 # A window of 8 ticks in 2 slices (4 ticks each, the least a slice takes); no stack rounds.
 CFG = config_from_dict({"straggler": {"signal_window_s": 8.0, "signal_slices": 2}, "stacks": {"enabled": False}})
 TICK_S = 0.25  # real time between reads; the samples' own clock advances a second per tick
@@ -171,20 +169,10 @@ def test_a_thermally_throttled_gpu_the_others_spin_wait_on_is_named_from_the_gpu
     1980 MHz. On their CPUs all three look the same (asleep here; NCCL's spin would be running): only the GPUs tell.
     Named from the signal, with "thermal"."""
     pids = spawn(WAIT_ON_FUTEX, WAIT_ON_FUTEX, WAIT_ON_FUTEX)
-    state = nvml_standin.require_scripted()
-    thermal = pynvml.nvmlClocksEventReasonSwThermalSlowdown | pynvml.nvmlClocksEventReasonHwThermalSlowdown
-    with state.batch():
-        spin = {"utilization_gpu": 100, "utilization_memory": 0, "power_mw": 90_000}
-        gpus = [state.add_gpu(**spin), state.add_gpu(utilization_gpu=97, utilization_memory=60, power_mw=640_000),
-                state.add_gpu(**spin)]
-        for rank, pid in pids.items():
-            state.place_process(gpus[rank], pid=pid, mem_bytes=20 << 30)
-        state.throttle(gpus[1], thermal, sm_clock_mhz=1140, sm_clock_max_mhz=1980)
-    trace = tmp_path / "gpus.jsonl"
-    subprocess.run([CLI, "record", "--backend", "nvml", "--duration", "0.5", "--interval", "0.5", "--output",
-                    str(trace)], env=nvml_standin.env, check=True, capture_output=True, timeout=60)
-    sample = next(r for r in read_trace(trace)[1] if isinstance(r, NodeSample))
-    found = _run(stragglers.StragglerWatch(lambda: CFG), _job(pids), replace(sample, processes=()), 14)
+    spin = {"utilization_gpu": 100, "utilization_memory": 0, "power_mw": 90_000}
+    work = {"utilization_gpu": 97, "utilization_memory": 60, "power_mw": 640_000}
+    sample = one_gpu_per_rank_one_hot(nvml_standin, tmp_path, pids, [spin, work, spin], hot=1)
+    found = _run(stragglers.StragglerWatch(lambda: CFG), _job(pids), sample, 14)
     assert [f.culprit_ranks for f in found] == [(1,)]
     f = found[0]
     assert f.basis == "signals" and f.devices == (sample.devices[1].uuid,)

@@ -4,26 +4,21 @@ the NVML stand-in's, read by ``gpu-watchdog record --backend nvml`` through the 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from pathlib import Path
 
-import pynvml
 import pytest
+from gpu_samples import one_gpu_per_rank_one_hot
 from gpu_watchdog.config.load import config_from_dict
 from gpu_watchdog.detect import stragglers
 from gpu_watchdog.detect.detector import RUNNING, STALLED, SUSPECT
 from gpu_watchdog.evidence.straggler.causes import HostCounters
 from gpu_watchdog.model import JobStatus, NodeSample
-from gpu_watchdog.sample.trace import read_trace
 from nvml_standin import NvmlStandin
 from nvml_standin.fixtures import nvml_standin as _nvml_standin_fixture  # noqa: F401
 from nvml_standin.fixtures import nvml_standin_lib as _nvml_standin_lib_fixture  # noqa: F401
 
-CLI = str(Path(sys.executable).with_name("gpu-watchdog"))
 PIDS = {0: 1001, 1: 1002, 2: 1003}
 # The stack rounds alone (the cheap signal would read whatever processes hold these pids here: test_straggler_signals)
 CFG = config_from_dict({"straggler": {"interval_s": 0.001, "window_s": 16.0, "slices": 4, "signals": False}})
@@ -106,20 +101,10 @@ def test_single_rank_jobs_are_sampled_only_when_their_world_is_larger(monkeypatc
 def test_the_slow_ranks_throttled_gpu_is_named_thermal(monkeypatch, nvml_standin: NvmlStandin, tmp_path) -> None:
     """The NVML stand-in plays three GPUs, the slow rank's hot (thermal slowdown, SM clock 1140 of 1980 MHz):
     the finding names that GPU and "thermal"."""
-    state = nvml_standin.require_scripted()
-    thermal = pynvml.nvmlClocksEventReasonSwThermalSlowdown | pynvml.nvmlClocksEventReasonHwThermalSlowdown
-    with state.batch():
-        gpus = [state.add_gpu(utilization_gpu=97) for _ in PIDS]
-        for rank, pid in PIDS.items():
-            state.place_process(gpus[rank], pid=pid, mem_bytes=20 << 30)
-        state.throttle(gpus[1], thermal, sm_clock_mhz=1140, sm_clock_max_mhz=1980)
-    trace = tmp_path / "gpus.jsonl"
-    subprocess.run([CLI, "record", "--backend", "nvml", "--duration", "0.5", "--interval", "0.5", "--output",
-                    str(trace)], env=nvml_standin.env, check=True, capture_output=True, timeout=60)
-    sample = next(r for r in read_trace(trace)[1] if isinstance(r, NodeSample))
+    sample = one_gpu_per_rank_one_hot(nvml_standin, tmp_path, PIDS, [{"utilization_gpu": 97}] * len(PIDS), hot=1)
     _rounds(monkeypatch, slow=1)
     watch = stragglers.StragglerWatch(lambda: CFG)
-    found = _run(watch, JOB, replace(sample, processes=()), 20)
+    found = _run(watch, JOB, sample, 20)
     assert len(found) == 1
     f = found[0]
     hot = sample.devices[1]
