@@ -48,6 +48,38 @@ def test_an_actor_killed_mid_step_is_named(tmp_path: Path) -> None:
     assert row.rc == 1 and row.actions == ("restart",), row  # recovery.restart_on_crash is off by default
 
 
+@pytest.mark.parametrize("style, after_s", [("repr", 1.0), ("opaque", 2.0), ("repr", 3.0)])
+def test_an_actor_killed_early_is_named_by_what_is_known_never_its_peer(tmp_path: Path, style: str,
+                                                                        after_s: float) -> None:
+    """Actor 1 SIGKILLed (as the OOM killer does) 1-3 s after its gloo group formed, often before anything had learned
+    its rank: the rank_exited incident names the dead process — its pid and its Ray actor — and its rank once Ray's
+    records give one (the actor's ``__repr__``, logged when ``__init__`` returned: always so once it began training);
+    never actor 0, the survivor, whose process was the only rank the agent may have known."""
+    from gpu_watchdog.store.incidents import IncidentStore
+    from launch_harness import read_events
+
+    for attempt in range(2):  # on a saturated host Ray's own start-up may give up (30 s): such a run tests nothing
+        run = tmp_path / f"run{attempt}"
+        row = run_variant(run, "ray_actor_group", "killed", nproc=2, spawns=True, timeout_s=200,
+                          args=("--steps", "60", "--rank", "1", "--style", style, "--kill-after-s", str(after_s)))
+        if (run / "events.jsonl").exists():
+            break
+    events = read_events(run / "events.jsonl")
+    dead = next(e["pid"] for e in events if e["event"] == "hang_onset")
+    trained = any(e["event"] == "start" and e["pid"] == dead for e in events)  # its __init__ had returned
+    [inc] = [i for i in IncidentStore(run / "state").list() if i["kind"] == "rank_exited"]
+    assert row.rc == 1, row
+    culprit = inc["culprit_ranks"]
+    assert culprit in ([1], [unknown_rank(dead)]), inc  # never rank 0 nor another process
+    if culprit == [1]:
+        named = inc["ray_workers"]["1"]
+    else:
+        assert not (trained and style == "repr"), inc  # Ray's log named its rank: the incident must too
+        named = inc["unknown_ranks"][str(unknown_rank(dead))]["ray"]
+    assert named["pid"] == dead and named["actor_class"] == "Trainer" and named["actor_id"], inc
+    assert f"pid {dead}" in inc["finding"], inc
+
+
 def test_an_actor_whose_rank_no_source_gives_is_watched_and_named_by_its_pid(tmp_path: Path) -> None:
     """The actor group with the rank only in each actor's attribute and the actor's own loop (no environment, no
     ``__repr__``, no frame naming a rank): each actor is watched as rank unknown (pid N); actor 1 blocked on a lock

@@ -6,7 +6,9 @@ advise for telling actors apart in logs; ``--style environ``: OpenRLHF's way, th
 attribute, handed to ``init_process_group`` as an argument, and the actor's own training loop (no frame names a
 rank): nothing outside the job can tell its number. Run as ``python ray_actor_group.py --nproc N`` (a local
 ``ray.init()`` cluster). Variants: zoo_common (``desync``: rank ``--rank`` calls all_gather where the others
-broadcast; ``crash`` … ), plus ``killed``: actor ``--rank`` is SIGKILLed mid-step, as the OOM killer does."""
+broadcast; ``crash`` … ), plus ``killed``: actor ``--rank`` is SIGKILLed mid-step, as the OOM killer does — at
+``--hang-step``, or with ``--kill-after-s S`` S seconds after its process group formed (early: before anything outside
+may have learned its rank)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import argparse
 import os
 import signal
 import socket
+import threading
+import time
 
 import ray_common
 import zoo_common as zc
@@ -33,9 +37,17 @@ class Trainer:
         else:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
                                     world_size=world_size)
+        if self.args.variant == "killed" and self.args.kill_after_s is not None and index == self.args.rank \
+                and zc.fault_armed(self.args):
+            threading.Thread(target=self._killed_after, args=(self.args.kill_after_s,), daemon=True).start()
         torch.manual_seed(0)
         self.model = zc.small_model()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
+
+    def _killed_after(self, seconds: float) -> None:
+        time.sleep(seconds)
+        zc.event(self.args, "hang_onset", step=-1)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def __repr__(self) -> str:
         return f"Trainer(rank={self.rank})" if self.args.style == "repr" else super().__repr__()
@@ -44,8 +56,8 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        if self.args.variant == "killed" and self.rank == self.args.rank and step == self.args.hang_step \
-                and zc.fault_armed(self.args):
+        if self.args.variant == "killed" and self.args.kill_after_s is None and self.rank == self.args.rank \
+                and step == self.args.hang_step and zc.fault_armed(self.args):
             zc.event(self.args, "hang_onset", step=step)
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = zc.batch(16)
@@ -69,11 +81,16 @@ class Trainer:
         zc.event(self.args, "done")
 
 
+def _own_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--style", choices=("repr", "environ", "opaque"), default="repr",
+                   help="repr: the rank handed to init_process_group and named by __repr__; environ: set in os.environ "
+                        "only; opaque: in the actor's attribute only")
+    p.add_argument("--kill-after-s", type=float, default=None,
+                   help="killed: SIGKILL actor --rank this long after its process group formed (not at --hang-step)")
+
+
 def main() -> None:
-    args = zc.parse_args(__doc__, nproc=True, more=lambda p: p.add_argument(
-        "--style", choices=("repr", "environ", "opaque"), default="repr",
-        help="repr: the rank handed to init_process_group and named by __repr__; environ: set in os.environ only; "
-             "opaque: in the actor's attribute only"))
+    args = zc.parse_args(__doc__, nproc=True, more=_own_args)
     ray_common.start_ray(num_cpus=args.nproc)
     import ray
 

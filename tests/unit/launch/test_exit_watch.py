@@ -1,5 +1,5 @@
 """launch.exits.ExitWatch on real processes: each exit is timed when the process ended, with its status read from
-the zombie, whether or not its rank was known then."""
+the zombie, whether or not its rank was known then; a process that may become a rank keeps what named it."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from gpu_watchdog.launch.exits import ExitWatch
+from gpu_watchdog.sample.unranked import Unranked
+from ray_logs import DEAD_AFTER_INIT, SURVIVOR, copy_log
 
 
 def _sleeper() -> subprocess.Popen[bytes]:
@@ -84,5 +87,54 @@ def test_the_command_is_timed_apart_from_the_ranks_and_forget_drops_the_ended(wa
         assert watch.exits == {}
     finally:
         for p in (command, rank):
+            p.kill()
+            p.wait()
+
+
+def test_a_process_that_dies_before_its_rank_is_known_keeps_what_named_it(watch: ExitWatch) -> None:
+    """Both may become ranks (a Ray actor, a group member): the one that dies — reaped by its parent at once, as Ray's
+    raylet does — keeps what named it when last seen alive; the live one the scanner stops listing (back to idle,
+    named) is dropped; one named as a rank after all is a rank's exit."""
+    dies, lives = _sleeper(), _sleeper()
+    try:
+        watch.watch_unranked({dies.pid: Unranked(dies.pid, 0.0, ("python", "a"), True),
+                              lives.pid: Unranked(lives.pid, 0.0, ("python", "b"), True)})
+        time.sleep(0.5)  # the thread holds both
+        dies.kill()
+        dies.wait()
+        _until(lambda: dies.pid in watch.unranked_exits)
+        watch.watch_unranked({})  # the next tick lists neither
+        exits = watch.unranked_exits
+        assert list(exits) == [dies.pid] and exits[dies.pid][1] is None and exits[dies.pid][2].command == ("python",
+                                                                                                           "a")
+        lives.kill()
+        lives.wait()
+        time.sleep(0.5)
+        assert list(watch.unranked_exits) == [dies.pid]
+        watch.watch({1: dies.pid})
+        assert watch.unranked_exits == {} and 1 in watch.exits
+    finally:
+        for p in (dies, lives):
+            p.kill()
+            p.wait()
+
+
+def test_a_rank_ray_ended_on_purpose_is_told_by_its_own_log(watch: ExitWatch, tmp_path: Path) -> None:
+    """Rank 0's log says Ray ended it (its driver gone); rank 1, SIGKILLed, logged nothing of its end."""
+    survivor, killed = _sleeper(), _sleeper()
+    try:
+        watch.watch({0: survivor.pid, 1: killed.pid})
+        watch.watch_ray_workers({survivor.pid: copy_log(SURVIVOR, tmp_path / "logs", survivor.pid),
+                                 killed.pid: copy_log(DEAD_AFTER_INIT, tmp_path / "logs", killed.pid)})
+        time.sleep(0.3)
+        assert watch.ended_by_ray() == {}  # nothing ended yet
+        for p in (killed, survivor):
+            p.kill()
+            p.wait()
+        _until(lambda: len(watch.exits) == 2)
+        ended = watch.ended_by_ray()
+        assert list(ended) == [0] and "its owner has died" in ended[0], ended
+    finally:
+        for p in (survivor, killed):
             p.kill()
             p.wait()

@@ -166,6 +166,25 @@ def test_the_scanner_makes_the_topmost_members_ranks_once_their_rank_is_known(jo
     assert asked == []  # a learned rank is kept; nobody is asked again
 
 
+def test_the_processes_that_may_become_ranks_are_listed_with_what_names_them(job) -> None:
+    """Should one die before its rank is known, launch's exit watch names it by this: the member whose rank is not
+    learned yet and the process that joined nothing — never the launched command, a rank or a member's fork."""
+    proc, pids = job
+    finder = Finder({pids["store"]: 0, pids["client"]: 1})
+    scanner = ProcessScanner(root_pid=proc.pid)
+    scanner.rank_finder = finder
+    wait_for(lambda: _ranks(scanner) or None, 10, "ranks")
+    listed = scanner.not_yet_ranked
+    assert set(listed) == {pids["forker"], pids["loner"]}
+    forker, loner = listed[pids["forker"]], listed[pids["loner"]]
+    assert forker.joined and forker.may_be_rank and forker.command[2] == "forker" and forker.ray is None
+    assert not loner.joined and not loner.may_be_rank
+    assert scanner.ray_workers == {}
+    finder.ranks[pids["forker"]] = 2
+    _ranks(scanner)
+    assert set(scanner.not_yet_ranked) == {pids["loner"]}
+
+
 def test_a_member_no_source_names_is_watched_with_its_rank_unknown(job) -> None:
     """"forker" joined the group, but its live environment names no rank and it is no Ray worker: while the stack
     reader still looks it stays unranked; once it gave up, it is watched all the same, as rank unknown (pid N), never
@@ -200,7 +219,8 @@ def test_an_actor_whose_repr_is_logged_after_it_joined_gets_that_rank_not_a_stan
         if pid != pids["forker"]:
             return None
         return ray_node.CoreWorker(pid=pid, worker_id="ab", driver=False, logs_dir=str(tmp_path), grpc_port=1,
-                                   actor_id="cd" if logged else "", actor_repr="Trainer(rank=2)" if logged else "")
+                                   actor_id="cd" if logged else "", actor_repr="Trainer(rank=2)" if logged else "",
+                                   actor_created=logged)
 
     monkeypatch.setattr(ray_node, "core_worker", core_worker)
     scanner = ProcessScanner(root_pid=proc.pid)
@@ -215,6 +235,36 @@ def test_an_actor_whose_repr_is_logged_after_it_joined_gets_that_rank_not_a_stan
     _ranks(scanner)
     logged = True
     assert _ranks(scanner)[pids["forker"]] == 2
+
+
+def test_a_ray_worker_keeps_what_its_log_told_once_its_fds_are_gone(job, monkeypatch, tmp_path: Path) -> None:
+    """A worker that ended is a zombie until the raylet reaps it, and a zombie lists no fds, its log among them: the
+    facts read while it lived stay (CI named a killed actor by its pid alone, its actor lost on the last look)."""
+    from gpu_watchdog.sample import ray_node
+
+    proc, pids = job
+    alive = True
+
+    def core_worker(pid: int, fd_targets) -> ray_node.CoreWorker | None:
+        if pid != pids["forker"] or not alive:
+            return None
+        return ray_node.CoreWorker(pid=pid, worker_id="ab", driver=False, logs_dir=str(tmp_path), grpc_port=1,
+                                   actor_id="cd")  # leased, its __init__ still running: read again each look
+
+    monkeypatch.setattr(ray_node, "core_worker", core_worker)
+    scanner = ProcessScanner(root_pid=proc.pid)
+    scanner.rank_finder = Finder({pids["store"]: 0, pids["client"]: 1})
+
+    def forker_known() -> bool | None:
+        _ranks(scanner)
+        listed = scanner.not_yet_ranked.get(pids["forker"])
+        return listed is not None and listed.ray is not None or None
+
+    wait_for(forker_known, 10, "forker joined, its Ray facts read")
+    alive = False
+    _ranks(scanner)
+    listed = scanner.not_yet_ranked[pids["forker"]]
+    assert listed.ray is not None and listed.ray.actor_id == "cd" and listed.ray_actor
 
 
 # A hand-written mp.Process loop whose parent is rank 0: it hosts the store, connects to it, then starts ranks 1

@@ -1,6 +1,7 @@
 """What Ray says of a node's processes, read from /proc-style command lines and Ray's own logs (recorded from a real
 Ray 2.60 Ray Train run in tests/data/ray/session: two RayTrainWorkers, pids 4573 (rank 0) and 4597 (rank 1), and the
-TrainController, pid 4480)."""
+TrainController, pid 4480; and in tests/data/ray/killed, from real Ray 2.60 runs of tests/zoo/ray_actor_group.py
+``--variant killed --kill-after-s``, the logs of actors that ended: tests/support/ray_logs.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from gpu_watchdog.sample import ray_node
+from ray_logs import DEAD_AFTER_INIT, DEAD_IN_INIT, EXITED_ACTOR, KILLED, KILLED_BY_RAY, SURVIVOR, worker
 from repo_paths import REPO
 
 LOGS = REPO / "tests" / "data" / "ray" / "session" / "logs"
@@ -43,6 +45,15 @@ def test_rays_own_processes_are_services(cmdline: list[str]) -> None:
 ])
 def test_workers_of_a_job_and_other_programs_are_not(cmdline: list[str]) -> None:
     assert not ray_node.is_service(cmdline)
+
+
+def test_a_worker_still_starting_is_rays_until_the_raylet_hands_it_work() -> None:
+    """Before it sets its title (seconds on a loaded host) a worker is ``python …/default_worker.py``: Ray's, looked at
+    again like an idle one."""
+    argv = ["/venv/bin/python", "/venv/lib/python3.11/site-packages/ray/_private/workers/default_worker.py",
+            "--node-ip-address=127.0.0.1"]
+    assert ray_node.starting(argv) and ray_node.idle(argv) and ray_node.is_service(argv)
+    assert not ray_node.starting(["ray::Trainer.__init__"]) and not ray_node.starting(["/venv/bin/python", "x.py"])
 
 
 def test_the_title_names_the_actor_class_whatever_method_runs() -> None:
@@ -89,6 +100,31 @@ def test_a_worker_not_yet_an_actor_is_incomplete(tmp_path: Path) -> None:
     assert w is not None and w.grpc_port == 35603 and not w.actor_id and not w.complete and w.train is None
     shutil.copytree(LOGS / "train", logs / "train")
     assert ray_node.train_rank(str(logs), wid, pid) is not None
+
+
+def test_an_actor_is_known_from_its_lease_and_complete_once_its_init_returned() -> None:
+    leased = ray_node.core_worker(DEAD_IN_INIT[1], _fds(KILLED, DEAD_IN_INIT))
+    assert leased is not None and leased.actor_id == "94c1d9b2c17ae8f7f471022001000000"
+    assert not leased.actor_created and not leased.complete and leased.rank() is None
+    created = ray_node.core_worker(DEAD_AFTER_INIT[1], _fds(KILLED, DEAD_AFTER_INIT))
+    assert created is not None and created.complete and created.actor_repr == "Trainer(rank=1)"
+    assert created.rank() == (1, "its actor's __repr__ in Ray's log")
+
+
+def test_a_workers_records_are_read_after_its_end_and_tell_whether_ray_ended_it() -> None:
+    """A SIGKILLed worker logs nothing of its end; one Ray ended on purpose (its driver gone, ray.kill, exit_actor())
+    logs why."""
+    dead = ray_node.reread(worker(DEAD_AFTER_INIT))
+    assert dead.rank() == (1, "its actor's __repr__ in Ray's log") and dead.ended_by_ray == ""
+    assert ray_node.reread(worker(DEAD_IN_INIT)).ended_by_ray == ""
+    ended = {w: ray_node.reread(worker(w)).ended_by_ray for w in (SURVIVOR, KILLED_BY_RAY, EXITED_ACTOR)}
+    assert ended[SURVIVOR].startswith("INTENDED_SYSTEM_EXIT: Worker exits because the actor is killed. The actor is "
+                                      "dead because its owner has died."), ended
+    assert ended[KILLED_BY_RAY] == ("INTENDED_SYSTEM_EXIT: Worker exits because the actor is killed. The actor is "
+                                    "dead because it was killed by `ray.kill`.")
+    assert ended[EXITED_ACTOR].startswith("INTENDED_USER_EXIT: Worker exits by an user request.")
+    assert all(len(why) <= 160 for why in ended.values())
+    assert ray_node.reread(worker(SURVIVOR, pid=1)).actor_id == ""  # another pid's log: nothing
 
 
 FT_RUN = "ray_train_run-2026-11-27_15-02-11"  # tests/data/ray/session/logs/export_events: max_failures=2, 1 attempt

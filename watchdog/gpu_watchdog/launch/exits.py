@@ -9,8 +9,10 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from gpu_watchdog.model import rank_label
+from gpu_watchdog.model import rank_known, rank_label, unknown_rank
+from gpu_watchdog.sample import ray_node
 from gpu_watchdog.sample.proc_stat import read_stat
+from gpu_watchdog.sample.unranked import Unranked
 
 _TEARDOWN = (signal.SIGTERM, signal.SIGKILL)  # what torchrun sends the surviving workers
 
@@ -50,11 +52,61 @@ def with_report(exits: Exits, report: TorchrunReport | None, ranks: Iterable[int
     if report is None:
         return out
     for r in set(ranks) | exits.keys():
+        if not rank_known(r):
+            continue  # a process no rank was known for: torchrun's report lists ranks only
         told = report.status(r)
         seen, own = out.get(r, (at, None))
         if told is not None and own is None:
             out[r] = (seen, told)
     return out
+
+
+@dataclass(frozen=True)
+class UnrankedExit:
+    """A process of the job that died before any source named its rank, named by what is known after its end."""
+
+    process: Unranked  # as Ray's records tell after its end
+    rank: int  # the rank Ray's records give it, or model.unknown_rank(pid)
+    source: str  # the record that gave its rank; "" when none did
+
+    def label(self) -> str:
+        """``rank 1 (pid 4242, Ray actor Trainer …; its rank from …, read after it died)`` or ``rank unknown (pid
+        4242, Ray actor Trainer …)``."""
+        if not self.source:
+            return f"rank unknown (pid {self.process.pid}, {self.process.what()})"
+        return f"rank {self.rank} (pid {self.process.pid}, {self.process.what()}; its rank from {self.source}, read " \
+               "after it died)"
+
+
+def name_unranked(ended: Mapping[int, tuple[float, int | None, Unranked]], named: Iterable[int],
+                  live: Mapping[int, int]) -> dict[int, tuple[tuple[float, int | None], UnrankedExit]]:
+    """The exits of processes that died with no rank named (``ExitWatch.unranked_exits``), told by rank: rank → (when
+    seen exited and its status, what names it). Each is read again from the records that outlive it (Ray's): its
+    rank is theirs, unless another process holds that rank (``named``: the ranks whose exits were seen; ``live``: rank
+    → pid of the job's ranks last sampled) — never another's, then ``model.unknown_rank``. Left out: a process not
+    known to be the job's work (it neither joined the group nor hosts an actor of the job), and a Ray worker that Ray
+    ended on purpose (its actor killed, its owner gone): no failure."""
+    out: dict[int, tuple[tuple[float, int | None], UnrankedExit]] = {}
+    taken = set(named) | set(live)
+    for pid, (seen, status, last) in sorted(ended.items()):
+        proc = last.after_exit()
+        if not proc.may_be_rank or (proc.ray is not None and proc.ray.ended_by_ray):
+            continue
+        given = proc.rank()
+        rank, source = given if given is not None and given[0] not in taken else (unknown_rank(pid), "")
+        taken.add(rank)
+        out[rank] = ((seen, status), UnrankedExit(proc, rank, source))
+    return out
+
+
+def unranked_sections(named: Mapping[int, tuple[tuple[float, int | None], UnrankedExit]], host: str
+                      ) -> dict[str, object]:
+    """The incident's ``unknown_ranks`` (rank → host, pid, command, ray) and ``ray_workers`` (rank → what Ray calls
+    the worker) of the processes ``name_unranked`` named (docs/json-contract.md)."""
+    unknown = {str(r): e.process.describe(host) for r, (_, e) in sorted(named.items()) if not rank_known(r)}
+    ray = {str(r): ray_node.describe_worker(e.process.ray, e.process.command) for r, (_, e) in sorted(named.items())
+           if e.process.ray is not None and rank_known(r)}
+    return {k: v for k, v in (("unknown_ranks", unknown), ("ray_workers", ray)) if v}
 
 
 def first_to_exit(exits: Exits, command_exited_at: float | None = None) -> tuple[int, ...]:
@@ -149,13 +201,17 @@ class ExitWatch:
     its parent reaps it: no CPU while the job runs. Without pidfds (Linux < 5.3) it reads /proc/PID/stat every
     ``poll_s``. Exits are timed per process, from when the process was first sampled, and told by rank when the
     sampling loop names it: a rank named late (a Ray actor's rank comes from Ray's records) is still timed when its
-    process ended, not when it was named."""
+    process ended, not when it was named. The processes that may become ranks are watched too, from when the scanner
+    first sees them (a Ray worker: from its lease), with what names each (``watch_unranked``): one that dies before
+    its rank is known is told by what is known (``unranked_exits``, ``name_unranked``)."""
 
     def __init__(self, poll_s: float = 0.05, keep_unnamed_s: float = 60.0) -> None:
         self.poll_s = poll_s
         self.keep_unnamed_s = keep_unnamed_s  # how long the exit of a process no rank was named for is kept
         self._ranks: dict[int, int] = {}  # rank → pid, set by the sampling loop
         self._ended: dict[int, tuple[float, int | None]] = {}  # pid → (when seen exited, its exit status if caught)
+        self._unranked: dict[int, Unranked] = {}  # pid → what names it, of the processes that may become ranks
+        self._ray_workers: dict[int, ray_node.CoreWorker] = {}  # pid → the Ray worker it is (its records)
         self._handed: set[int] = set()  # every pid handed in
         self._pending: set[int] = set()  # of those, the ones the thread does not watch yet
         self._command: int | None = None
@@ -181,6 +237,42 @@ class ExitWatch:
         with self._lock:
             self._hand(pids)
 
+    def watch_unranked(self, procs: Mapping[int, Unranked]) -> None:
+        """The job's processes that may be ranks whose rank is not known yet, as the scanner saw them this tick
+        (``ProcessScanner.not_yet_ranked``): watched from now on; one that dies keeps what named it when last seen
+        alive (a zombie's fds, its log among them, are gone). One still alive that the scanner no longer lists (a Ray
+        worker back to idle, a rank now named) is dropped."""
+        with self._lock:
+            for pid in [p for p in self._unranked if p not in procs and p not in self._ended]:
+                st = read_stat(pid)
+                if st is not None and st.state != "Z":
+                    del self._unranked[pid]
+            self._unranked.update((pid, u) for pid, u in procs.items() if pid not in self._ended)  # seen alive: kept
+            self._hand(procs)
+
+    def watch_ray_workers(self, workers: Mapping[int, ray_node.CoreWorker]) -> None:
+        """The job's Ray workers (``ProcessScanner.ray_workers``): whether Ray ended one on purpose is read from its
+        records after its end (``ended_by_ray``)."""
+        with self._lock:
+            self._ray_workers.update(workers)
+
+    def ended_by_ray(self) -> dict[int, str]:
+        """rank → why Ray ended it on purpose (its owner, the driver, gone; its actor killed), of the named ranks that
+        exited and whose own Ray log says so: Ray's teardown, never the job's failure."""
+        with self._lock:
+            workers = {r: w for r, pid in self._ranks.items() if pid in self._ended
+                       and (w := self._ray_workers.get(pid)) is not None}
+        return {r: why for r, w in workers.items() if (why := ray_node.reread(w).ended_by_ray)}
+
+    @property
+    def unranked_exits(self) -> dict[int, tuple[float, int | None, Unranked]]:
+        """pid → (when seen exited, its exit status if caught, what named it), of the processes that may have been
+        ranks and ended with no rank named for them."""
+        with self._lock:
+            named = set(self._ranks.values())
+            return {pid: (*self._ended[pid], u) for pid, u in self._unranked.items()
+                    if pid in self._ended and pid not in named}
+
     def watch_command(self, pid: int) -> None:
         """The launched command: ranks that exit after it were torn down by its end (``first_to_exit``)."""
         with self._lock:
@@ -197,6 +289,8 @@ class ExitWatch:
         with self._lock:
             self._ranks.clear()
             self._ended.clear()
+            self._unranked.clear()
+            self._ray_workers.clear()
 
     def _exited(self, pid: int) -> None:
         if pid == self._command:
@@ -207,8 +301,13 @@ class ExitWatch:
         now = time.time()
         with self._lock:
             self._ended.setdefault(pid, (now, st.exit_code if st is not None else None))
-            named = set(self._ranks.values())  # forget unnamed exits (dataloader workers come and go)
+            # Forget unnamed exits (dataloader workers come and go), but not a Ray worker's or a group member's: one
+            # named later (Ray's records) or never (no source gives its rank) may be the job's first failure.
+            named = set(self._ranks.values()) | {p for p, u in self._unranked.items() if u.joined or u.ray is not None}
             old = {p for p, e in self._ended.items() if p not in named and e[0] < now - self.keep_unnamed_s}
+            for p in old:
+                self._unranked.pop(p, None)
+                self._ray_workers.pop(p, None)
             self._ended = {p: e for p, e in self._ended.items() if p not in old}
             self._handed -= old  # a pid the kernel reuses is watched afresh
 

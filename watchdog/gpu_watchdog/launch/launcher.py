@@ -38,7 +38,16 @@ from gpu_watchdog.evidence.flight_recorder import dumps as fr
 from gpu_watchdog.evidence.stacks.spawned_ranks import no_rank_warning
 from gpu_watchdog.export.health import LoopHealth
 from gpu_watchdog.job.protocol import CONTROL_DIR_ENV, FALLBACK_LEVEL_ENV, RESTART_COUNT_ENV, ControlDir
-from gpu_watchdog.launch.exits import Exits, ExitWatch, TorchrunReport, finished_work, first_to_exit, with_report
+from gpu_watchdog.launch.exits import (
+    Exits,
+    ExitWatch,
+    TorchrunReport,
+    finished_work,
+    first_to_exit,
+    name_unranked,
+    unranked_sections,
+    with_report,
+)
 from gpu_watchdog.launch.guardian import Guardian
 from gpu_watchdog.launch.output import JobOutput
 from gpu_watchdog.model import Finding, JobState, JobStatus, NodeSample, rank_label, validate_job_id
@@ -47,6 +56,7 @@ from gpu_watchdog.policy.respond import Response
 from gpu_watchdog.sample import ray_node
 from gpu_watchdog.sample.backends import Backend
 from gpu_watchdog.sample.processes import JOB_ID_ENV, describe_exit
+from gpu_watchdog.sample.unranked import Unranked
 from gpu_watchdog.store.fallback_levels import FallbackStore
 from gpu_watchdog.store.incidents import IncidentStore
 
@@ -235,6 +245,7 @@ class Launcher:
         last_seen: JobStatus | None = None  # the job as last seen with ranks (they are gone after a crash)
         last_wait: tuple[JobStatus, float] | None = None  # ... as last seen waiting on some ranks, and when
         next_tick = started = time.monotonic()
+        scanner = getattr(self.backend, "scanner", None)
         while True:
             rc = target.poll()
             if rc is not None:
@@ -254,6 +265,9 @@ class Launcher:
                 last_seen = ours or last_seen
                 if ours is not None and ours.waiting_on and ours.state in (JobState.WAITING, JobState.STALLED):
                     last_wait = (ours, tick.sample.t)
+                if scanner is not None:  # the processes that may become ranks, named by what is known till then
+                    exits.watch_unranked(scanner.not_yet_ranked)
+                    exits.watch_ray_workers(scanner.ray_workers)
                 if ours is not None:
                     exits.watch(dict(ours.rank_pids))
                 elif last_seen is None:
@@ -370,25 +384,34 @@ class Launcher:
             exits.close()
             self.output.finish()  # torchrun's report of its workers' ends is in the job's output: read it whole
             crashed = self._crashed(code, exits.exits, last_seen, attempt, exits.command_exited_at,
-                                    self.output.torchrun_report, last_wait)
+                                    self.output.torchrun_report, last_wait, exits.unranked_exits,
+                                    exits.ended_by_ray())
             if crashed is not None:
                 return crashed
         return _Outcome(exit_code=code)
 
     def _crashed(self, code: int, seen: Exits, status: JobStatus | None, attempt: int,
                  command_exited_at: float | None = None, report: TorchrunReport | None = None,
-                 waited: tuple[JobStatus, float] | None = None) -> _Outcome | None:
+                 waited: tuple[JobStatus, float] | None = None,
+                 unranked: Mapping[int, tuple[float, int | None, Unranked]] | None = None,
+                 ray_ended: Mapping[int, str] | None = None) -> _Outcome | None:
         """A rank died and took the job down (torchrun tears every rank down within a second): an incident naming
         the rank, how it ended, its last stack if one was taken and the peers' state; then a restart within the
         budget when ``recovery.restart_on_crash``, else None (``launch`` exits with the job's code). ``seen``: the
-        exits the agent saw; ``report``: torchrun's, for the statuses torchrun reaped before the agent read them."""
+        exits the agent saw; ``report``: torchrun's, for the statuses torchrun reaped before the agent read them;
+        ``unranked``: the exits of processes that died before their rank was known (named by what is known);
+        ``ray_ended``: ranks Ray's own records say Ray ended on purpose (the driver gone): never the failure."""
         now = time.time()
-        ranks = tuple(sorted(status.ranks_seen)) if status else ()
+        late = name_unranked(unranked or {}, seen, status.rank_pids if status else {})
+        seen = {**seen, **{r: e for r, (e, _) in late.items()}}
+        ranks = tuple(sorted(set(status.ranks_seen if status else ()) | late.keys()))
         exits = with_report(seen, report, ranks, command_exited_at or now)
-        first = first_to_exit(exits, command_exited_at)
+        ray_ended = ray_ended or {}
+        first = first_to_exit({r: e for r, e in exits.items() if r not in ray_ended}, command_exited_at)
         if len(ranks) > 1 and set(first) >= set(ranks):
             first = ()  # every rank went at once: which one failed is not known
-        how = "; ".join(f"{rank_label(r)}: {_describe(r, exits, seen)}" for r in first) or \
+        how = "; ".join(f"{late[r][1].label() if r in late else rank_label(r)}: {_describe(r, exits, seen, ray_ended)}"
+                        for r in first) or \
             "no rank was seen exiting first (torchrun reaps and tears down within its monitor interval)"
         # The job's own collective timeout: the first to exit are the waiters; the rank they waited on is the cause.
         onset = min((t for t, _ in exits.values()), default=now)
@@ -402,9 +425,10 @@ class Launcher:
         inc = self.ctx.open_incident(finding)
         if own is not None:
             inc.update(own_timeout=own.to_json(), collective=own.collective)
+        inc.update(**unranked_sections(late, self.host))
         last = status.evidence[-1] if status and status.evidence else None
-        inc.update(exits={str(r): _describe(r, exits, seen) for r in sorted(exits)},
-                   peers={str(r): status.state for r in ranks if r not in first} if status else {},
+        inc.update(exits={str(r): _describe(r, exits, seen, ray_ended) for r in sorted(exits)},
+                   peers={str(r): status.state for r in sorted(status.ranks_seen) if r not in first} if status else {},
                    last_stacks=[{"rank": rs.rank, "state": rs.state, "where": rs.where, "stack": rs.signature}
                                 for rs in last.ranks] if last else [])
         self.say(f"RANK EXITED in job {self.job_id}: {finding.detail}; incident {inc.id}")
@@ -442,9 +466,11 @@ class Launcher:
             self.say(f"stopped {len(left)} job process(es) left behind by the launched command: {res.detail}")
 
 
-def _describe(rank: int, exits: Exits, seen: Exits) -> str:
-    """How ``rank`` ended, and whether that is torchrun's word rather than the agent's own read."""
+def _describe(rank: int, exits: Exits, seen: Exits, ray_ended: Mapping[int, str]) -> str:
+    """How ``rank`` ended, and whether that is torchrun's word rather than the agent's own read, or Ray's teardown."""
     text = describe_exit(exits[rank][1])
+    if rank in ray_ended:
+        text += f"; ended by Ray ({ray_ended[rank]})"
     return text if rank in seen and seen[rank][1] == exits[rank][1] else f"{text} (torchrun's report)"
 
 

@@ -29,6 +29,7 @@ import psutil
 from gpu_watchdog.model import JobIdentity, ProcessSample, SampleError, rank_label, unknown_rank
 from gpu_watchdog.sample import group_members, proc_stat, ray_node
 from gpu_watchdog.sample.live_env import live_env
+from gpu_watchdog.sample.unranked import Unranked, command_text
 
 log = logging.getLogger("gpu_watchdog.sample.processes")
 
@@ -42,7 +43,6 @@ MEMBER_RECHECK_MAX_S = 24.0  # ... in their first minute as candidates (_JOINS_W
 _JOINS_WITHIN_S = 60.0  # ranks join their group within this of becoming candidates (imports, init_process_group)
 _RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 _RAY_LOG_WITHIN_S = 10.0  # a Ray worker opens its core-worker log within its first second
-_DECLARED_RANK = re.compile(r"\brank\s*[=:]\s*(\d+)\b")  # an actor's __repr__ that declares its rank
 _REREAD_YOUNG_S = 30.0  # how long after its start a process without a rank of its own is read again (exec)
 _NO_RUN_ID = "none"  # torchrun's --rdzv-id default: every job launched without one says so
 _LAUNCHED_ID_PREFIX = "torchrun-"
@@ -281,6 +281,10 @@ class ProcessScanner:
         self.member_pool = member_pool
         self.unranked: tuple[int, ...] = ()  # group members whose rank is not known yet (last tick)
         self.rankless: tuple[int, ...] = ()  # processes in scope with no rank and not in a group (last tick)
+        # Both, less launchers and the launched command, as last seen: what names each should it die before its rank is
+        # known (launch's exit watch keeps it; sample.unranked).
+        self.not_yet_ranked: dict[int, Unranked] = {}
+        self.ray_workers: dict[int, ray_node.CoreWorker] = {}  # the job's Ray workers, ranks or not, as last read
         self._members_checked_at = float("-inf")  # monotonic: the last look at who joined a process group
 
     def env_of(self, pid: int) -> Mapping[str, str]:
@@ -425,7 +429,7 @@ class ProcessScanner:
         return known.launcher_cmd
 
     def _command(self, known: _Known) -> tuple[str, ...]:
-        if known.cmdline is None:
+        if not known.cmdline:  # an empty read is no command line (a process mid-exec or mid-setproctitle)
             try:
                 known.cmdline = tuple(known.proc.cmdline())
             except psutil.Error:
@@ -433,8 +437,10 @@ class ProcessScanner:
         return known.cmdline
 
     def _is_ray_service(self, known: _Known) -> bool:
-        if known.ray_service is None or (known.ray_service and ray_node.idle(self._command(known))):
-            # An idle Ray worker is Ray's until the raylet hands it an actor: its title then names the actor.
+        idle = bool(known.ray_service) and ray_node.idle(self._command(known))
+        if known.ray_service is None or not known.cmdline or idle:
+            # An idle Ray worker is Ray's until the raylet hands it an actor: its title then names the actor. A verdict
+            # on an empty command line (a process mid-exec) is none.
             if known.ray_service is not None:
                 known.cmdline = None
             known.ray_service = ray_node.is_service(self._command(known))
@@ -442,9 +448,13 @@ class ProcessScanner:
 
     def _ray_facts(self, pid: int, known: _Known) -> ray_node.CoreWorker | None:
         """The Ray core worker ``pid`` is, read from its log until everything is known (its gRPC port, its actor);
-        a process that opened no core-worker log in its first seconds is none."""
-        if not known.ray_checked:
-            known.ray = ray_node.core_worker(pid, group_members.fd_targets(pid))
+        a process that opened no core-worker log in its first seconds is none — unless it has a Ray title: a Ray
+        worker whatever was read of it before (its command line mid-rewrite, a loaded host's slow start), looked for
+        until found."""
+        if not known.ray_checked or (known.ray is None and ray_node.title(self._command(known))):
+            # A read that finds no log once one was found is a process that ended (a zombie lists no fds): it keeps
+            # what was read while it lived.
+            known.ray = ray_node.core_worker(pid, group_members.fd_targets(pid)) or known.ray
             known.ray_checked = (known.ray.complete if known.ray is not None
                                  else time.time() - known.create_time > _RAY_LOG_WITHIN_S)
         return known.ray
@@ -466,9 +476,16 @@ class ProcessScanner:
             known.env_read_at = now + MEMBER_RECHECK_S
             if (env := live_env(pid, _RANK_ENV)) and (rank := rank_from_env(env)) is not None:
                 known.live_identity = env
-        if rank is None and ray is not None and (m := _DECLARED_RANK.search(ray.actor_repr)):
-            rank = int(m.group(1))
+        if rank is None and ray is not None and (declared := ray.rank()) is not None:
+            rank = declared[0]
         return rank if rank is not None else self.rank_finder(pid, known.create_time)
+
+    def _unranked(self, pid: int, known: _Known) -> Unranked:
+        """``pid`` as it is known while no source names its rank. A Ray worker's log is found at once (not only at the
+        next look at who joined): it names the worker should it die before that look."""
+        cmd = self._command(known)
+        ray = known.ray if known.ray is not None or not ray_node.title(cmd) else self._ray_facts(pid, known)
+        return Unranked(pid, known.create_time, cmd, known.member, ray)
 
     def _no_source_names(self, pid: int, known: _Known) -> bool:
         """Every source of a member's rank was asked and none can name it: its live environment was read, its Ray facts
@@ -500,7 +517,7 @@ class ProcessScanner:
         processes that joined a process group become ranks once their number is known (in ``idents``, in place).
         Ray's own processes never join; the ports of Ray's services and of its workers' gRPC servers are Ray's
         traffic, not a process group's (ray_node)."""
-        self.unranked, self.rankless = (), ()
+        self.unranked, self.rankless, self.not_yet_ranked, self.ray_workers = (), (), {}, {}
         procs = {pid: idents[pid] for pid in pool if pid in idents}
         if any(k.identity is not None and k.identity.rank is not None and not (k.launcher or k.member)
                for k in procs.values()):
@@ -570,6 +587,9 @@ class ProcessScanner:
                                 world_size=_int_or_none(known.live_identity.get("WORLD_SIZE")))
             known.identity = replace(ident, rank=known.member_rank)
         self.unranked, self.rankless = tuple(sorted(unranked)), tuple(sorted(rankless))
+        self.not_yet_ranked = {pid: self._unranked(pid, procs[pid]) for pid in (*unranked, *rankless)
+                               if pid != self.root_pid and not self._is_launcher_cmd(procs[pid])}
+        self.ray_workers = {pid: k.ray for pid, k in procs.items() if k.ray is not None and not k.ray.driver}
 
     def _launcher_ids(self, idents: Mapping[int, _Known], ppids: Mapping[int, int],
                       starts: Mapping[int, float]) -> dict[int, str]:
@@ -750,13 +770,6 @@ def _split_job_id(job_id: str, launcher: int) -> str:
     """``JOB@LAUNCHER_PID``, cut to fit a job id's 128 characters."""
     suffix = f"@{launcher}"
     return job_id[:_MAX_JOB_ID - len(suffix)] + suffix
-
-
-def command_text(argv: Iterable[str], limit: int) -> str:
-    """A command line on one line, at most ``limit`` characters (``...`` where cut); runs of spaces collapsed (a Ray
-    worker's title is padded with hundreds)."""
-    text = " ".join(" ".join(argv).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def read_exit_status(pid: int) -> int | None:
