@@ -1,106 +1,52 @@
-"""Process state through psutil: rank discovery, job identity from the environment, tree CPU and I/O.
+"""Process state through psutil: which processes are a job's ranks, composed from the ways ranks are found
+(sample.ranks: the environment, and for the members of a process group with no rank there the sources of their
+number), and each rank's tree CPU and I/O.
 
 A process's environment is read once per (pid, create_time) and cached; a reused pid gets a fresh read, and a
 process without a rank of its own is read again each tick for its first 30 s (it may still exec into one).
 Vanished, zombie and access-denied processes are recorded or skipped, never raised out of a tick.
 
-Job ids: ``GPU_WATCHDOG_JOB_ID`` > ``SLURM_JOB_ID`` > ``TORCHELASTIC_RUN_ID`` > the rendezvous endpoint. torchrun
-sets ``TORCHELASTIC_RUN_ID=none`` when no ``--rdzv-id`` is given: that names no job, so its ranks are told apart
-by ``MASTER_ADDR:MASTER_PORT`` (``torchrun-HOST:PORT``, the same on every node of the job), or without a usable
-endpoint by their torchrun agent (``torchrun-pidPID-START``). Two rank processes that still claim the same
+Job ids come from the environment (sample.ranks.environment); a torchrun rank with neither a run id nor a usable
+endpoint is named after its torchrun agent (``torchrun-pidPID-START``). Two rank processes that still claim the same
 (job, rank) are never merged: each launcher's ranks become ``JOB@LAUNCHER_PID`` and a ``DuplicateRank`` error
 is reported.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
 import psutil
 
 from gpu_watchdog.model import JobIdentity, ProcessSample, SampleError, rank_label, unknown_rank
 from gpu_watchdog.sample import group_members, proc_stat, ray_node
-from gpu_watchdog.sample.live_env import live_env
+from gpu_watchdog.sample.ranks import first_claim, none_will_name
+from gpu_watchdog.sample.ranks.environment import (
+    JOB_ID_ENV,
+    LAUNCHED_ID_PREFIX,
+    MAX_JOB_ID,
+    endpoint_job_id,
+    identity_from_env,
+    int_or_none,
+    wants_launcher_id,
+)
+from gpu_watchdog.sample.ranks.member import RankFinder
+from gpu_watchdog.sample.ranks.stacks import NoRankFinder
 from gpu_watchdog.sample.unranked import Unranked, command_text
 
 log = logging.getLogger("gpu_watchdog.sample.processes")
 
-# The launcher sets this in the job's environment; it wins over scheduler-given ids.
-JOB_ID_ENV = "GPU_WATCHDOG_JOB_ID"
-_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
-_JOB_ID_SOURCES = (JOB_ID_ENV, "SLURM_JOB_ID", _RUN_ID_ENV)
-_SLURM_STEP_ENV = "SLURM_STEP_ID"  # set for an srun task; a batch step's shell (and all it starts) has none
 MEMBER_RECHECK_S = 3.0  # processes of a rankless job that have not joined a process group are looked at this often
 MEMBER_RECHECK_MAX_S = 24.0  # ... in their first minute as candidates (_JOINS_WITHIN_S), then down to this
 _JOINS_WITHIN_S = 60.0  # ranks join their group within this of becoming candidates (imports, init_process_group)
-_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 _RAY_LOG_WITHIN_S = 10.0  # a Ray worker opens its core-worker log within its first second
 _REREAD_YOUNG_S = 30.0  # how long after its start a process without a rank of its own is read again (exec)
-_NO_RUN_ID = "none"  # torchrun's --rdzv-id default: every job launched without one says so
-_LAUNCHED_ID_PREFIX = "torchrun-"
-_MAX_JOB_ID = 128  # model.JOB_ID_RE: ^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$
-_NOT_ID_CHAR = re.compile(r"[^A-Za-z0-9._:@+-]")
 
-
-def _int_or_none(value: str | None) -> int | None:
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-def _real_run_id(value: str | None) -> bool:
-    return value is not None and value.strip().lower() not in ("", _NO_RUN_ID)
-
-
-def endpoint_job_id(env: Mapping[str, str]) -> str | None:
-    """``torchrun-ADDR:PORT`` from ``MASTER_ADDR``/``MASTER_PORT``, or None without a usable endpoint.
-
-    Every node of a multi-node job sees the same endpoint (so incidents of one job still merge across nodes);
-    two single-node jobs on one node cannot share a listening port. Port 0 (``--master-port 0``) is no endpoint.
-    IPv6 addresses lose their brackets (``[::1]`` → ``::1``); characters a job id may not hold become ``_``.
-    """
-    addr = (env.get("MASTER_ADDR") or "").strip().strip("[]")
-    port = _int_or_none((env.get("MASTER_PORT") or "").strip() or None)
-    if not addr or port is None or not 0 < port < 65536:
-        return None
-    host = _NOT_ID_CHAR.sub("_", addr)
-    while ".." in host:  # never a path component like ".."
-        host = host.replace("..", "._")
-    job_id = f"{_LAUNCHED_ID_PREFIX}{host}:{port}"
-    if len(job_id) > _MAX_JOB_ID:  # a very long host name: a stable digest of it instead
-        job_id = f"{_LAUNCHED_ID_PREFIX}{hashlib.sha1(addr.encode()).hexdigest()[:20]}:{port}"
-    return job_id
-
-
-def _job_id_from_env(env: Mapping[str, str], has_rank: bool) -> str | None:
-    """The first id source that names a job. A torchrun rank without a real run id (``none``) takes its
-    rendezvous endpoint; without one it stays None here and the scanner names it after its agent."""
-    for key in _JOB_ID_SOURCES:
-        value = env.get(key)
-        if key == _RUN_ID_ENV:
-            if _real_run_id(value):
-                return value
-        elif value:
-            return value
-    if has_rank and _RUN_ID_ENV in env:
-        return endpoint_job_id(env)
-    return None
-
-
-def _wants_launcher_id(env: Mapping[str, str], ident: JobIdentity | None) -> bool:
-    """A torchrun rank whose environment names neither a job nor a usable endpoint: the scanner gives it its
-    agent's id (the parent process), which only the process table knows."""
-    return (ident is not None and ident.rank is not None and _RUN_ID_ENV in env
-            and _job_id_from_env(env, True) is None)
 
 
 # Launchers that start the ranks themselves: under ``srun`` they carry the task's SLURM_PROCID, but the ranks are
@@ -123,34 +69,6 @@ def _is_launcher(proc: psutil.Process) -> bool:
             return argv[2] in _LAUNCHER_MODULES
         return names[1] in _LAUNCHER_MODULES  # a console script run by its interpreter
     return False
-
-
-def rank_from_env(env: Mapping[str, str]) -> int | None:
-    """``RANK``; else ``SLURM_PROCID``, but only in an srun task (``SLURM_STEP_ID`` set). A batch step's shell
-    carries ``SLURM_PROCID=0`` and hands it to everything it starts (torchrun's agent, wrappers, ``srun``
-    itself): none of those is a rank."""
-    if env.get("RANK") is not None:
-        return _int_or_none(env.get("RANK"))
-    if env.get("SLURM_PROCID") is not None and env.get(_SLURM_STEP_ENV):
-        return _int_or_none(env.get("SLURM_PROCID"))
-    return None
-
-
-def identity_from_env(env: Mapping[str, str]) -> JobIdentity | None:
-    """The job identity a process carries in its environment, or None when it is not a rank of a job.
-
-    A torchrun rank without a run id or endpoint is ``unknown`` here; ``ProcessScanner`` names it after its
-    torchrun agent."""
-    rank = rank_from_env(env)
-    job_id = _job_id_from_env(env, rank is not None)
-    if rank is None and job_id is None:
-        return None
-    return JobIdentity(
-        job_id=job_id or "unknown",
-        rank=rank,
-        local_rank=_int_or_none(env.get("LOCAL_RANK", env.get("SLURM_LOCALID"))),
-        world_size=_int_or_none(env.get("WORLD_SIZE", env.get("SLURM_NTASKS"))),
-    )
 
 
 @dataclass
@@ -221,30 +139,6 @@ def _read_process_table() -> dict[int, tuple[int, float]]:
     return {pid: (st.ppid, st.start) for pid, st in proc_stat.scan().items()}
 
 
-class RankFinder(Protocol):
-    """Reads the rank of a process handed its rank in code (evidence.stacks.spawned_ranks). Never blocks."""
-
-    def __call__(self, pid: int, create_time: float) -> int | None:
-        """Its rank once learned, None meanwhile."""
-
-    def gave_up(self, pid: int, create_time: float) -> bool:
-        """Every look is done and none named its rank."""
-
-    def why(self, pid: int) -> str:
-        """Why it has no rank (the last look's answer)."""
-
-
-class _NoRankFinder:
-    def __call__(self, pid: int, create_time: float) -> int | None:
-        return None
-
-    def gave_up(self, pid: int, create_time: float) -> bool:
-        return True
-
-    def why(self, pid: int) -> str:
-        return "no stack reader"
-
-
 PIPE_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
 
 
@@ -276,7 +170,7 @@ class ProcessScanner:
         # launcher has ranks, so that a split job keeps one id after the other claimant ends.
         self._split: dict[tuple[str, int, float | None], str] = {}
         self._dup_warned: set[tuple[str, int, tuple[int, ...]]] = set()  # (job, rank, pids) logged once
-        self.rank_finder: RankFinder = _NoRankFinder()
+        self.rank_finder: RankFinder = NoRankFinder()
         # Without a root (the daemon): the processes whose group membership is looked at (registered jobs).
         self.member_pool = member_pool
         self.unranked: tuple[int, ...] = ()  # group members whose rank is not known yet (last tick)
@@ -322,7 +216,7 @@ class ProcessScanner:
             ident = replace(ident, rank=None)  # an srun task running torchrun: its agent, never a rank
         kept = {k: v for k, v in env.items() if k.startswith(self._keep_env)} if self._keep_env else {}
         known = _Known(proc, ctime, ident, kept, start if start is not None else 0.0,
-                       launcher_scoped=_wants_launcher_id(env, ident),
+                       launcher_scoped=wants_launcher_id(env, ident),
                        slurm_rank=ident is not None and ident.rank is not None and env.get("RANK") is None,
                        launcher=launcher, pipe_stem=env.get(PIPE_FILE_ENV, ""),
                        master_port=env.get("MASTER_PORT", ""))
@@ -459,45 +353,12 @@ class ProcessScanner:
                                  else time.time() - known.create_time > _RAY_LOG_WITHIN_S)
         return known.ray
 
-    def _member_rank(self, pid: int, known: _Known) -> int | None:
-        """A member's rank, from the first source that names it: Ray Train's record of its worker, an NCCL rank's
-        dump pipe, ``RANK`` in the environment it has now (``os.environ[…]`` set in code: sample.live_env), the rank
-        a Ray actor's ``__repr__`` declares (``rank=N``), its stack (``rank_finder``). Its Ray facts are read afresh
-        here, once per look: ``_no_source_names`` must judge the same facts this look asked."""
-        ray = self._ray_facts(pid, known)
-        if ray is not None and not ray.driver:
-            if ray.train is None:  # Ray Train logs a worker's rank once it has set up the process group
-                ray = known.ray = replace(ray, train=ray_node.train_rank(ray.logs_dir, ray.worker_id, pid))
-            if ray.train is not None:
-                return ray.train.world_rank
-        rank = group_members.pipe_rank(pid, known.pipe_stem)
-        now = time.monotonic()
-        if rank is None and now >= known.env_read_at:  # read from its memory every few seconds, not each tick
-            known.env_read_at = now + MEMBER_RECHECK_S
-            if (env := live_env(pid, _RANK_ENV)) and (rank := rank_from_env(env)) is not None:
-                known.live_identity = env
-        if rank is None and ray is not None and (declared := ray.rank()) is not None:
-            rank = declared[0]
-        return rank if rank is not None else self.rank_finder(pid, known.create_time)
-
     def _unranked(self, pid: int, known: _Known) -> Unranked:
         """``pid`` as it is known while no source names its rank. A Ray worker's log is found at once (not only at the
         next look at who joined): it names the worker should it die before that look."""
         cmd = self._command(known)
         ray = known.ray if known.ray is not None or not ray_node.title(cmd) else self._ray_facts(pid, known)
         return Unranked(pid, known.create_time, cmd, known.member, ray)
-
-    def _no_source_names(self, pid: int, known: _Known) -> bool:
-        """Every source of a member's rank was asked and none can name it: its live environment was read, its Ray facts
-        are final, the stack reader gave up. A Ray Train worker always gets its rank from Ray Train's log. Judged on
-        the facts ``_member_rank`` just read: facts completed between the two (the actor's ``__repr__`` logged) would
-        give up on a rank they name."""
-        ray = known.ray
-        if not known.ray_checked or known.env_read_at == 0.0:
-            return False
-        if ray is not None and ray_node.actor_class(self._command(known)) == ray_node.TRAIN_WORKER_CLASS:
-            return False
-        return self.rank_finder.gave_up(pid, known.create_time)
 
     def _sockets_changed(self, pid: int, known: _Known, now: float) -> bool:
         """Whether ``pid`` may have joined since it was last found outside the group. Past its first minute as a
@@ -566,9 +427,12 @@ class ProcessScanner:
             if pid not in members:
                 rankless.append(pid)
                 continue
-            if known.member_rank is None:
-                known.member_rank = self._member_rank(pid, known)
-            if known.member_rank is None and self._no_source_names(pid, known):
+            look = _MemberLook(self, pid, known) if known.member_rank is None else None
+            if look is not None and (claim := first_claim(look)) is not None:
+                known.member_rank = claim.rank
+                known.live_identity = claim.identity or known.live_identity
+                log.debug("pid %d is rank %d: %s", pid, claim.rank, claim.evidence)
+            if look is not None and known.member_rank is None and none_will_name(look):
                 # Watched all the same, named by what identifies it: a member left out would leave its job's hangs
                 # unseen (an actor group whose code hands init_process_group the rank as an argument).
                 known.member_rank = unknown_rank(pid)
@@ -583,8 +447,8 @@ class ProcessScanner:
             if train is not None:
                 ident = replace(ident, local_rank=train.local_rank, world_size=train.world_size)
             elif known.live_identity:
-                ident = replace(ident, local_rank=_int_or_none(known.live_identity.get("LOCAL_RANK")),
-                                world_size=_int_or_none(known.live_identity.get("WORLD_SIZE")))
+                ident = replace(ident, local_rank=int_or_none(known.live_identity.get("LOCAL_RANK")),
+                                world_size=int_or_none(known.live_identity.get("WORLD_SIZE")))
             known.identity = replace(ident, rank=known.member_rank)
         self.unranked, self.rankless = tuple(sorted(unranked)), tuple(sorted(rankless))
         self.not_yet_ranked = {pid: self._unranked(pid, procs[pid]) for pid in (*unranked, *rankless)
@@ -613,7 +477,7 @@ class ProcessScanner:
                 continue
             if rank.launcher_id is None:
                 agent = ppids.get(top, 0)
-                rank.launcher_id = f"{_LAUNCHED_ID_PREFIX}pid{agent}-{int(starts.get(agent, 0.0))}"
+                rank.launcher_id = f"{LAUNCHED_ID_PREFIX}pid{agent}-{int(starts.get(agent, 0.0))}"
             out[pid] = rank.launcher_id
         return out
 
@@ -725,6 +589,43 @@ class ProcessScanner:
                              exit_status=read_exit_status(pid) if status == psutil.STATUS_ZOMBIE else None)
 
 
+class _MemberLook:
+    """A member as the rank sources see it for one look (sample.ranks.member.Member): its Ray facts are read once."""
+
+    def __init__(self, scanner: ProcessScanner, pid: int, known: _Known) -> None:
+        self.pid, self.create_time, self.pipe_stem = pid, known.create_time, known.pipe_stem
+        self.rank_finder = scanner.rank_finder
+        self._scanner, self._known, self._ray_read = scanner, known, False
+
+    @property
+    def env_read_at(self) -> float:
+        return self._known.env_read_at
+
+    @env_read_at.setter
+    def env_read_at(self, value: float) -> None:
+        self._known.env_read_at = value
+
+    @property
+    def ray(self) -> ray_node.CoreWorker | None:
+        return self._known.ray
+
+    @property
+    def ray_final(self) -> bool:
+        return self._known.ray_checked
+
+    def read_ray(self) -> ray_node.CoreWorker | None:
+        if not self._ray_read:
+            self._scanner._ray_facts(self.pid, self._known)
+            self._ray_read = True
+        return self._known.ray
+
+    def keep_ray(self, worker: ray_node.CoreWorker) -> None:
+        self._known.ray = worker
+
+    def command(self) -> tuple[str, ...]:
+        return self._scanner._command(self._known)
+
+
 def _settled_out(known: _Known, now: float) -> bool:
     """Out of the group for longer than ranks take to join it, counted from when it became a candidate (a Ray worker
     may idle for minutes before the raylet hands it the actor that joins)."""
@@ -769,7 +670,7 @@ def _rank_launchers(idents: Mapping[int, _Known], ppids: Mapping[int, int]) -> s
 def _split_job_id(job_id: str, launcher: int) -> str:
     """``JOB@LAUNCHER_PID``, cut to fit a job id's 128 characters."""
     suffix = f"@{launcher}"
-    return job_id[:_MAX_JOB_ID - len(suffix)] + suffix
+    return job_id[:MAX_JOB_ID - len(suffix)] + suffix
 
 
 def read_exit_status(pid: int) -> int | None:
@@ -815,3 +716,9 @@ def _io_bytes(proc: psutil.Process) -> int | None:
     except (psutil.AccessDenied, AttributeError):
         return None
     return int(io.read_chars + io.write_chars)  # type: ignore[attr-defined]  # Linux fields
+
+
+# Also the names the environment component (sample.ranks.environment) gives, as imported from here before.
+__all__ = ["JOB_ID_ENV", "MEMBER_RECHECK_S", "PIPE_FILE_ENV", "ProcessScanner", "RankFinder", "command_text",
+           "describe_exit", "endpoint_job_id", "identity_from_env", "process_table", "read_exit_status",
+           "read_task_state", "read_wchan"]
