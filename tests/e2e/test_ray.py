@@ -48,20 +48,23 @@ def test_an_actor_killed_mid_step_is_named(tmp_path: Path) -> None:
     assert row.rc == 1 and row.actions == ("restart",), row  # recovery.restart_on_crash is off by default
 
 
-@pytest.mark.parametrize("style, after_s", [("repr", 1.0), ("opaque", 2.0), ("repr", 3.0)])
+@pytest.mark.parametrize("style, when", [("repr", ("--kill-after-s", "1")), ("opaque", ("--kill-after-s", "2")),
+                                         ("repr", ("--kill-after-s", "3")), ("repr", ("--hang-step", "0"))],
+                         ids=["1s", "2s-opaque", "3s", "first-step"])
 def test_an_actor_killed_early_is_named_by_what_is_known_never_its_peer(tmp_path: Path, style: str,
-                                                                        after_s: float) -> None:
-    """Actor 1 SIGKILLed (as the OOM killer does) 1-3 s after its gloo group formed, often before anything had learned
-    its rank: the rank_exited incident names the dead process — its pid and its Ray actor — and its rank once Ray's
-    records give one (the actor's ``__repr__``, logged when ``__init__`` returned: always so once it began training);
-    never actor 0, the survivor, whose process was the only rank the agent may have known."""
+                                                                        when: tuple[str, str]) -> None:
+    """Actor 1 SIGKILLed (as the OOM killer does) 1-3 s after its gloo group formed, or as its first step begins (its
+    ``__repr__`` logged moments before), mostly before anything had learned its rank: the rank_exited incident names
+    the dead process — its pid and its Ray actor — and its rank once Ray's records give one (the ``__repr__``, logged
+    when ``__init__`` returned: always so once it began training); never actor 0, the survivor, whose process was
+    the only rank the agent may have known."""
     from gpu_watchdog.store.incidents import IncidentStore
     from launch_harness import read_events
 
     for attempt in range(2):  # on a saturated host Ray's own start-up may give up (30 s): such a run tests nothing
         run = tmp_path / f"run{attempt}"
         row = run_variant(run, "ray_actor_group", "killed", nproc=2, spawns=True, timeout_s=200,
-                          args=("--steps", "60", "--rank", "1", "--style", style, "--kill-after-s", str(after_s)))
+                          args=("--steps", "60", "--rank", "1", "--style", style, *when))
         if (run / "events.jsonl").exists():
             break
     events = read_events(run / "events.jsonl")
