@@ -55,6 +55,7 @@ class _Signals:
     cpu: dict[int, deque[tuple[float, float, float]]] = field(default_factory=dict)  # rank → (t, running, queued)
     asleep: dict[int, str] = field(default_factory=dict)  # rank → what it was last seen asleep on
     verdict: Verdict | None = None
+    judged_at: float = 0.0  # the sample time of the last verdict
 
     def reset(self) -> None:
         self.clocks.clear()
@@ -268,7 +269,11 @@ def _read_signals(w: _JobWatch, cfg: Config, sample: NodeSample, devices: Mappin
     for shares_of in sig.cpu.values():
         while shares_of and shares_of[0][0] < start:
             shares_of.popleft()
-    sig.verdict = sig.window.verdict(sample.t, th)
+    # Judged once a slice (its slices move by a slice's width), and as soon as the window is first whole.
+    whole_at = sig.window.started + th.window_s if sig.window.started is not None else None
+    if sig.verdict is None or sample.t - sig.judged_at >= th.window_s / th.slices or sample.t < sig.judged_at \
+            or (whole_at is not None and sig.judged_at < whole_at <= sample.t):
+        sig.verdict, sig.judged_at = sig.window.verdict(sample.t, th), sample.t
 
 
 def _cpu_shares(sig: _Signals, rank: int) -> tuple[float, float]:

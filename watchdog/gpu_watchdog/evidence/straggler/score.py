@@ -104,11 +104,13 @@ class WaitWindow:
         if self.started is None or self.started > start or len(scores) < 2:
             return Verdict(scores)
         width = th.window_s / th.slices
+        parts: list[list[Mapping[int, Mapping[str, float]]]] = [[] for _ in range(th.slices)]
+        for t, states in self._rounds:  # one pass: each round into its slice (the window's end in the last)
+            if t >= start:
+                parts[min(th.slices - 1, int((t - start) / width))].append(states)
         flagged: set[int] | None = None
-        for i in range(th.slices):
-            lo, hi = start + i * width, start + (i + 1) * width
-            part = _scores(states for t, states in self._rounds if lo <= t < hi or (i == th.slices - 1 and t == hi))
-            slow = _slow_in(part, th)
+        for part_rounds in parts:
+            slow = _slow_in(_scores(part_rounds), th)
             flagged = slow if flagged is None else flagged & slow
             if not flagged:
                 return Verdict(scores)
