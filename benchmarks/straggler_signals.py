@@ -152,6 +152,39 @@ def measure(case: str, seconds: float, warmup: float, tmp: Path, step_s: float) 
     return out
 
 
+def watch_cost(ranks: int, ticks: int) -> None:
+    """The straggler watch's own CPU per tick for a job of ``ranks`` real processes (their main threads asleep on a
+    futex), the cheap signal on and off side by side (stack sampling off in both: its cost is budgeted apart)."""
+    import dataclasses
+
+    from gpu_watchdog.detect.stragglers import StragglerWatch
+    from gpu_watchdog.model import JobStatus, NodeSample
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import threading; threading.Event().wait()"])
+             for _ in range(ranks)]
+    try:
+        time.sleep(1.0)
+        pids = {r: p.pid for r, p in enumerate(procs)}
+        job = JobStatus("bench", ranks=tuple(pids), rank_pids=pids)
+        base = Config()
+        for signals in (False, True, False, True):
+            cfg = dataclasses.replace(base, stacks=dataclasses.replace(base.stacks, enabled=True),
+                                      straggler=dataclasses.replace(base.straggler, signals=signals,
+                                                                    interval_s=1e9))
+            watch = StragglerWatch(lambda cfg=cfg: cfg)
+            c0 = time.process_time()
+            for i in range(ticks):
+                watch.watch({"bench": job}, NodeSample(t=float(i), hostname="bench", backend="proc"))
+            per_tick = (time.process_time() - c0) / ticks
+            watch.close()
+            print(f"signals {'on ' if signals else 'off'}: {1e6 * per_tick:7.1f} µs of CPU per tick "
+                  f"({ranks} ranks, {ticks} ticks) = {100 * per_tick:.4f} % of a core at 1 tick/s")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=60.0)
@@ -160,7 +193,12 @@ def main() -> int:
     ap.add_argument("--step-s", type=float, default=0.0, help="each rank sleeps this long after each step (a job "
                     "that does not keep the host's CPUs busy: on a small host a rank with more work slows the job "
                     "only where the host has CPU to spare)")
+    ap.add_argument("--watch-cost", type=int, metavar="RANKS", help="measure only the straggler watch's CPU per "
+                    "tick for RANKS ranks, the cheap signal on and off")
     args = ap.parse_args()
+    if args.watch_cost:
+        watch_cost(args.watch_cost, 600)
+        return 0
     cases = args.cases.split(",")
     bad = [c for c in cases if c not in CASES]
     if bad:
