@@ -241,6 +241,7 @@ def _read_signals(w: _JobWatch, cfg: Config, sample: NodeSample, devices: Mappin
     sig = w.signals
     t = time.monotonic()
     on_device = Counter(devices[pid].uuid for pid in w.pids.values() if pid in devices)
+    job_pids = frozenset(w.pids.values())
     states: dict[int, dict[str, float]] = {}
     for rank, pid in w.pids.items():
         clock, before = read_clock(pid, t), sig.clocks.get(rank)
@@ -254,7 +255,7 @@ def _read_signals(w: _JobWatch, cfg: Config, sample: NodeSample, devices: Mappin
             continue
         dev = devices.get(pid)
         # a GPU that several of the job's ranks share says nothing about one of them
-        device = device_signature(dev, cfg.detect, None, frozenset(w.pids.values())) \
+        device = device_signature(dev, cfg.detect, None, job_pids) \
             if dev is not None and on_device[dev.uuid] == 1 else None
         asleep = sig.asleep[rank] = asleep_as(clock, sig.asleep.get(rank, "unknown"))
         states[rank] = interval_states(sh, asleep, device)
