@@ -1,6 +1,6 @@
 """Which cheap per-rank signal tells a straggler from its peers, and what does reading it cost?
 
-    .venv/bin/python benchmarks/straggler_signals.py [--seconds 60] [--cases even,cpu,work,input] [--step-s 0]
+    .venv/bin/python benchmarks/straggler_signals.py [--seconds 60] [--cases even,cpu,work,input] [--step-s 0] [--batch 32]
 
 Runs real 3-rank torchrun gloo DDP jobs (``tests/zoo/ddp_compute.py``, every rank the same code), one case at a
 time: ``even``; ``cpu``: rank 1 held to 0.1 of a core by a cgroup quota (needs root); ``work``: rank 2 gets twice
@@ -51,11 +51,11 @@ def _events(path: Path) -> list[dict]:
     return out
 
 
-def _start(case: str, tmp: Path, step_s: float) -> tuple[subprocess.Popen[bytes], Path]:
+def _start(case: str, tmp: Path, job_args: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
     variant, rank = CASES[case]
     events = tmp / f"{case}.jsonl"
     argv = [torchrun(), "--standalone", "--nproc-per-node", "3", str(JOB), "--events", str(events), "--workdir",
-            str(tmp), "--step-s", str(step_s), "--ckpt-every", "1000000", "--steps", "100000", "--variant", variant]
+            str(tmp), "--ckpt-every", "1000000", "--steps", "100000", "--variant", variant, *job_args]
     if rank is not None:
         argv += ["--rank", str(rank)]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True), events
@@ -99,8 +99,8 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def measure(case: str, seconds: float, warmup: float, tmp: Path, step_s: float) -> dict[int, dict[str, object]]:
-    job, events = _start(case, tmp, step_s)
+def measure(case: str, seconds: float, warmup: float, tmp: Path, job_args: list[str]) -> dict[int, dict[str, object]]:
+    job, events = _start(case, tmp, job_args)
     try:
         pids = _rank_pids(events)
         time.sleep(warmup)
@@ -193,6 +193,8 @@ def main() -> int:
     ap.add_argument("--step-s", type=float, default=0.0, help="each rank sleeps this long after each step (a job "
                     "that does not keep the host's CPUs busy: on a small host a rank with more work slows the job "
                     "only where the host has CPU to spare)")
+    ap.add_argument("--batch", type=int, default=32, help="samples per rank and step (ddp_compute.py --batch: at 32 "
+                    "gloo's all-reduce bounds the step, at 384 compute does)")
     ap.add_argument("--watch-cost", type=int, metavar="RANKS", help="measure only the straggler watch's CPU per "
                     "tick for RANKS ranks, the cheap signal on and off")
     args = ap.parse_args()
@@ -205,7 +207,8 @@ def main() -> int:
         ap.error(f"unknown case(s) {', '.join(bad)}: choose from {', '.join(CASES)}")
     with tempfile.TemporaryDirectory(prefix="straggler-signals-", ignore_cleanup_errors=True) as tmp:
         for case in cases:
-            res = measure(case, args.seconds, args.warmup, Path(tmp), args.step_s)
+            res = measure(case, args.seconds, args.warmup, Path(tmp),
+                          ["--step-s", str(args.step_s), "--batch", str(args.batch)])
             cost = res.pop(-1)
             print(f"\n== {case}: cheap read {cost['read_us']:.0f} µs CPU per rank, stack round "
                   f"{cost['round_ms']:.1f} ms CPU (3 ranks)")

@@ -122,6 +122,30 @@ def test_a_rank_whose_loader_worker_is_throttled_is_named_with_input_as_its_caus
         run.kill()
 
 
+def test_a_rank_with_twice_the_work_per_step_is_named_with_its_work_as_the_origin(tmp_path: Path) -> None:
+    """Uneven shards: rank 2 gets twice its peers' data every step, on a batch large enough that compute, not gloo's
+    all-reduce, bounds the step (ddp_compute.py ``--batch``). Nothing on its node slows it: it is named from its
+    peers' waits, with ``origin`` work and no node cause."""
+    run, events = _start(tmp_path, "t-straggler-work", "--steps", "100000", "--variant", "uneven", "--rank", "2",
+                         "--batch", "384")
+    try:
+        pids = _rank_pids(run, events)
+        first_step = run.wait_for("the first step", lambda: next(
+            (e["t"] for e in read_events(events) if e["event"] == "step"), None), 120)
+        inc = _straggler(run, NAMED_WITHIN_S + 30)
+        named_after = time.time() - first_step
+        print(f"rank 2 with twice the data: named the straggler {named_after:.0f} s after the first step")
+        _observed_only(run, inc)
+        st = inc["straggler"]
+        assert inc["culprit_ranks"] == [2] and st["pid"] == pids[2], inc["reason"]
+        assert st["origin"] == "work" and st["causes"] == [], st
+        assert st["cpu"]["running_share"] >= 1.25 * st["cpu"]["peer_running_share"], st["cpu"]
+        assert named_after <= NAMED_WITHIN_S, named_after
+        assert "slow because of its work" in inc["reason"]
+    finally:
+        run.kill()
+
+
 def test_a_job_whose_rank_0_evaluates_once_for_2_minutes_has_no_straggler(eval_run: tuple[LaunchRun, Path]) -> None:
     """Uniform ranks, and once a 2-minute eval on rank 0 while its peers wait in a barrier: the peers wait all that
     time, yet through every window that holds the eval (until a whole window after it) no incident, nothing done."""
