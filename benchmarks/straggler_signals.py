@@ -1,6 +1,7 @@
 """Which cheap per-rank signal tells a straggler from its peers, and what does reading it cost?
 
-    .venv/bin/python benchmarks/straggler_signals.py [--seconds 60] [--cases even,cpu,work,input] [--step-s 0] [--batch 32]
+    .venv/bin/python benchmarks/straggler_signals.py [--seconds 60] [--cases even,cpu,work,input] [--step-s 0]
+                                                       [--batch 32]
 
 Runs real 3-rank torchrun gloo DDP jobs (``tests/zoo/ddp_compute.py``, every rank the same code), one case at a
 time: ``even``; ``cpu``: rank 1 held to 0.1 of a core by a cgroup quota (needs root); ``work``: rank 2 gets twice
