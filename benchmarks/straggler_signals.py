@@ -128,10 +128,10 @@ def measure(case: str, seconds: float, warmup: float, tmp: Path, job_args: list[
                 last = now
                 if time.monotonic() >= next_round:
                     next_round = time.monotonic() + 3.0
-                    _, states, _, cpu = take_round(pids, cfg, frozenset(), {}, time.monotonic())
-                    round_cpu += cpu
+                    sampled = take_round(pids, cfg, frozenset(), {}, time.monotonic())
+                    round_cpu += sampled.cpu_s
                     rounds += 1
-                    for r, s in states.items():
+                    for r, s in sampled.states.items():
                         stacks[r][s] += 1
             steps1 = collections.Counter(e["rank"] for e in _events(events) if e["event"] == "step")
             elapsed = time.time() - t0

@@ -314,3 +314,39 @@ def test_a_ray_train_job_with_a_failure_config_is_restarted_by_ray_train(tmp_pat
     assert len(restart) == 1 and "FailureConfig(max_failures=2), 0 used" in restart[0]["detail"], restart
     stop = [a for a in inc["actions"] if a["action"] == "stop"]
     assert len(stop) == 1 and stop[0]["ok"] and "the hung ranks" not in inc["outcome"], stop
+
+
+def test_a_ray_train_worker_held_to_a_cpu_quota_is_named_the_straggler_from_its_training_thread(
+        tmp_path: Path) -> None:
+    """A Ray Train DDP job under ``launch`` with the shipped defaults (3 workers, each step a short compute and a 0.1 s
+    pause): worker 1's process held to 0.04 of a core by a cgroup quota. Every worker's main thread idles alike in
+    Ray's task loop; the cheap signal reads the training thread the first stack round showed, and names worker 1
+    within 3 minutes, with its cause; nothing is stopped."""
+    from cpu_quota import cpu_quota
+    from launch_harness import base_env, read_events, start_launch, write_config
+
+    events = tmp_path / "events.jsonl"
+    job = [sys.executable, str(ZOO / "ray_train_ddp.py"), "--nproc", "3", "--workdir", str(tmp_path / "work"),
+           "--events", str(events), "--steps", "100000", "--ckpt-every", "1000000", "--step-s", "0.1"]
+    (tmp_path / "work").mkdir()
+    run = start_launch(["--backend", "proc", "--config", str(write_config(tmp_path / "gw.toml", {}))], job,
+                       env=base_env(), tmp_path=tmp_path, job_id="t-ray-straggler", max_lifetime_s=600)
+    try:
+        pids = run.wait_for("three workers training", lambda: (lambda p: p if len(p) == 3 else None)(
+            {e["rank"]: e["pid"] for e in read_events(events) if e["event"] == "start"}), 240)
+        run.wait_for("a step", lambda: any(e["event"] == "step" for e in read_events(events)) or None, 60)
+        with cpu_quota([pids[1]], cores=0.04):
+            throttled_at = time.time()
+            inc = run.wait_for("a straggler incident", lambda: next(
+                (i for i in run.incidents() if i["kind"] == "straggler" and "outcome" in i), None), 200)
+            named_after = time.time() - throttled_at
+        print(f"Ray Train worker 1 held to 0.04 of a core: named the straggler {named_after:.0f} s later")
+        assert [i["kind"] for i in run.incidents()] == ["straggler"], run.output()[-3000:]
+        assert inc["actions"] == [] and inc["outcome"] == "recorded" and run.poll() is None
+        st = inc["straggler"]
+        assert inc["culprit_ranks"] == [1] and st["pid"] == pids[1], inc["reason"]
+        assert st["evidence"] == "signals" and st["tid"] != pids[1], st  # its training thread, not Ray's loop
+        assert "cpu_throttled" in {c["kind"] for c in st["causes"]} and st["origin"] == "node", st["causes"]
+        assert named_after <= 180.0, named_after
+    finally:
+        run.kill()

@@ -75,7 +75,7 @@ BARE = NodeSample(t=0.0, hostname="node-a", backend="proc")
 
 
 def _clock(state: str, wchan: str) -> ThreadClock:
-    return ThreadClock(0.0, state, 0.0, 0.0, wchan)
+    return ThreadClock(0.0, 1, state, 0.0, 0.0, wchan)
 
 
 @pytest.mark.parametrize(("state", "wchan", "expected"), [
@@ -180,3 +180,56 @@ def test_a_thermally_throttled_gpu_the_others_spin_wait_on_is_named_from_the_gpu
     gpu = [c for c in f.facts["causes"] if c["kind"] == "gpu_clocks"]
     assert len(gpu) == 1 and "thermal" in gpu[0]["detail"] and f.facts["origin"] == "node"
     assert "thermal" in f.detail
+
+
+# A Ray Train worker's shape: the main thread in Ray's task loop (``ray/_private/worker.py``'s ``main_loop``, blocked
+# in C on a futex, as Ray's C++ loop is), the training function on a thread of its own named as Ray Train names it.
+RAY_WORKER_LOOP = '''
+import _thread, threading
+
+def main_loop(train):
+    threading.Thread(target=train, name="TrainingThread(train_func)", daemon=True).start()
+    lock = _thread.allocate_lock()
+    lock.acquire()
+    lock.acquire()
+'''
+RAY_TRAIN_WORKER = ("import sys; sys.path.insert(0, {root!r})\nfrom ray._private.worker import main_loop\n"
+                    "def train():\n{body}\nmain_loop(train)")
+
+
+def _ray_train_worker(root: Path, train_body: str) -> str:
+    body = "\n".join("    " + line for line in train_body.splitlines())
+    return RAY_TRAIN_WORKER.format(root=str(root), body=body)
+
+
+@pytest.fixture
+def fake_ray(tmp_path: Path) -> Path:
+    loop = tmp_path / "ray" / "_private"
+    loop.mkdir(parents=True)
+    (tmp_path / "ray" / "__init__.py").write_text("")
+    (loop / "__init__.py").write_text("")
+    (loop / "worker.py").write_text(RAY_WORKER_LOOP)
+    return tmp_path
+
+
+# The stack rounds on (their first, taken at once, shows each rank's work thread); their own window too long to
+# name anything here.
+WITH_STACKS = config_from_dict({"straggler": {"signal_window_s": 8.0, "signal_slices": 2, "window_s": 600.0}})
+
+
+def test_a_ray_train_worker_is_read_on_its_training_thread_the_stacks_showed(spawn, fake_ray: Path) -> None:
+    """Every worker's main thread waits the same in Ray's loop; worker 1's training thread works while its peers'
+    wait on their collective: read on the main threads nobody differs, read on the threads the first stack round
+    showed doing the work (py-spy, real) worker 1 is named. The same workers all waiting alike: nobody."""
+    pids = spawn(*(_ray_train_worker(fake_ray, code) for code in (WAIT_ON_FUTEX, BUSY, WAIT_ON_FUTEX)))
+    watch = stragglers.StragglerWatch(lambda: WITH_STACKS)
+    found = _run(watch, _job(pids), BARE, 24)
+    w = watch._jobs["j"]
+    assert set(w.work_tids) == {0, 1, 2} and all(tid not in pids.values() for tid in w.work_tids.values()), w.work_tids
+    assert [f.culprit_ranks for f in found] == [(1,)], [f.detail for f in found]
+    assert found[0].facts["evidence"] == "signals" and found[0].facts["origin"] == "work"
+
+    pids = spawn(*(_ray_train_worker(fake_ray, WAIT_ON_FUTEX) for _ in range(3)))
+    watch = stragglers.StragglerWatch(lambda: WITH_STACKS)
+    assert _run(watch, _job(pids), BARE, 24) == []
+    assert len(watch._jobs["j"].work_tids) == 3

@@ -28,7 +28,7 @@ def _rounds(monkeypatch: pytest.MonkeyPatch, slow: int | None, cpu_s: float = 0.
     """take_round answers at once: ``slow`` computes, the others wait in a collective; each round "cost" ``cpu_s``."""
     def take_round(rank_pids: Mapping[int, int], cfg, gpu, devices, t: float):
         states = {r: "compute" if r == slow else "collective" for r in rank_pids}
-        return t, states, {r: HostCounters() for r in rank_pids}, cpu_s
+        return stragglers.Round(t, states, {r: HostCounters() for r in rank_pids}, cpu_s, {})
     monkeypatch.setattr(stragglers, "take_round", take_round)
     monkeypatch.setattr(stragglers, "DUMP_CPU_S", cpu_s / len(PIDS))  # what the first round is expected to cost
 

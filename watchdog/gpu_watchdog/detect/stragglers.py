@@ -1,7 +1,9 @@
-"""The straggler watch of one agent: every job's ranks watched two ways — the cheap signal every tick (each rank's
-main-thread scheduler clocks and wait channel, its GPU's signature: evidence.straggler.signals) over a short window,
-and low-rate stack samples over a long one — and one ``straggler`` finding per rank and run that either window names
-(observe only: ``policy.respond`` records it). The finding says which (``evidence``: ``signals`` or ``stacks``).
+"""The straggler watch of one agent: every job's ranks watched two ways — the cheap signal every tick (the scheduler
+clocks and wait channel of the thread doing each rank's work — its main thread, or the one its stacks showed the
+main thread dispatching to, Ray Train's training thread — and its GPU's signature: evidence.straggler.signals) over
+a short window, and low-rate stack samples over a long one — and one ``straggler`` finding per rank and run that
+either window names (observe only: ``policy.respond`` records it). The finding says which (``evidence``:
+``signals`` or ``stacks``).
 
 The cheap signal costs well under 0.1 ms per rank and tick, read on the engine's thread. Stack sampling costs a
 nonblocking ``py-spy dump`` per rank (about 10 ms of the agent's CPU each, measured; the job is never paused) every
@@ -20,13 +22,15 @@ import resource
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from gpu_watchdog.config.schema import Config
 from gpu_watchdog.detect.detector import device_signature
 from gpu_watchdog.detect.states import STALLED
+from gpu_watchdog.evidence.stacks.classify import work_thread
 from gpu_watchdog.evidence.stacks.collect import classify_results, pids_on_gpu, with_gpu_line
 from gpu_watchdog.evidence.stacks.dump import dump_stacks
 from gpu_watchdog.evidence.straggler.causes import Cause, HostCounters, contention, find_causes, host_counters, origin
@@ -40,8 +44,14 @@ log = logging.getLogger("gpu_watchdog.straggler")
 # 2-core box; 16 ms for a Ray Train worker): the first rounds keep to the budget too.
 DUMP_CPU_S = 0.010
 
-# (t, rank → state, rank → counters, the round's CPU: its py-spy processes')
-Round = tuple[float, dict[int, str], dict[int, HostCounters], float]
+class Round(NamedTuple):
+    """One stack round of a job."""
+
+    t: float
+    states: dict[int, str]  # rank → its straggler state
+    counters: dict[int, HostCounters]
+    cpu_s: float  # the round's CPU: its py-spy processes'
+    work_tids: dict[int, int | None]  # rank → the thread doing its work where not the main one (None: the main)
 
 
 @dataclass
@@ -79,6 +89,9 @@ class _JobWatch:
     round_cpu_s: float | None = None  # what a round costs, smoothed
     stretch: float = 1.0  # how far the budget spaces its rounds beyond interval_s (its window stretches as much)
     gpu_ranks: frozenset[int] = frozenset()  # ranks on a real GPU at the last round
+    # rank → the thread its stacks showed doing its work, where the main thread only dispatches (Ray Train's
+    # training thread): the one the cheap signal reads
+    work_tids: dict[int, int] = field(default_factory=dict)
 
 
 def _throttled_since(before: HostCounters | None, now: HostCounters | None) -> float:
@@ -125,9 +138,16 @@ def take_round(rank_pids: Mapping[int, int], cfg: Config, gpu_pids: frozenset[in
         by_rank[r] = res
     states = {s.rank: s.state for s in classify_results(by_rank)}
     counters = {r: host_counters(pid, devices.get(pid)) for r, pid in rank_pids.items()}
+    work_tids = {r: _work_tid(res.threads, res.pid) for r, res in by_rank.items() if res.ok}
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    return t, states, counters, max(0.0, cpu)
+    return Round(t, states, counters, max(0.0, cpu), work_tids)
+
+
+def _work_tid(threads: Sequence[Mapping[str, object]], pid: int) -> int | None:
+    th = work_thread(threads, pid)
+    tid = th.get("os_thread_id") if th is not None else None
+    return tid if isinstance(tid, int) else None
 
 
 class StragglerWatch:
@@ -221,10 +241,15 @@ class StragglerWatch:
             return
         w.pending = None
         try:
-            t, states, counters, cpu = fut.result()
+            t, states, counters, cpu, work_tids = fut.result()
         except Exception as e:  # a failed round is a missing sample, never a crash
             log.warning("straggler sample failed: %s", e)
             return
+        for rank, tid in work_tids.items():
+            if tid is None:
+                w.work_tids.pop(rank, None)
+            else:
+                w.work_tids[rank] = tid
         w.round_cpu_s = cpu if w.round_cpu_s is None else 0.7 * w.round_cpu_s + 0.3 * cpu
         last = w.counters[-1][1] if w.counters else {}
         states = {r: as_sampled(s, _throttled_since(last.get(r), counters.get(r)), r in w.gpu_ranks)
@@ -244,11 +269,13 @@ def _read_signals(w: _JobWatch, cfg: Config, sample: NodeSample, devices: Mappin
     job_pids = frozenset(w.pids.values())
     states: dict[int, dict[str, float]] = {}
     for rank, pid in w.pids.items():
-        clock, before = read_clock(pid, t), sig.clocks.get(rank)
+        clock, before = read_clock(pid, t, w.work_tids.get(rank)), sig.clocks.get(rank)
         if clock is None:
             sig.clocks.pop(rank, None)
             continue
         sig.clocks[rank] = clock
+        if before is not None and before.tid != clock.tid:  # now its work thread: what the main one slept on is moot
+            sig.asleep.pop(rank, None)
         sh = shares(before, clock) if before is not None else None
         if sh is None:
             sig.asleep[rank] = asleep_as(clock, sig.asleep.get(rank, "unknown"))
@@ -296,8 +323,10 @@ def _signal_finding(js: JobStatus, w: _JobWatch, rank: int, devices: Mapping[int
     cpu = {"running_share": round(running, 3), "queued_share": round(queued, 3),
            "peer_running_share": round(peer_running, 3), "peer_queued_share": round(peer_queued, 3)}
     extra = contention(running, queued, peer_running, peer_queued)
+    clock = sig.clocks.get(rank)
     return _finding(js, w.pids[rank], rank, sig.verdict, sig.counters, devices, sample, th, "signals",
-                    extra=[extra] if extra else [], origin_hint=(running, peer_running), facts={"cpu": cpu})
+                    extra=[extra] if extra else [], origin_hint=(running, peer_running),
+                    facts={"cpu": cpu, "tid": clock.tid if clock is not None else w.pids[rank]})
 
 
 def _stack_finding(js: JobStatus, w: _JobWatch, rank: int, devices: Mapping[int, DeviceSample], sample: NodeSample,

@@ -374,6 +374,21 @@ def _work_thread(others: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | Non
     return None
 
 
+def work_thread(threads: Iterable[Mapping[str, Any]], pid: int) -> Mapping[str, Any] | None:
+    """The thread a dispatching main thread (DISPATCH_LOOPS) hands the rank's work to — Ray Train's training
+    thread — from one dump; None when the main thread does the rank's work itself (or the dump has none)."""
+    ths = list(threads)
+    mt = main_thread(ths, pid)
+    if mt is None or not _dispatching(mt):
+        return None
+    return _work_thread(_others(ths, mt))
+
+
+def _others(threads: list[Mapping[str, Any]], main: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return [th for th in threads if (th.get("os_thread_id"), th.get("thread_name"))
+            != (main.get("os_thread_id"), main.get("thread_name"))]
+
+
 def _on_thread(rs: RankStack, th: Mapping[str, Any], main: RankStack) -> RankStack:
     """``rs`` (another thread's classification) as the rank's: ``where`` names the thread, and its own wakeups and
     I/O (stacks.py reads them per thread) stand for the rank's."""
@@ -393,13 +408,11 @@ def classify_threads(threads: Iterable[Mapping[str, Any]], rank: int, pid: int) 
     if mt is None:
         return None
     main = classify_thread(mt, rank, pid)
-    others = [th for th in ths if (th.get("os_thread_id"), th.get("thread_name"))
-              != (mt.get("os_thread_id"), mt.get("thread_name"))]
-    if _dispatching(mt) and (work := _work_thread(others)) is not None:
+    if (work := work_thread(ths, pid)) is not None:
         return _on_thread(classify_thread(work, rank, pid), work, main)
     if main.state not in WAITS_IN_USER_CODE:
         return main
-    for th in others:
+    for th in _others(ths, mt):
         other = classify_thread(th, rank, pid)
         if other.state in COMMUNICATION_STATES:
             return _on_thread(other, th, main)

@@ -32,6 +32,7 @@ class ThreadClock:
     """One read of a thread's scheduler counters."""
 
     t: float  # monotonic seconds at the read
+    tid: int  # the thread read
     state: str  # R, S, D, … (proc(5))
     run_s: float  # cumulative seconds on a CPU
     queued_s: float  # cumulative seconds runnable but not running (run queue, throttled cgroup)
@@ -74,12 +75,15 @@ def read_clock(pid: int, t: float, tid: int | None = None, root: str = PROC) -> 
         run_ns, queued_ns = int(fields[0]), int(fields[1])
     except (IndexError, ValueError):
         return None
-    return ThreadClock(t, st.state, run_ns / 1e9, queued_ns / 1e9, (_read(f"{root}/{pid}/task/{tid}/wchan") or ""))
+    wchan = _read(f"{root}/{pid}/task/{tid}/wchan") or ""
+    return ThreadClock(t, tid, st.state, run_ns / 1e9, queued_ns / 1e9, wchan)
 
 
 def shares(before: ThreadClock, after: ThreadClock) -> ThreadShares | None:
-    """What the thread did between the two reads; None when no time passed or the counters went back (a new
-    thread under a reused id)."""
+    """What the thread did between the two reads; None when they are of two threads, no time passed or the counters
+    went back (a new thread under a reused id)."""
+    if before.tid != after.tid:
+        return None
     dt = after.t - before.t
     run, queued = after.run_s - before.run_s, after.queued_s - before.queued_s
     if dt <= 0 or run < 0 or queued < 0:
