@@ -49,16 +49,29 @@ def test_a_job_with_no_rank_gets_one_warning_naming_what_launch_saw(tmp_path: Pa
 
 def test_ranks_whose_rank_cannot_be_read_are_watched_as_unknown_with_the_reason(tmp_path: Path) -> None:
     """mp.spawn ranks that joined the group while py-spy cannot be run: each is watched as rank unknown (pid N),
-    said once with why its number could not be read; no "no rank found" warning, for they are watched."""
+    said once with why its number could not be read; no "no rank found" warning, for they are watched — when they
+    joined well before the warning's time. On a saturated host torch's import alone may take longer than that: then
+    the warning was due (nothing joined by then) and is asserted instead."""
+    import time
+
+    from launch_harness import read_events
+
+    after_s = 20.0
+    events = tmp_path / "events.jsonl"
     job = [sys.executable, str(ZOO / "spawn_ddp.py"), "--nproc", "2", "--steps", "150", "--step-s", "0.2",
-           "--workdir", str(tmp_path)]
-    # The ranks are up and connected within ~5 s (torch's import and init_process_group) and watched ~10 s after
-    # they started; the job runs ~35 s, so a warning at 20 s would be seen.
-    out = _launch(tmp_path, job, 20.0, stacks={"py_spy": str(tmp_path / "no-py-spy")})
-    assert not [ln for ln in out.splitlines() if WARNING in ln], out
+           "--workdir", str(tmp_path), "--events", str(events)]
+    started = time.time()
+    out = _launch(tmp_path, job, after_s, stacks={"py_spy": str(tmp_path / "no-py-spy")})
     lines = [ln for ln in out.splitlines() if "joined its job's process group but no source names its rank" in ln]
     assert len(lines) == 2, out
     assert all("py-spy not found" in ln and "watched as rank unknown (pid " in ln for ln in lines), lines
+    # when the ranks joined (their "start" event follows init_process_group), as seconds after launch began
+    joined_after = max(e["t"] for e in read_events(events) if e["event"] == "start") - started
+    warnings = [ln for ln in out.splitlines() if WARNING in ln]
+    if joined_after <= after_s - 10:  # the agent looks at new members every 3 s: seen well before the warning
+        assert not warnings, (joined_after, out)
+    elif joined_after > after_s:
+        assert len(warnings) == 1, (joined_after, out)
 
 
 def test_a_registered_spawn_job_is_watched_by_the_daemon() -> None:
