@@ -318,17 +318,19 @@ def test_a_ray_train_job_with_a_failure_config_is_restarted_by_ray_train(tmp_pat
 
 def test_a_ray_train_worker_held_to_a_cpu_quota_is_named_the_straggler_from_its_training_thread(
         tmp_path: Path) -> None:
-    """A Ray Train DDP job under ``launch`` with the shipped defaults, 3 workers training flat out (no pause between
-    steps): worker 1's process held to 0.04 of a core by a cgroup quota. Every worker's main thread idles alike in
-    Ray's task loop; the cheap signal reads the training thread the first stack round showed, and names worker 1
-    within 3 minutes (150 s measured), with its cause; nothing is stopped. (With a 0.1 s pause per step the quota
-    did not slow the job at all — 9 steps/s before and after: no straggler, and none was named.)"""
+    """A Ray Train DDP job under ``launch`` with the shipped defaults, 3 workers training flat out on a batch large
+    enough that compute bounds the step: worker 1's process held to 0.04 of a core by a cgroup quota. Every worker's
+    main thread idles alike in Ray's task loop; the cheap signal reads the training thread the first stack round
+    showed, and names worker 1 within 3 minutes, with its cause; nothing is stopped. (On the default batch of 16 a
+    step needs so little CPU that the quota barely slowed the job — 13 steps/s before and after on a loaded host:
+    no straggler, and none was named.)"""
     from cpu_quota import cpu_quota
     from launch_harness import base_env, read_events, start_launch, write_config
 
     events = tmp_path / "events.jsonl"
     job = [sys.executable, str(ZOO / "ray_train_ddp.py"), "--nproc", "3", "--workdir", str(tmp_path / "work"),
-           "--events", str(events), "--steps", "1000000", "--ckpt-every", "10000000", "--step-s", "0"]
+           "--events", str(events), "--steps", "1000000", "--ckpt-every", "10000000", "--step-s", "0",
+           "--batch", "4096"]
     (tmp_path / "work").mkdir()
     run = start_launch(["--backend", "proc", "--config", str(write_config(tmp_path / "gw.toml", {}))], job,
                        env=base_env(), tmp_path=tmp_path, job_id="t-ray-straggler", max_lifetime_s=600)

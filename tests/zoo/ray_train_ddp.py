@@ -4,11 +4,13 @@ sets each worker's rank in code (``os.environ``) and runs ``train_func`` on a th
 ``python ray_train_ddp.py --nproc N`` (a local ``ray.init()`` cluster, the driver's child; ``RAY_ADDRESS``: a running
 one). Variants: zoo_common; rank 0 saves the zoo's atomic checkpoint, a restarted driver or worker group resumes from
 it. ``--max-failures N``: Ray Train's ``FailureConfig(max_failures=N)``; a fault then fires in the first worker group
-only (a marker file in the work directory), as it fires in the first run only otherwise."""
+only (a marker file in the work directory), as it fires in the first run only otherwise. ``--batch N``: samples per
+step (16)."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 from pathlib import Path
 
@@ -34,13 +36,18 @@ def train_func(config: dict) -> None:
     torch.manual_seed(0)
     model = prepare_model(zc.small_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    zc.train_loop(args, rank, zc.plain_step(model, opt), checkpoint=(model.module, opt), straggler=False)
+    # --batch: samples per step (16); a larger batch makes the step compute-bound, as a real job's is
+    batches = itertools.repeat(zc.batch(args.batch)) if args.batch != 16 else None
+    zc.train_loop(args, rank, zc.plain_step(model, opt), checkpoint=(model.module, opt), straggler=False,
+                  batches=batches)
 
 
 def main() -> None:
-    args = zc.parse_args(__doc__, nproc=True,
-                         more=lambda p: p.add_argument("--max-failures", type=int, default=0,
-                                                       help="Ray Train's FailureConfig(max_failures)"))
+    def more(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--max-failures", type=int, default=0, help="Ray Train's FailureConfig(max_failures)")
+        p.add_argument("--batch", type=int, default=16, help="samples per step")
+
+    args = zc.parse_args(__doc__, nproc=True, more=more)
     zc.event(args, "driver_start")
     ray_common.start_ray(num_cpus=args.nproc + 1)
     from ray.train import FailureConfig, RunConfig, ScalingConfig

@@ -93,8 +93,8 @@ def test_the_command_is_timed_apart_from_the_ranks_and_forget_drops_the_ended(wa
 
 def test_a_process_that_dies_before_its_rank_is_known_keeps_what_named_it(watch: ExitWatch) -> None:
     """Both may become ranks (a Ray actor, a group member): the one that dies — reaped by its parent at once, as Ray's
-    raylet does — keeps what named it when last seen alive; the live one the scanner stops listing (back to idle,
-    named) is dropped; one named as a rank after all is a rank's exit."""
+    raylet does (this test is its parent) — keeps what named it when last seen alive; the live one the scanner stops
+    listing (back to idle, named) is dropped; one named as a rank after all is a rank's exit."""
     dies, lives = _sleeper(), _sleeper()
     try:
         watch.watch_unranked({dies.pid: Unranked(dies.pid, 0.0, ("python", "a"), True),
@@ -105,8 +105,10 @@ def test_a_process_that_dies_before_its_rank_is_known_keeps_what_named_it(watch:
         _until(lambda: dies.pid in watch.unranked_exits)
         watch.watch_unranked({})  # the next tick lists neither
         exits = watch.unranked_exits
-        assert list(exits) == [dies.pid] and exits[dies.pid][1] is None and exits[dies.pid][2].command == ("python",
-                                                                                                           "a")
+        # Its status: none where the reap came first, SIGKILL where the watch read the zombie before it (a loaded
+        # host delays the reaping parent) — never anything else.
+        assert list(exits) == [dies.pid] and exits[dies.pid][1] in (None, signal.SIGKILL), exits
+        assert exits[dies.pid][2].command == ("python", "a"), exits
         lives.kill()
         lives.wait()
         time.sleep(0.5)
