@@ -318,20 +318,21 @@ def test_a_ray_train_job_with_a_failure_config_is_restarted_by_ray_train(tmp_pat
 
 def test_a_ray_train_worker_held_to_a_cpu_quota_is_named_the_straggler_from_its_training_thread(
         tmp_path: Path) -> None:
-    """A Ray Train DDP job under ``launch`` with the shipped defaults, 3 workers training flat out on a batch large
-    enough that compute bounds the step: worker 1's process held to 0.04 of a core by a cgroup quota. Every worker's
-    main thread idles alike in Ray's task loop; the cheap signal reads the training thread the first stack round
-    showed, and names worker 1 within 3 minutes, with its cause; nothing is stopped. (On the default batch of 16 a
-    step needs so little CPU that the quota barely slowed the job — 13 steps/s before and after on a loaded host:
-    no straggler, and none was named.)"""
+    """A Ray Train DDP job under ``launch`` with the shipped defaults, 3 workers whose step is ~15 ms of compute (a
+    batch of 4096) and a 0.2 s pause: worker 1's process held to 0.04 of a core by a cgroup quota. Every worker's main
+    thread idles alike in Ray's task loop; the cheap signal reads the training thread the first stack round showed,
+    and names worker 1 within 3 minutes, with its cause; nothing is stopped. (On the default batch of 16 a step needs
+    so little CPU that the quota barely slowed the job — 13 steps/s before and after on a loaded host: no straggler,
+    and none was named. Flat out, the job starved the suite's other straggler tests of the CPU they measure by.)"""
     from cpu_quota import cpu_quota
     from launch_harness import base_env, read_events, start_launch, write_config
 
     events = tmp_path / "events.jsonl"
-    # at nice 10, as the torchrun straggler jobs: it trains flat out beside the suite's other tests
+    # A step of ~15 ms of compute and a 0.2 s pause: light beside the suite's other tests, yet worker 1 needs more
+    # CPU per step than its quota gives it in the step's time (Ray's own threads in its process use some too).
     job = ["nice", "-n", "10", sys.executable, str(ZOO / "ray_train_ddp.py"), "--nproc", "3", "--workdir",
            str(tmp_path / "work"), "--events", str(events), "--steps", "1000000", "--ckpt-every", "10000000",
-           "--step-s", "0", "--batch", "4096"]
+           "--step-s", "0.2", "--batch", "4096"]
     (tmp_path / "work").mkdir()
     run = start_launch(["--backend", "proc", "--config", str(write_config(tmp_path / "gw.toml", {}))], job,
                        env=base_env(), tmp_path=tmp_path, job_id="t-ray-straggler", max_lifetime_s=600)

@@ -233,3 +233,34 @@ def test_a_ray_train_worker_is_read_on_its_training_thread_the_stacks_showed(spa
     watch = stragglers.StragglerWatch(lambda: WITH_STACKS)
     assert _run(watch, _job(pids), BARE, 24) == []
     assert len(watch._jobs["j"].work_tids) == 3
+
+
+# A gloo rank's shape: its main thread waits on a futex for the collective's work, which threads of its own do.
+WAITS_ON_ITS_OWN_THREAD = ("import threading\ndef work():\n    while True: pass\n"
+                           "t = threading.Thread(target=work, daemon=True)\nt.start()\nt.join()")
+
+
+def test_a_rank_held_by_its_quota_waits_on_its_own_threads_not_on_its_peers(spawn) -> None:
+    """Three ranks alike: each main thread waits on a futex while a thread of its own works. Unheld, nobody differs.
+    Rank 1's process held to 0.05 of a core: its main thread still only waits on a futex — but for its own starved
+    thread, so that wait is its own time, up to the share of the time its quota held it: named, cpu_throttled."""
+    from cpu_quota import cpu_quota
+
+    pids = spawn(*[WAITS_ON_ITS_OWN_THREAD] * 3)
+    assert _run(stragglers.StragglerWatch(lambda: CFG), _job(pids), BARE, 14) == []
+    with cpu_quota([pids[1]], cores=0.05):
+        found = _run(stragglers.StragglerWatch(lambda: CFG), _job(pids), BARE, 18)
+    assert [f.culprit_ranks for f in found] == [(1,)], [f.detail for f in found]
+    causes = {c["kind"] for c in found[0].facts["causes"]}
+    assert "cpu_throttled" in causes and found[0].facts["origin"] == "node", found[0].facts
+
+
+def test_a_held_share_moves_only_that_much_of_a_wait_to_own_time() -> None:
+    sh = ThreadShares(1.0, running=0.1, queued=0.1)
+    assert interval_states(sh, "collective", None, throttled=0.05) == pytest.approx({"compute": 0.25,
+                                                                                   "collective": 0.75})
+    assert interval_states(sh, "collective", None, throttled=0.9) == pytest.approx({"compute": 1.0,
+                                                                                  "collective": 0.0})
+    assert interval_states(sh, "data_wait", None, throttled=0.9) == pytest.approx({"compute": 0.2, "data_wait": 0.8})
+    assert interval_states(sh, "collective", "idle_held", throttled=0.9) == pytest.approx(
+        {"compute": 0.2, "collective": 0.8})  # a GPU rank's collective is the GPU's work

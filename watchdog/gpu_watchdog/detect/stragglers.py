@@ -64,6 +64,8 @@ class _Signals:
     counters: deque[tuple[float, dict[int, HostCounters]]] = field(default_factory=deque)
     cpu: dict[int, deque[tuple[float, float, float]]] = field(default_factory=dict)  # rank → (t, running, queued)
     asleep: dict[int, str] = field(default_factory=dict)  # rank → what it was last seen asleep on
+    throttled: dict[int, float] = field(default_factory=dict)  # rank → share of the last slice its quota held it
+    counted_at: float = 0.0  # monotonic time of the last counters read
     verdict: Verdict | None = None
     judged_at: float = 0.0  # the sample time of the last verdict
 
@@ -73,6 +75,7 @@ class _Signals:
         self.counters.clear()
         self.cpu.clear()
         self.asleep.clear()
+        self.throttled.clear()
         self.verdict = None
 
 
@@ -285,12 +288,20 @@ def _read_signals(w: _JobWatch, cfg: Config, sample: NodeSample, devices: Mappin
         device = device_signature(dev, cfg.detect, None, job_pids) \
             if dev is not None and on_device[dev.uuid] == 1 else None
         asleep = sig.asleep[rank] = asleep_as(clock, sig.asleep.get(rank, "unknown"))
-        states[rank] = interval_states(sh, asleep, device)
+        # a GPU of its own decides (device); on a GPU it shares, NCCL's work is still the GPU's, not its threads'
+        on_gpu = dev is not None
+        states[rank] = interval_states(sh, asleep, device, 0.0 if on_gpu else sig.throttled.get(rank, 0.0))
         sig.cpu.setdefault(rank, deque()).append((sample.t, sh.running, sh.queued))
     if states:
         sig.window.add(sample.t, states, th.window_s)
     if not sig.counters or sample.t - sig.counters[-1][0] >= th.window_s / th.slices:
-        sig.counters.append((sample.t, {r: host_counters(pid, devices.get(pid)) for r, pid in w.pids.items()}))
+        now_counters = {r: host_counters(pid, devices.get(pid)) for r, pid in w.pids.items()}
+        if sig.counters and t > sig.counted_at:  # the quota's seconds against the wall clock's
+            last = sig.counters[-1][1]
+            sig.throttled = {r: min(1.0, _throttled_since(last.get(r), c) / (t - sig.counted_at))
+                             for r, c in now_counters.items()}
+        sig.counters.append((sample.t, now_counters))
+        sig.counted_at = t
     start = sample.t - th.window_s
     while len(sig.counters) > 1 and sig.counters[1][0] <= start:
         sig.counters.popleft()

@@ -115,10 +115,13 @@ def asleep_as(clock: ThreadClock, last: str = "unknown") -> str:
     return "sleep" if _SLEEP.search(clock.wchan) else "unknown"
 
 
-def interval_states(sh: ThreadShares, asleep: str, device: str | None) -> dict[str, float]:
+def interval_states(sh: ThreadShares, asleep: str, device: str | None, throttled: float = 0.0) -> dict[str, float]:
     """One interval of a rank's main thread as shares of the straggler's states: on a GPU that spins in a
     collective it waited; on a GPU at work, or on its CPU (running or queued for it), it did its own work; its
-    sleep counts as ``asleep`` (``asleep_as``)."""
+    sleep counts as ``asleep`` (``asleep_as``). ``throttled``: the share of the wall time its cgroup's CPU quota held
+    its process lately — a CPU (gloo) rank waiting in a collective then waits, up to that share, for its collective's
+    work on its own held threads (gloo's, not the main thread): own time, as the stack window counts it
+    (score.as_sampled), in proportion here, so a rank held a little is not made one that never waits."""
     if device == "spin":
         return {"collective": 1.0}
     if device == "busy":
@@ -126,4 +129,8 @@ def interval_states(sh: ThreadShares, asleep: str, device: str | None) -> dict[s
     out = {"compute": sh.running + sh.queued}
     if sh.asleep > 0:
         out[asleep] = out.get(asleep, 0.0) + sh.asleep
+    if throttled > 0 and device is None and out.get("collective", 0.0) > 0:
+        held = min(out["collective"], throttled)
+        out["collective"] -= held
+        out["compute"] += held
     return out
