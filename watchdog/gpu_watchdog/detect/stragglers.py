@@ -295,13 +295,7 @@ def _read_signals(w: _JobWatch, cfg: Config, sample: NodeSample, devices: Mappin
     if states:
         sig.window.add(sample.t, states, th.window_s)
     if not sig.counters or sample.t - sig.counters[-1][0] >= th.window_s / th.slices:
-        now_counters = {r: host_counters(pid, devices.get(pid)) for r, pid in w.pids.items()}
-        if sig.counters and t > sig.counted_at:  # the quota's seconds against the wall clock's
-            last = sig.counters[-1][1]
-            sig.throttled = {r: min(1.0, _throttled_since(last.get(r), c) / (t - sig.counted_at))
-                             for r, c in now_counters.items()}
-        sig.counters.append((sample.t, now_counters))
-        sig.counted_at = t
+        _count_slice(sig, w.pids, devices, sample.t, t)
     start = sample.t - th.window_s
     while len(sig.counters) > 1 and sig.counters[1][0] <= start:
         sig.counters.popleft()
@@ -313,6 +307,18 @@ def _read_signals(w: _JobWatch, cfg: Config, sample: NodeSample, devices: Mappin
     if sig.verdict is None or sample.t - sig.judged_at >= th.window_s / th.slices or sample.t < sig.judged_at \
             or (whole_at is not None and sig.judged_at < whole_at <= sample.t):
         sig.verdict, sig.judged_at = sig.window.verdict(sample.t, th), sample.t
+
+
+def _count_slice(sig: _Signals, pids: Mapping[int, int], devices: Mapping[int, DeviceSample], sample_t: float,
+                 t: float) -> None:
+    """Each rank's host counters at a slice, and the share of the last slice its CPU quota held it."""
+    now_counters = {r: host_counters(pid, devices.get(pid)) for r, pid in pids.items()}
+    if sig.counters and t > sig.counted_at:  # the quota's seconds against the wall clock's
+        last = sig.counters[-1][1]
+        sig.throttled = {r: min(1.0, _throttled_since(last.get(r), c) / (t - sig.counted_at))
+                         for r, c in now_counters.items()}
+    sig.counters.append((sample_t, now_counters))
+    sig.counted_at = t
 
 
 def _cpu_shares(sig: _Signals, rank: int) -> tuple[float, float]:
