@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gpu_watchdog.launch.exits import ExitWatch
+from gpu_watchdog.launch.exits import ExitWatch, ended_by_ray
 from gpu_watchdog.sample.unranked import Unranked
 from ray_logs import DEAD_AFTER_INIT, SURVIVOR, copy_log
 
@@ -122,19 +122,24 @@ def test_a_process_that_dies_before_its_rank_is_known_keeps_what_named_it(watch:
 
 
 def test_a_rank_ray_ended_on_purpose_is_told_by_its_own_log(watch: ExitWatch, tmp_path: Path) -> None:
-    """Rank 0's log says Ray ended it (its driver gone); rank 1, SIGKILLed, logged nothing of its end."""
+    """Rank 0's log says Ray ended it (its driver gone); rank 1, SIGKILLed, logged nothing of its end. Both dead ranks
+    are named by their Ray workers as Ray's records tell after their end (rank 1's actor, from its log)."""
     survivor, killed = _sleeper(), _sleeper()
     try:
         watch.watch({0: survivor.pid, 1: killed.pid})
-        watch.watch_ray_workers({survivor.pid: copy_log(SURVIVOR, tmp_path / "logs", survivor.pid),
-                                 killed.pid: copy_log(DEAD_AFTER_INIT, tmp_path / "logs", killed.pid)})
+        watch.watch_ray_workers({p.pid: Unranked(p.pid, 0.0, ("ray::Trainer.train",), False,
+                                                 copy_log(w, tmp_path / "logs", p.pid))
+                                 for p, w in ((survivor, SURVIVOR), (killed, DEAD_AFTER_INIT))})
         time.sleep(0.3)
-        assert watch.ended_by_ray() == {}  # nothing ended yet
+        assert watch.ray_ranks() == {} and ended_by_ray(watch.ray_ranks()) == {}  # nothing ended yet
         for p in (killed, survivor):
             p.kill()
             p.wait()
         _until(lambda: len(watch.exits) == 2)
-        ended = watch.ended_by_ray()
+        dead = watch.ray_ranks()
+        assert {r: w.pid for r, w in dead.items()} == {0: survivor.pid, 1: killed.pid}, dead
+        assert dead[1].ray is not None and dead[1].ray.actor_repr == "Trainer(rank=1)", dead[1]
+        ended = ended_by_ray(dead)
         assert list(ended) == [0] and "its owner has died" in ended[0], ended
     finally:
         for p in (survivor, killed):

@@ -5,7 +5,7 @@ all when nothing shows it was the job's work or when Ray ended it on purpose. Re
 
 from __future__ import annotations
 
-from gpu_watchdog.launch.exits import name_unranked, unranked_sections
+from gpu_watchdog.launch.exits import exit_label, exit_sections, name_unranked
 from gpu_watchdog.model import unknown_rank
 from gpu_watchdog.sample.unranked import Unranked
 from ray_logs import DEAD_AFTER_INIT, DEAD_IN_INIT, KILLED_BY_RAY, SURVIVOR, worker
@@ -54,7 +54,7 @@ def test_what_is_not_known_as_the_jobs_work_or_that_ray_ended_on_purpose_is_left
 def test_the_incident_names_each_by_its_entry() -> None:
     named = name_unranked({14236: (100.0, None, _actor(DEAD_AFTER_INIT)),
                            23524: (100.5, None, _actor(DEAD_IN_INIT, "ray::Trainer.__init__"))}, (), {})
-    sections = unranked_sections(named, "node-1")
+    sections = exit_sections(named, "node-1")
     assert sections["ray_workers"] == {"1": {"pid": 14236, "title": "ray::Trainer.train", "actor_class": "Trainer",
                                              "actor_id": "c6c254608c34a13c1b11b51e01000000",
                                              "worker_id": DEAD_AFTER_INIT[0], "actor_repr": "Trainer(rank=1)"}}
@@ -62,4 +62,15 @@ def test_the_incident_names_each_by_its_entry() -> None:
     assert list(unknown) == ["-23524"]
     assert unknown["-23524"]["pid"] == 23524 and unknown["-23524"]["host"] == "node-1"  # type: ignore[index]
     assert unknown["-23524"]["ray"]["actor_id"] == "94c1d9b2c17ae8f7f471022001000000"  # type: ignore[index]
-    assert unranked_sections({}, "node-1") == {}
+    assert exit_sections({}, "node-1") == {}
+
+
+def test_a_dead_rank_that_was_a_ray_worker_is_named_by_its_pid_and_actor() -> None:
+    """Rank 1's rank was known while it lived (its ``__repr__`` read from Ray's log): the incident names it by its
+    rank, its pid and its Ray actor all the same, as it names one whose rank was read after its end."""
+    dead = {1: _actor(DEAD_AFTER_INIT).after_exit()}
+    assert exit_label(1, {}, dead) == "rank 1 (pid 14236, Ray actor Trainer c6c25460… (worker abddfc89…))"
+    assert exit_label(0, {}, dead) == "rank 0"
+    sections = exit_sections({}, "node-1", dead)
+    assert list(sections) == ["ray_workers"] and sections["ray_workers"]["1"]["pid"] == 14236  # type: ignore[index]
+    assert sections["ray_workers"]["1"]["actor_repr"] == "Trainer(rank=1)"  # type: ignore[index]

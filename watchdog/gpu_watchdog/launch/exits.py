@@ -99,14 +99,34 @@ def name_unranked(ended: Mapping[int, tuple[float, int | None, Unranked]], named
     return out
 
 
-def unranked_sections(named: Mapping[int, tuple[tuple[float, int | None], UnrankedExit]], host: str
-                      ) -> dict[str, object]:
-    """The incident's ``unknown_ranks`` (rank → host, pid, command, ray) and ``ray_workers`` (rank → what Ray calls
-    the worker) of the processes ``name_unranked`` named (docs/json-contract.md)."""
+def exit_label(rank: int, late: Mapping[int, tuple[tuple[float, int | None], UnrankedExit]],
+               ray_ranks: Mapping[int, Unranked]) -> str:
+    """A dead rank as the incident's finding names it: one named after its end by what is known (``late``), a Ray
+    worker by its rank, pid and actor (``ExitWatch.ray_ranks``: a process Ray starts names its actor, not its rank, in
+    Ray's own logs and dashboard), else by its rank."""
+    if rank in late:
+        return late[rank][1].label()
+    if (w := ray_ranks.get(rank)) is not None:
+        return f"{rank_label(rank)} (pid {w.pid}, {w.what()})"
+    return rank_label(rank)
+
+
+def exit_sections(named: Mapping[int, tuple[tuple[float, int | None], UnrankedExit]], host: str,
+                  ray_ranks: Mapping[int, Unranked] | None = None) -> dict[str, object]:
+    """The incident's ``unknown_ranks`` (rank → host, pid, command, ray) of the processes ``name_unranked`` named with
+    no rank, and ``ray_workers`` (rank → what Ray calls the worker) of those it named with a rank and of the named
+    ranks that were Ray workers (``ray_ranks``) (docs/json-contract.md)."""
     unknown = {str(r): e.process.describe(host) for r, (_, e) in sorted(named.items()) if not rank_known(r)}
-    ray = {str(r): ray_node.describe_worker(e.process.ray, e.process.command) for r, (_, e) in sorted(named.items())
-           if e.process.ray is not None and rank_known(r)}
+    workers = {**(ray_ranks or {}), **{r: e.process for r, (_, e) in named.items()}}
+    ray = {str(r): ray_node.describe_worker(w.ray, w.command) for r, w in sorted(workers.items())
+           if w.ray is not None and not w.ray.driver and rank_known(r)}
     return {k: v for k, v in (("unknown_ranks", unknown), ("ray_workers", ray)) if v}
+
+
+def ended_by_ray(ray_ranks: Mapping[int, Unranked]) -> dict[int, str]:
+    """rank → why Ray ended it on purpose (its owner, the driver, gone; its actor killed), of the dead Ray workers
+    (``ExitWatch.ray_ranks``) whose own Ray log says so: Ray's teardown, never the job's failure."""
+    return {r: why for r, w in ray_ranks.items() if w.ray is not None and (why := w.ray.ended_by_ray)}
 
 
 def first_to_exit(exits: Exits, command_exited_at: float | None = None) -> tuple[int, ...]:
@@ -211,7 +231,7 @@ class ExitWatch:
         self._ranks: dict[int, int] = {}  # rank → pid, set by the sampling loop
         self._ended: dict[int, tuple[float, int | None]] = {}  # pid → (when seen exited, its exit status if caught)
         self._unranked: dict[int, Unranked] = {}  # pid → what names it, of the processes that may become ranks
-        self._ray_workers: dict[int, ray_node.CoreWorker] = {}  # pid → the Ray worker it is (its records)
+        self._ray_workers: dict[int, Unranked] = {}  # pid → the Ray worker it is (its records, its title)
         self._handed: set[int] = set()  # every pid handed in
         self._pending: set[int] = set()  # of those, the ones the thread does not watch yet
         self._command: int | None = None
@@ -250,19 +270,21 @@ class ExitWatch:
             self._unranked.update((pid, u) for pid, u in procs.items() if pid not in self._ended)  # seen alive: kept
             self._hand(procs)
 
-    def watch_ray_workers(self, workers: Mapping[int, ray_node.CoreWorker]) -> None:
-        """The job's Ray workers (``ProcessScanner.ray_workers``): whether Ray ended one on purpose is read from its
-        records after its end (``ended_by_ray``)."""
+    def watch_ray_workers(self, workers: Mapping[int, Unranked]) -> None:
+        """The job's Ray workers as last seen alive (``ProcessScanner.ray_workers``): after its end, whether Ray
+        ended one on purpose is read from its records (``ended_by_ray``), and a rank's is named by them
+        (``ray_ranks``)."""
         with self._lock:
-            self._ray_workers.update(workers)
+            self._ray_workers.update((pid, w) for pid, w in workers.items() if pid not in self._ended)
 
-    def ended_by_ray(self) -> dict[int, str]:
-        """rank → why Ray ended it on purpose (its owner, the driver, gone; its actor killed), of the named ranks that
-        exited and whose own Ray log says so: Ray's teardown, never the job's failure."""
+    def ray_ranks(self) -> dict[int, Unranked]:
+        """rank → its Ray worker as Ray's records tell after its end, of the named ranks that exited and were Ray
+        workers: what names the dead process (its pid, its actor) besides its rank."""
         with self._lock:
             workers = {r: w for r, pid in self._ranks.items() if pid in self._ended
                        and (w := self._ray_workers.get(pid)) is not None}
-        return {r: why for r, w in workers.items() if (why := ray_node.reread(w).ended_by_ray)}
+        return {r: w.after_exit() for r, w in workers.items()}
+
 
     @property
     def unranked_exits(self) -> dict[int, tuple[float, int | None, Unranked]]:

@@ -42,15 +42,17 @@ from gpu_watchdog.launch.exits import (
     Exits,
     ExitWatch,
     TorchrunReport,
+    ended_by_ray,
+    exit_label,
+    exit_sections,
     finished_work,
     first_to_exit,
     name_unranked,
-    unranked_sections,
     with_report,
 )
 from gpu_watchdog.launch.guardian import Guardian
 from gpu_watchdog.launch.output import JobOutput
-from gpu_watchdog.model import Finding, JobState, JobStatus, NodeSample, rank_label, validate_job_id
+from gpu_watchdog.model import Finding, JobState, JobStatus, NodeSample, validate_job_id
 from gpu_watchdog.policy.budget import RestartBudget
 from gpu_watchdog.policy.respond import Response
 from gpu_watchdog.sample import ray_node
@@ -385,7 +387,7 @@ class Launcher:
             self.output.finish()  # torchrun's report of its workers' ends is in the job's output: read it whole
             crashed = self._crashed(code, exits.exits, last_seen, attempt, exits.command_exited_at,
                                     self.output.torchrun_report, last_wait, exits.unranked_exits,
-                                    exits.ended_by_ray())
+                                    exits.ray_ranks())
             if crashed is not None:
                 return crashed
         return _Outcome(exit_code=code)
@@ -394,24 +396,25 @@ class Launcher:
                  command_exited_at: float | None = None, report: TorchrunReport | None = None,
                  waited: tuple[JobStatus, float] | None = None,
                  unranked: Mapping[int, tuple[float, int | None, Unranked]] | None = None,
-                 ray_ended: Mapping[int, str] | None = None) -> _Outcome | None:
+                 ray_ranks: Mapping[int, Unranked] | None = None) -> _Outcome | None:
         """A rank died and took the job down (torchrun tears every rank down within a second): an incident naming
         the rank, how it ended, its last stack if one was taken and the peers' state; then a restart within the
         budget when ``recovery.restart_on_crash``, else None (``launch`` exits with the job's code). ``seen``: the
         exits the agent saw; ``report``: torchrun's, for the statuses torchrun reaped before the agent read them;
         ``unranked``: the exits of processes that died before their rank was known (named by what is known);
-        ``ray_ended``: ranks Ray's own records say Ray ended on purpose (the driver gone): never the failure."""
+        ``ray_ranks``: the named ranks that exited and were Ray workers, as Ray's records tell after their end (a
+        rank Ray ended on purpose, its driver gone, is never the failure)."""
         now = time.time()
         late = name_unranked(unranked or {}, seen, status.rank_pids if status else {})
         seen = {**seen, **{r: e for r, (e, _) in late.items()}}
         ranks = tuple(sorted(set(status.ranks_seen if status else ()) | late.keys()))
         exits = with_report(seen, report, ranks, command_exited_at or now)
-        ray_ended = ray_ended or {}
+        ray_ranks = ray_ranks or {}
+        ray_ended = ended_by_ray(ray_ranks)
         first = first_to_exit({r: e for r, e in exits.items() if r not in ray_ended}, command_exited_at)
         if len(ranks) > 1 and set(first) >= set(ranks):
             first = ()  # every rank went at once: which one failed is not known
-        how = "; ".join(f"{late[r][1].label() if r in late else rank_label(r)}: {_describe(r, exits, seen, ray_ended)}"
-                        for r in first) or \
+        how = "; ".join(f"{exit_label(r, late, ray_ranks)}: {_describe(r, exits, seen, ray_ended)}" for r in first) or \
             "no rank was seen exiting first (torchrun reaps and tears down within its monitor interval)"
         # The job's own collective timeout: the first to exit are the waiters; the rank they waited on is the cause.
         onset = min((t for t, _ in exits.values()), default=now)
@@ -425,7 +428,7 @@ class Launcher:
         inc = self.ctx.open_incident(finding)
         if own is not None:
             inc.update(own_timeout=own.to_json(), collective=own.collective)
-        inc.update(**unranked_sections(late, self.host))
+        inc.update(**exit_sections(late, self.host, {r: w for r, w in ray_ranks.items() if r in first}))
         last = status.evidence[-1] if status and status.evidence else None
         inc.update(exits={str(r): _describe(r, exits, seen, ray_ended) for r in sorted(exits)},
                    peers={str(r): status.state for r in sorted(status.ranks_seen) if r not in first} if status else {},

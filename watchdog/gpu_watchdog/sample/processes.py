@@ -178,7 +178,7 @@ class ProcessScanner:
         # Both, less launchers and the launched command, as last seen: what names each should it die before its rank is
         # known (launch's exit watch keeps it; sample.unranked).
         self.not_yet_ranked: dict[int, Unranked] = {}
-        self.ray_workers: dict[int, ray_node.CoreWorker] = {}  # the job's Ray workers, ranks or not, as last read
+        self.ray_workers: dict[int, Unranked] = {}  # the job's Ray workers, ranks or not, as last seen alive
         self._members_checked_at = float("-inf")  # monotonic: the last look at who joined a process group
 
     def env_of(self, pid: int) -> Mapping[str, str]:
@@ -453,7 +453,8 @@ class ProcessScanner:
         self.unranked, self.rankless = tuple(sorted(unranked)), tuple(sorted(rankless))
         self.not_yet_ranked = {pid: self._unranked(pid, procs[pid]) for pid in (*unranked, *rankless)
                                if pid != self.root_pid and not self._is_launcher_cmd(procs[pid])}
-        self.ray_workers = {pid: k.ray for pid, k in procs.items() if k.ray is not None and not k.ray.driver}
+        self.ray_workers = {pid: Unranked(pid, k.create_time, self._command(k), k.member, k.ray)
+                            for pid, k in procs.items() if k.ray is not None and not k.ray.driver}
 
     def _launcher_ids(self, idents: Mapping[int, _Known], ppids: Mapping[int, int],
                       starts: Mapping[int, float]) -> dict[int, str]:
