@@ -82,10 +82,12 @@ socket_group = ""
 
 
 def measure(cfg: Path, warmup_s: float, window_s: float, source: Path | None = None,
-            after_start: Callable[[], None] | None = None) -> float:
+            after_start: Callable[[], None] | None = None, profile: Path | None = None) -> float:
     """The daemon's CPU over one window, as a percentage of one core, its helpers included: the py-spy dumps it
     runs (stack samples, rank finding) count as its own, from its reaped children's times (``source``: another
-    release's tree; ``after_start``: called once the daemon runs, before the warm-up — a registration)."""
+    release's tree; ``after_start``: called once the daemon runs, before the warm-up — a registration;
+    ``profile``: where ``py-spy record`` writes the daemon's busy stacks over the window, collapsed — py-spy's own
+    CPU is not the daemon's)."""
     argv = [GW, "run", "--config", str(cfg)]
     env = None
     if source is not None:
@@ -98,9 +100,15 @@ def measure(cfg: Path, warmup_s: float, window_s: float, source: Path | None = N
             after_start()
         time.sleep(warmup_s)
         p = psutil.Process(proc.pid)
+        recorder = None if profile is None else subprocess.Popen(
+            [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(proc.pid), "--duration",
+             str(int(window_s)), "--rate", "100", "--nonblocking", "--format", "raw", "--output", str(profile)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         c0, t0 = p.cpu_times(), time.monotonic()
         time.sleep(window_s)
         c1, t1 = p.cpu_times(), time.monotonic()
+        if recorder is not None:
+            recorder.wait(30)
         if proc.poll() is not None:
             raise RuntimeError(f"the daemon exited {proc.returncode}")
         used = (c1.user + c1.system + c1.children_user + c1.children_system) - (
@@ -113,6 +121,22 @@ def measure(cfg: Path, warmup_s: float, window_s: float, source: Path | None = N
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def hot_functions(collapsed: Path, top: int = 15) -> list[str]:
+    """The functions the daemon was busy in (inclusive: each counted once per stack), most first, as lines
+    ``share of busy samples  function (file:line)`` from ``py-spy record --format raw`` output."""
+    counts: dict[str, int] = {}
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        total += int(n)
+        for frame in set(stack.split(";")[1:]):  # the first frame is the thread
+            counts[frame] = counts.get(frame, 0) + int(n)
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+    return [f"{100.0 * c / total:5.1f} %  {f}" for f, c in ranked] if total else ["(no busy samples)"]
 
 
 def main() -> int:

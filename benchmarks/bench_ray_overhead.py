@@ -9,7 +9,8 @@ window by window: "Ray node registered" (``hook job-start --pid <ray start>`` ri
 the Ray workers' logs, looks for members, samples the ranks, reads each worker's training thread every tick and
 their stacks every 30 s at most for stragglers), the same with ``[straggler] signals = false`` (the stack samples
 alone), with ``[straggler] enabled = false``, and "nothing registered" (the same node, the Ray processes unowned).
-``--configs`` picks some of them by number (1-4). CPU is the
+``--configs`` picks some of them by number (1-4); ``--profile DIR`` records each window with ``py-spy record`` and
+prints where the daemon spent its busy samples. CPU is the
 daemon's user + system time over each window, the py-spy processes it runs included, after a warm-up of 70 s — the
 steady state, past the first minute in which each new candidate is looked at every 3 s (bench_daemon_overhead's
 ``measure``).
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 import psutil
-from bench_daemon_overhead import GW, REPO, baseline_config, measure
+from bench_daemon_overhead import GW, REPO, baseline_config, hot_functions, measure
 
 
 def main() -> int:
@@ -41,6 +42,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="windows per configuration")
     ap.add_argument("--workers", type=int, default=4, help="Ray Train workers (ranks)")
     ap.add_argument("--configs", default="1,2,3,4", help="which configurations to measure, by number")
+    ap.add_argument("--profile", type=Path, help="record each window's busy stacks here (py-spy record) and print "
+                                                 "the functions the daemon spent them in")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="gw-ray-", dir="/tmp"))
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "HOME": str(base)}
@@ -98,9 +101,15 @@ def main() -> int:
                 if driver.poll() is not None:
                     raise RuntimeError(f"the Ray job exited {driver.returncode} early")
                 after = (lambda c=cfg: register(c)) if name != "nothing registered" else None
-                pct = measure(cfg, args.warmup, args.window, after_start=after)
+                profile = None
+                if args.profile is not None:
+                    args.profile.mkdir(parents=True, exist_ok=True)
+                    profile = args.profile / f"{cfg.parent.name}-{rnd + 1}.txt"
+                pct = measure(cfg, args.warmup, args.window, after_start=after, profile=profile)
                 results[name].append(pct)
                 print(f"  round {rnd + 1}  {name:<26} {pct:6.3f} %")
+                if profile is not None and profile.exists():
+                    print("\n".join(f"      {line}" for line in hot_functions(profile)))
     finally:
         for proc in (driver, node):
             if proc is not None and proc.poll() is None:

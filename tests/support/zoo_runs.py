@@ -159,11 +159,13 @@ def data_service(every_s: float = 2.0, chunks: int = 10) -> Iterator[str]:
         proc.wait()
 
 
-def run_cases(base: Path, cases: Iterable[Case], parallel: int = 2) -> dict[str, Row | BaseException]:
-    """Each case under ``launch``, ``parallel`` at a time (a case mostly waits on detection windows): its name → its
-    row, or the exception that ended it (``row_of`` raises it in the test of that row)."""
+def run_cases(base: Path, cases: Iterable[Case], parallel: int = 2, timeout_s: float = 240.0
+              ) -> dict[str, Row | BaseException]:
+    """Each case under ``launch``, ``parallel`` at a time (a case mostly waits on detection windows), each given
+    ``timeout_s`` to end: its name → its row, or the exception that ended it (``row_of`` raises it in the test of
+    that row)."""
     with ThreadPoolExecutor(parallel) as pool:
-        futures = {c.name: pool.submit(run_case, base / c.name, c) for c in cases}
+        futures = {c.name: pool.submit(run_case, base / c.name, c, timeout_s) for c in cases}
         return {name: fut.exception() or fut.result() for name, fut in futures.items()}
 
 
