@@ -34,6 +34,8 @@ class Registry:
         self._lock = threading.RLock()
         self._jobs: dict[str, Registration] = store.jobs()
         self._tree: tuple[float, dict[int, list[int]]] | None = None  # (monotonic, ppid → pids): _children
+        # (the tree it was read from, the registrations, pid → job): owned_pids' answer for the tick's second question
+        self._owned: tuple[object, dict[str, Registration], dict[int, str]] | None = None
 
     def registrations(self) -> dict[str, Registration]:
         with self._lock:
@@ -67,10 +69,17 @@ class Registry:
 
     def owned_pids(self) -> dict[int, str]:
         """pid → registered job, for live registered pids (create time checked), their descendants and the
-        processes of the job's cgroup."""
+        processes of the job's cgroup. A tick asks twice (the pids to sample, then to attribute them): the second
+        answer is the first's while the process table read is fresh and the registrations unchanged (each answer
+        checks every root's create time: a Ray node's daemon spent more on the second than on reading a rank)."""
+        regs = self.registrations()
+        tree, owned = self._tree, self._owned
+        if tree is not None and owned is not None and owned[0] is tree and owned[1] == regs \
+                and time.monotonic() - tree[0] <= _TREE_FRESH_S:
+            return dict(owned[2])
         out: dict[int, str] = {}
         children: dict[int, list[int]] | None = None  # one read of the process table, only when a job has roots
-        for job_id, reg in self.registrations().items():
+        for job_id, reg in regs.items():
             roots = []
             for rp in reg.pids:
                 try:
@@ -93,6 +102,8 @@ class Registry:
                 if out.get(pid) != job_id:
                     out[pid] = job_id
                     stack.extend((children or {}).get(pid, ()))
+        if children is not None:
+            self._owned = (self._tree, regs, dict(out))
         return out
 
     def job_processes(self, job_id: str, sample: NodeSample | None) -> list[JobProcess]:

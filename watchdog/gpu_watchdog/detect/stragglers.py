@@ -50,7 +50,7 @@ class Round(NamedTuple):
     t: float
     states: dict[int, str]  # rank → its straggler state
     counters: dict[int, HostCounters]
-    cpu_s: float  # the round's CPU: its py-spy processes'
+    cpu_s: float  # the round's CPU: its py-spy processes' and the agent's own (reading every thread's counters)
     work_tids: dict[int, int | None]  # rank → the thread doing its work where not the main one (None: the main)
 
 
@@ -89,6 +89,7 @@ class _JobWatch:
     pending: Future[Round] | None = None
     reported: set[int] = field(default_factory=set)  # ranks named in this run (one finding each)
     verdict: Verdict | None = None
+    judged_at: float = 0.0  # the sample time of the last verdict
     round_cpu_s: float | None = None  # what a round costs, smoothed
     stretch: float = 1.0  # how far the budget spaces its rounds beyond interval_s (its window stretches as much)
     gpu_ranks: frozenset[int] = frozenset()  # ranks on a real GPU at the last round
@@ -126,10 +127,12 @@ def _devices_by_pid(sample: NodeSample) -> dict[int, DeviceSample]:
 
 def take_round(rank_pids: Mapping[int, int], cfg: Config, gpu_pids: frozenset[int],
                devices: Mapping[int, DeviceSample], t: float) -> Round:
-    """One nonblocking stack sample of every rank, classified, with each rank's host counters and the CPU the
-    round's py-spy processes used (reaped children of the agent meanwhile: another dump running at the same time
-    counts too, which only spaces the rounds further)."""
+    """One nonblocking stack sample of every rank, classified, with each rank's host counters and the CPU the round
+    cost: its py-spy processes' (reaped children of the agent meanwhile: another dump running at the same time counts
+    too, which only spaces the rounds further) and the agent's own — each dump's reads of every thread of its rank
+    (a Ray worker has dozens) cost about as much again."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own0 = time.thread_time()
     ranks = sorted(rank_pids)
     results = dump_stacks([rank_pids[r] for r in ranks], timeout_s=cfg.stacks.timeout_s,
                           concurrency=cfg.stacks.concurrency, py_spy=cfg.stacks.py_spy or None, nonblocking=True)
@@ -144,7 +147,8 @@ def take_round(rank_pids: Mapping[int, int], cfg: Config, gpu_pids: frozenset[in
     work_tids = {r: _work_tid(res.threads, res.pid) for r, res in by_rank.items() if res.ok}
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    return Round(t, states, counters, max(0.0, cpu), work_tids)
+    own = time.thread_time() - own0 + sum(res.agent_cpu_s for res in results)
+    return Round(t, states, counters, max(0.0, cpu) + own, work_tids)
 
 
 def _work_tid(threads: Sequence[Mapping[str, object]], pid: int) -> int | None:
@@ -203,11 +207,12 @@ class StragglerWatch:
             if w is None or w.pids != dict(js.rank_pids):  # a new run, or a rank replaced: a new window
                 w = self._jobs[js.job_id] = _JobWatch(dict(js.rank_pids))
             th = Thresholds(sc.window_s * w.stretch, sc.slices, sc.min_peer_wait_share, sc.max_share_ratio)
-            self._collect(w, th.window_s)
+            collected = self._collect(w, th.window_s)
             if js.state == STALLED:  # a hang, not a straggler: its windows start again once the job runs
                 w.window.reset()
                 w.counters.clear()
                 w.signals.reset()
+                w.verdict = None
                 continue
             if sc.signals:
                 sig_th = Thresholds(sc.signal_window_s, sc.signal_slices, sc.min_peer_wait_share, sc.max_share_ratio)
@@ -225,8 +230,9 @@ class StragglerWatch:
                 gpu = pids_on_gpu(sample, w.pids.values())
                 w.gpu_ranks = frozenset(r for r, pid in w.pids.items() if pid in gpu)
                 w.pending = self._worker().submit(take_round, dict(w.pids), cfg, gpu, devices, sample.t)
-            w.verdict = w.window.verdict(sample.t, th)
-            for rank in w.verdict.stragglers:
+            if collected or _judge_due(w.window, w.verdict, w.judged_at, sample.t, th):
+                w.verdict, w.judged_at = w.window.verdict(sample.t, th), sample.t
+            for rank in w.verdict.stragglers if w.verdict else ():
                 if rank not in w.reported:
                     w.reported.add(rank)
                     out.append(_stack_finding(js, w, rank, devices, sample, th))
@@ -238,16 +244,17 @@ class StragglerWatch:
         return self._pool
 
     @staticmethod
-    def _collect(w: _JobWatch, window_s: float) -> None:
+    def _collect(w: _JobWatch, window_s: float) -> bool:
+        """Add the job's round to its window once it is done; whether one was added."""
         fut = w.pending
         if fut is None or not fut.done():
-            return
+            return False
         w.pending = None
         try:
             t, states, counters, cpu, work_tids = fut.result()
         except Exception as e:  # a failed round is a missing sample, never a crash
             log.warning("straggler sample failed: %s", e)
-            return
+            return False
         for rank, tid in work_tids.items():
             if tid is None:
                 w.work_tids.pop(rank, None)
@@ -261,6 +268,16 @@ class StragglerWatch:
         w.counters.append((t, counters))
         while w.counters and w.counters[0][0] < t - window_s:
             w.counters.popleft()
+        return True
+
+
+def _judge_due(window: WaitWindow, verdict: Verdict | None, judged_at: float, t: float, th: Thresholds) -> bool:
+    """Whether a window's verdict is due at sample time ``t`` between its new samples: none yet, a slice's width since
+    the last (old samples leave the window a slice at a time), the clock went back, or the window just became whole.
+    Judging it every tick cost a Ray node's daemon more than reading its ranks."""
+    whole_at = window.started + th.window_s if window.started is not None else None
+    return verdict is None or t - judged_at >= th.window_s / th.slices or t < judged_at \
+        or (whole_at is not None and judged_at < whole_at <= t)
 
 
 def _read_signals(w: _JobWatch, cfg: Config, sample: NodeSample, devices: Mapping[int, DeviceSample],
@@ -302,10 +319,7 @@ def _read_signals(w: _JobWatch, cfg: Config, sample: NodeSample, devices: Mappin
     for shares_of in sig.cpu.values():
         while shares_of and shares_of[0][0] < start:
             shares_of.popleft()
-    # Judged once a slice (its slices move by a slice's width), and as soon as the window is first whole.
-    whole_at = sig.window.started + th.window_s if sig.window.started is not None else None
-    if sig.verdict is None or sample.t - sig.judged_at >= th.window_s / th.slices or sample.t < sig.judged_at \
-            or (whole_at is not None and sig.judged_at < whole_at <= sample.t):
+    if _judge_due(sig.window, sig.verdict, sig.judged_at, sample.t, th):
         sig.verdict, sig.judged_at = sig.window.verdict(sample.t, th), sample.t
 
 

@@ -96,6 +96,8 @@ class _Known:
     pipe_stem: str = ""  # TORCH_NCCL_DEBUG_INFO_PIPE_FILE: an NCCL rank's dump pipe names its rank
     master_port: str = ""  # MASTER_PORT from its starting environment
     ray_service: bool | None = None  # a process of Ray itself (ray_node.is_service; read once, on first use)
+    ray_idle: bool = False  # of those, an idle Ray worker: read again each tick (its title names its actor once leased)
+    service_read_tick: int = -1  # the scanner's tick of that last read
     ray: ray_node.CoreWorker | None = None  # the Ray worker or driver it is, from its own log (ray_node)
     ray_checked: bool = False  # its Ray facts are final (complete, or it is no Ray core worker)
     live_identity: Mapping[str, str] | None = None  # RANK, LOCAL_RANK, WORLD_SIZE as set in code (sample.live_env)
@@ -180,6 +182,7 @@ class ProcessScanner:
         self.not_yet_ranked: dict[int, Unranked] = {}
         self.ray_workers: dict[int, Unranked] = {}  # the job's Ray workers, ranks or not, as last seen alive
         self._members_checked_at = float("-inf")  # monotonic: the last look at who joined a process group
+        self._ticks = 0  # calls of sample(): what "once a tick" counts
 
     def env_of(self, pid: int) -> Mapping[str, str]:
         k = self._known.get(pid)
@@ -273,6 +276,7 @@ class ProcessScanner:
         """One read of every rank process in scope (plus ``extra_pids``, among them ``gpu_pids``: NVML's compute
         processes), with tree-aggregated counters."""
         errors: list[SampleError] = []
+        self._ticks += 1
         table = process_table(take_handed_over=True)
         ppids = {pid: v[0] for pid, v in table.items()}
         starts = {pid: v[1] for pid, v in table.items()}
@@ -331,13 +335,16 @@ class ProcessScanner:
         return known.cmdline
 
     def _is_ray_service(self, known: _Known) -> bool:
-        idle = bool(known.ray_service) and ray_node.idle(self._command(known))
-        if known.ray_service is None or not known.cmdline or idle:
-            # An idle Ray worker is Ray's until the raylet hands it an actor: its title then names the actor. A verdict
-            # on an empty command line (a process mid-exec) is none.
+        if known.ray_service is None or not known.cmdline or (known.ray_idle
+                                                              and known.service_read_tick != self._ticks):
+            # An idle Ray worker is Ray's until the raylet hands it an actor: its title then names the actor (read
+            # once a tick, however often asked). A verdict on an empty command line (a process mid-exec) is none.
             if known.ray_service is not None:
                 known.cmdline = None
-            known.ray_service = ray_node.is_service(self._command(known))
+            cmd = self._command(known)
+            known.ray_service = ray_node.is_service(cmd)
+            known.ray_idle = known.ray_service and ray_node.idle(cmd)
+            known.service_read_tick = self._ticks
         return known.ray_service
 
     def _ray_facts(self, pid: int, known: _Known) -> ray_node.CoreWorker | None:
@@ -411,7 +418,6 @@ class ProcessScanner:
                     k.sockets_seen = frozenset(group_members.socket_inodes(pid))
                 k.member_checked = True
                 if not k.member and _settled_out(k, now):
-                    k.member_checks += 1
                     _back_off(k, now)
         members = {pid for pid, k in procs.items() if k.member}
         unranked, rankless = [], []
@@ -634,7 +640,10 @@ def _settled_out(known: _Known, now: float) -> bool:
 
 
 def _back_off(known: _Known, now: float) -> None:
-    """The next look at a candidate settled outside the group: later and later, up to MEMBER_RECHECK_MAX_S."""
+    """The next look at a candidate settled outside the group: later and later, up to MEMBER_RECHECK_MAX_S — whether
+    the last look read the TCP table or only found its sockets unchanged (counting only the first kept a Ray node's
+    long-lived actors, whose sockets rarely change, looked at every 3 s for good)."""
+    known.member_checks += 1
     known.member_next_check = now + min(MEMBER_RECHECK_S * 2 ** known.member_checks, MEMBER_RECHECK_MAX_S)
 
 

@@ -36,7 +36,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 import psutil
@@ -75,6 +75,7 @@ class DumpResult:
     # failed attempt too, except when the process is gone)
     io_before: int | None = None  # the main thread's own bytes read and written (rchar + wchar) before the dump ...
     io_after: int | None = None  # ... and after it: a reader whose bytes trickle in moves between two dumps
+    agent_cpu_s: float = 0.0  # the agent's own CPU for this dump (its /proc reads, parsing), py-spy's not included
 
     @property
     def ok(self) -> bool:
@@ -359,10 +360,12 @@ def _failed(run: _Attempt, returncode: int, err: str, raw: str) -> DumpResult:
 def _dump_guarded(pid: int, py_spy: str, timeout_s: float, native: bool, nonblocking: bool = False,
                   with_locals: bool = False) -> DumpResult:
     # The agent must keep running whatever one dump does: a bug here becomes an "error" outcome.
+    cpu0 = time.thread_time()  # each dump runs on a thread of its own (dump_stacks' pool)
     try:
-        return _dump_one(pid, py_spy, timeout_s, native, nonblocking, with_locals)
+        res = _dump_one(pid, py_spy, timeout_s, native, nonblocking, with_locals)
     except Exception as e:
-        return DumpResult(pid, "error", f"dump failed: {type(e).__name__}: {e}")
+        res = DumpResult(pid, "error", f"dump failed: {type(e).__name__}: {e}")
+    return replace(res, agent_cpu_s=time.thread_time() - cpu0)
 
 
 def dump_stacks(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpu_watchdog.config.schema import MIN_SLICE_SAMPLES
@@ -100,35 +100,53 @@ class WaitWindow:
     def verdict(self, now: float, th: Thresholds) -> Verdict:
         """Scores over the window ending at ``now``; stragglers only once a whole window was watched."""
         start = now - th.window_s
-        scores = _scores(states for t, states in self._rounds if t >= start)
-        if self.started is None or self.started > start or len(scores) < 2:
-            return Verdict(scores)
         width = th.window_s / th.slices
-        parts: list[list[Mapping[int, Mapping[str, float]]]] = [[] for _ in range(th.slices)]
+        parts: list[dict[int, list[float]]] = [{} for _ in range(th.slices)]
         for t, states in self._rounds:  # one pass: each round into its slice (the window's end in the last)
             if t >= start:
-                parts[min(th.slices - 1, int((t - start) / width))].append(states)
+                _count(parts[min(th.slices - 1, int((t - start) / width))], states)
+        whole: dict[int, list[float]] = {}
+        for part in parts:  # the window's counts are its slices' summed
+            for rank, c in part.items():
+                w = whole.setdefault(rank, [0, 0.0, 0.0, 0.0])
+                for i in range(4):
+                    w[i] += c[i]
+        scores = _scores(whole)
+        if self.started is None or self.started > start or len(scores) < 2:
+            return Verdict(scores)
         flagged: set[int] | None = None
-        for part_rounds in parts:
-            slow = _slow_in(_scores(part_rounds), th)
+        for part in parts:
+            slow = _slow_in(_scores(part), th)
             flagged = slow if flagged is None else flagged & slow
             if not flagged:
                 return Verdict(scores)
         return Verdict(scores, tuple(sorted(flagged or ())), start)
 
 
-def _scores(rounds: Iterable[Mapping[int, Mapping[str, float]]]) -> dict[int, RankScore]:
-    counts: dict[int, list[float]] = {}  # rank → [rounds, counted weight, waiting, input]
-    for states in rounds:
-        for rank, weights in states.items():
-            counted = {s: w for s, w in weights.items() if s not in UNCOUNTED_STATES and w > 0}
-            if not counted:
+def _count(counts: dict[int, list[float]], states: Mapping[int, Mapping[str, float]]) -> None:
+    """Add one round to ``counts``: rank → [rounds, counted weight, waiting, input] (the score's sums). A rank whose
+    round holds no counted state adds nothing. Plain loops: this runs for every rank of every round of the window,
+    each time it is judged."""
+    for rank, weights in states.items():
+        total = wait = inp = 0.0
+        for state, w in weights.items():
+            if w <= 0 or state in UNCOUNTED_STATES:
                 continue
-            c = counts.setdefault(rank, [0, 0.0, 0.0, 0.0])
-            c[0] += 1
-            c[1] += sum(counted.values())
-            c[2] += sum(w for s, w in counted.items() if s in WAITING_STATES)
-            c[3] += sum(w for s, w in counted.items() if s in INPUT_STATES)
+            total += w
+            if state in WAITING_STATES:
+                wait += w
+            elif state in INPUT_STATES:
+                inp += w
+        if total <= 0:
+            continue
+        c = counts.setdefault(rank, [0, 0.0, 0.0, 0.0])
+        c[0] += 1
+        c[1] += total
+        c[2] += wait
+        c[3] += inp
+
+
+def _scores(counts: Mapping[int, list[float]]) -> dict[int, RankScore]:
     shares = {r: (int(n), w / m, i / m) for r, (n, m, w, i) in counts.items() if m > 0}
     out = {}
     for r, (n, wait, inp) in shares.items():
