@@ -97,6 +97,13 @@ class _JobWatch:
     # training thread): the one the cheap signal reads
     work_tids: dict[int, int] = field(default_factory=dict)
 
+    def reset(self) -> None:
+        """Both windows start again (the job hung: what it did before says nothing of a straggler)."""
+        self.window.reset()
+        self.counters.clear()
+        self.signals.reset()
+        self.verdict = None
+
 
 def _throttled_since(before: HostCounters | None, now: HostCounters | None) -> float:
     if before is None or now is None or before.throttled_s is None or now.throttled_s is None:
@@ -209,10 +216,7 @@ class StragglerWatch:
             th = Thresholds(sc.window_s * w.stretch, sc.slices, sc.min_peer_wait_share, sc.max_share_ratio)
             collected = self._collect(w, th.window_s)
             if js.state == STALLED:  # a hang, not a straggler: its windows start again once the job runs
-                w.window.reset()
-                w.counters.clear()
-                w.signals.reset()
-                w.verdict = None
+                w.reset()
                 continue
             if sc.signals:
                 sig_th = Thresholds(sc.signal_window_s, sc.signal_slices, sc.min_peer_wait_share, sc.max_share_ratio)
@@ -224,12 +228,7 @@ class StragglerWatch:
             if not stacks:
                 continue
             if w.pending is None and now >= w.next_at:
-                cost = w.round_cpu_s if w.round_cpu_s is not None else DUMP_CPU_S * len(w.pids)
-                w.stretch = pace(sc.interval_s, cost, share) / sc.interval_s
-                w.next_at = now + sc.interval_s * w.stretch
-                gpu = pids_on_gpu(sample, w.pids.values())
-                w.gpu_ranks = frozenset(r for r, pid in w.pids.items() if pid in gpu)
-                w.pending = self._worker().submit(take_round, dict(w.pids), cfg, gpu, devices, sample.t)
+                self._start_round(w, cfg, sample, devices, share, now)
             if collected or _judge_due(w.window, w.verdict, w.judged_at, sample.t, th):
                 w.verdict, w.judged_at = w.window.verdict(sample.t, th), sample.t
             for rank in w.verdict.stragglers if w.verdict else ():
@@ -237,6 +236,17 @@ class StragglerWatch:
                     w.reported.add(rank)
                     out.append(_stack_finding(js, w, rank, devices, sample, th))
         return out
+
+    def _start_round(self, w: _JobWatch, cfg: Config, sample: NodeSample, devices: Mapping[int, DeviceSample],
+                     share: float, now: float) -> None:
+        """Start the job's next stack round, and space the one after it to what this one is expected to cost."""
+        sc = cfg.straggler
+        cost = w.round_cpu_s if w.round_cpu_s is not None else DUMP_CPU_S * len(w.pids)
+        w.stretch = pace(sc.interval_s, cost, share) / sc.interval_s
+        w.next_at = now + sc.interval_s * w.stretch
+        gpu = pids_on_gpu(sample, w.pids.values())
+        w.gpu_ranks = frozenset(r for r, pid in w.pids.items() if pid in gpu)
+        w.pending = self._worker().submit(take_round, dict(w.pids), cfg, gpu, devices, sample.t)
 
     def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
