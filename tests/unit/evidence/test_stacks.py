@@ -95,6 +95,15 @@ def test_dump_real_process(sleeper: int) -> None:
     assert main[0].get("kstate") == "S"
 
 
+def test_a_dumps_own_cost_to_the_agent_is_measured_apart_from_py_spys(sleeper: int) -> None:
+    """The agent's reads around a dump (every thread's wait channel, state, counters) and its parsing are CPU of the
+    agent's own thread, which the straggler budget counts beside py-spy's (a child's, not in this figure)."""
+    (r,) = dump_stacks([sleeper])
+    assert r.ok and 0 < r.agent_cpu_s < r.elapsed_s, r
+    (gone,) = dump_stacks([_exited_pid()])
+    assert gone.outcome == "exited" and gone.agent_cpu_s >= 0, gone
+
+
 def test_native_dump_shows_c_frames(sleeper: int) -> None:
     (r,) = dump_stacks([sleeper], native=True, timeout_s=20)
     assert r.ok, r.raw
